@@ -1,0 +1,117 @@
+"""The few kafka-python calls both sides need: watermarks, exact-range reads, group commits.
+
+Pure (no pyspark, no airflow).  Consumers are cached per process: Spark reuses its Python workers, so a
+task that reads a range does not pay for a new connection and metadata round trip every batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+
+from kafka import KafkaConsumer, TopicPartition
+from kafka.errors import KafkaError
+from kafka.structs import OffsetAndMetadata
+
+from airflow_stream_provider.kafka_offsets import Offsets
+
+_CACHE: dict[tuple, KafkaConsumer] = {}
+_LOCK = threading.Lock()
+#: How long one range read may wait for records the driver planned before calling it an error.
+READ_TIMEOUT_S = 120.0
+
+
+class KafkaReadError(RuntimeError):
+    """Kafka did not deliver a range the driver planned (broker down, records gone)."""
+
+
+def client_options(options: Mapping[str, str]) -> dict[str, object]:
+    """kafka-python keyword arguments from Spark-style ``kafka.*`` options (bootstrap handled apart)."""
+    converted: dict[str, object] = {}
+    for key, value in options.items():
+        if not key.lower().startswith("kafka.") or key.lower() == "kafka.bootstrap.servers":
+            continue
+        name = key[len("kafka.") :].replace(".", "_")
+        converted[name] = int(value) if isinstance(value, str) and value.isdigit() else value
+    return converted
+
+
+def consumer(
+    bootstrap: str, options: Mapping[str, object] | None = None, group_id: str | None = None
+) -> KafkaConsumer:
+    key = (bootstrap, group_id, tuple(sorted((options or {}).items())))
+    with _LOCK:
+        cached = _CACHE.get(key)
+        if cached is None:
+            cached = KafkaConsumer(
+                bootstrap_servers=bootstrap.split(","),
+                group_id=group_id,
+                enable_auto_commit=False,
+                auto_offset_reset="none",
+                consumer_timeout_ms=1000,
+                **(options or {}),
+            )
+            _CACHE[key] = cached
+        return cached
+
+
+def partitions(client: KafkaConsumer, topics: Iterable[str]) -> list[TopicPartition]:
+    found = []
+    for topic in topics:
+        ids = client.partitions_for_topic(topic)
+        if ids is None:  # metadata may be stale right after a topic was created
+            client._client.cluster.request_update()
+            ids = client.partitions_for_topic(topic) or set()
+        found.extend(TopicPartition(topic, p) for p in sorted(ids))
+    return found
+
+
+def watermarks(client: KafkaConsumer, topics: Iterable[str]) -> tuple[Offsets, Offsets]:
+    """(earliest, latest) next offsets of every partition of ``topics`` that exists now."""
+    tps = partitions(client, topics)
+    if not tps:
+        return {}, {}
+    earliest = client.beginning_offsets(tps)
+    latest = client.end_offsets(tps)
+    return (
+        {(tp.topic, tp.partition): o for tp, o in earliest.items()},
+        {(tp.topic, tp.partition): o for tp, o in latest.items()},
+    )
+
+
+def read_range(
+    bootstrap: str, options: Mapping[str, object], topic: str, partition: int, start: int, end: int
+) -> Iterator:
+    """Yield the records of ``[start, end)`` of one partition, then stop.
+
+    Offsets may have holes (compaction, transaction markers), so the loop ends on the consumer's
+    position, not on a record count.
+    """
+    client = consumer(bootstrap, options)
+    tp = TopicPartition(topic, partition)
+    client.assign([tp])
+    client.seek(tp, start)
+    deadline = time.monotonic() + READ_TIMEOUT_S
+    while client.position(tp) < end:
+        if time.monotonic() > deadline:
+            raise KafkaReadError(
+                f"timed out reading {topic}-{partition} [{start}, {end}): stopped at "
+                f"{client.position(tp)}; is the broker reachable?"
+            )
+        try:
+            batch = client.poll(timeout_ms=500, max_records=5000)
+        except KafkaError as err:
+            raise KafkaReadError(f"reading {topic}-{partition} [{start}, {end}) failed: {err!r}") from err
+        for record in batch.get(tp, ()):
+            if record.offset >= end:  # the rest of this fetch belongs to the next batch
+                return
+            if record.offset >= start:
+                yield record
+
+
+def commit_group(bootstrap: str, options: Mapping[str, object], group_id: str, positions: Offsets) -> None:
+    """Commit next offsets to a consumer group so standard lag tools (kafka-consumer-groups, Burrow) see
+    the job's progress.  Informational only: the stored offsets in the database are the truth."""
+    client = consumer(bootstrap, options, group_id=group_id)
+    client.commit({TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in positions.items()})

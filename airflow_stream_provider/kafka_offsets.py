@@ -1,0 +1,167 @@
+"""Kafka offsets in Spark's JSON form, and the arithmetic both sides need on them.
+
+Spark writes a Kafka source position as ``{"topic": {"0": 42, "1": 7}}``: the *next* offset to read
+per partition.  The runtime plans batches with these functions, the sink compares them with the stored
+offsets, and the Airflow side validates stored offsets before a reset.  Pure: no pyspark, no airflow.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+#: ``{(topic, partition): next_offset}``: the internal form; Spark's JSON uses string partition keys.
+Offsets = dict[tuple[str, int], int]
+
+EARLIEST = -2  # Spark's sentinel values inside a startingOffsets JSON
+LATEST = -1
+
+
+def to_spark_json(offsets: Mapping[tuple[str, int], int]) -> str:
+    """Render offsets as Spark's startingOffsets / offset-log JSON, stably ordered."""
+    return json.dumps(to_spark_dict(offsets), sort_keys=True, separators=(",", ":"))
+
+
+def to_spark_dict(offsets: Mapping[tuple[str, int], int]) -> dict[str, dict[str, int]]:
+    nested: dict[str, dict[str, int]] = {}
+    for (topic, partition), offset in sorted(offsets.items()):
+        nested.setdefault(topic, {})[str(partition)] = int(offset)
+    return nested
+
+
+def from_spark_json(text: str | Mapping) -> Offsets:
+    """Parse Spark's offset JSON (string or already-decoded dict) into the internal form.
+
+    Raises ValueError naming the offending entry: a startingOffsets typo must fail before a query starts.
+    """
+    data = json.loads(text) if isinstance(text, str) else text
+    if not isinstance(data, Mapping):
+        raise ValueError(f'offsets must be a JSON object like {{"topic": {{"0": 42}}}}, got {text!r}')
+    result: Offsets = {}
+    for topic, partitions in data.items():
+        if not isinstance(partitions, Mapping):
+            raise ValueError(f"offsets for topic {topic!r} must be an object of partition -> offset")
+        for partition, offset in partitions.items():
+            try:
+                p = int(partition)
+            except (TypeError, ValueError):
+                raise ValueError(f"partition {partition!r} of topic {topic!r} is not an integer") from None
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < EARLIEST or p < 0:
+                raise ValueError(
+                    f"offset {offset!r} for {topic}-{partition} must be an integer >= 0 "
+                    f"(or {EARLIEST} for earliest, {LATEST} for latest)"
+                )
+            result[(topic, p)] = offset
+    return result
+
+
+@dataclass(frozen=True)
+class LostRange:
+    """Records ``[start, end)`` of one partition that can no longer be read from Kafka."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int | None  # None: unknown end (the partition's log went backwards, e.g. the topic was recreated)
+    reason: str
+
+    def describe(self) -> str:
+        end = "?" if self.end is None else str(self.end)
+        return f"{self.topic}-{self.partition} [{self.start}, {end}): {self.reason}"
+
+    def to_dict(self) -> dict:
+        return {
+            "topic": self.topic,
+            "partition": self.partition,
+            "start": self.start,
+            "end": self.end,
+            "reason": self.reason,
+        }
+
+
+def find_lost_ranges(
+    positions: Mapping[tuple[str, int], int],
+    earliest: Mapping[tuple[str, int], int],
+    latest: Mapping[tuple[str, int], int],
+) -> list[LostRange]:
+    """Compare positions (next offsets to read) with what Kafka still holds.
+
+    A position below the partition's earliest offset fell out of retention; a position above its
+    latest offset means the log went backwards (topic deleted and recreated, unclean leader election).
+    A partition Kafka no longer has at all is lost from the position on.
+    """
+    lost = []
+    for tp, position in sorted(positions.items()):
+        topic, partition = tp
+        if tp not in latest:
+            lost.append(LostRange(topic, partition, position, None, "partition no longer exists in Kafka"))
+        elif position < earliest[tp]:
+            lost.append(
+                LostRange(
+                    topic,
+                    partition,
+                    position,
+                    earliest[tp],
+                    f"fell out of retention (earliest available offset is {earliest[tp]})",
+                )
+            )
+        elif position > latest[tp]:
+            lost.append(
+                LostRange(
+                    topic,
+                    partition,
+                    latest[tp],
+                    position,
+                    f"offsets went backwards: stored position {position} is beyond the latest "
+                    f"offset {latest[tp]} (topic recreated or truncated)",
+                )
+            )
+    return lost
+
+
+def resolve(
+    starting: str | Mapping[tuple[str, int], int],
+    earliest: Mapping[tuple[str, int], int],
+    latest: Mapping[tuple[str, int], int],
+) -> Offsets:
+    """Turn ``earliest``/``latest``/explicit offsets into concrete next offsets for every known partition.
+
+    Partitions that the explicit offsets do not name start at earliest, as Spark's Kafka source does
+    for partitions it discovers later.
+    """
+    if starting == "earliest":
+        return dict(earliest)
+    if starting == "latest":
+        return dict(latest)
+    resolved = dict(earliest)
+    for tp, offset in starting.items():
+        resolved[tp] = (
+            earliest.get(tp, 0) if offset == EARLIEST else latest.get(tp, 0) if offset == LATEST else offset
+        )
+    return resolved
+
+
+def limit_range(
+    start: Mapping[tuple[str, int], int], latest: Mapping[tuple[str, int], int], max_records: int | None
+) -> Offsets:
+    """The end offsets of the next batch: up to ``latest``, at most ``max_records`` in total.
+
+    Like Spark's Kafka source, the budget is shared in proportion to each partition's backlog so a
+    busy partition cannot starve the others; every partition with a backlog gets at least one record.
+    """
+    end = {tp: max(latest.get(tp, off), off) for tp, off in start.items()}
+    backlog = {tp: end[tp] - start[tp] for tp in end}
+    total = sum(backlog.values())
+    if max_records is None or total <= max_records:
+        return end
+    budget = max(max_records, 1)
+    limited = {}
+    for tp, lag in backlog.items():
+        share = int(lag * budget / total) if lag else 0
+        limited[tp] = start[tp] + min(lag, max(share, 1 if lag else 0))
+    return limited
+
+
+def topic_partitions(offsets: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+    return sorted(set(offsets))

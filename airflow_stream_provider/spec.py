@@ -1,0 +1,266 @@
+"""The stream job spec: one declarative description of a job, validated once, shared by both sides.
+
+The Airflow side builds it (from connections, Variables and params) and hands it to the driver as JSON
+on the command line; the runtime parses and re-validates it.  It therefore never holds a secret: the
+database password travels in the driver's environment (``DATABASE_PASSWORD_ENV``).  Pure module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+from airflow_stream_provider import kafka_offsets
+
+DATABASE_PASSWORD_ENV = "STREAM_DATABASE_PASSWORD"
+SOURCE_KINDS = ("auto", "jvm", "python")
+_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_INTERVAL = re.compile(r"^\s*(\d+(\.\d+)?)\s*(ms|milliseconds?|s|seconds?|m|minutes?)\s*$")
+
+
+class SpecError(ValueError):
+    """A job spec field is wrong.  The message names the field and how to fix it."""
+
+    def __init__(self, field_name: str, problem: str, fix: str):
+        self.field = field_name
+        super().__init__(f"job spec field '{field_name}': {problem}. {fix}")
+
+
+@dataclass(frozen=True)
+class KafkaSpec:
+    bootstrap_servers: str
+    topics: tuple[str, ...]
+    #: "jvm" needs spark-sql-kafka on the classpath; "python" is the kafka-python data source;
+    #: "auto" picks jvm when its connector is present.
+    source: str = "auto"
+    max_offsets_per_trigger: int | None = 10_000
+    #: Where a *new generation* starts: "earliest", "latest" or Spark's offset JSON.  Spark ignores it
+    #: for a query that already has a checkpoint, which is why a reset always means a new generation.
+    starting_offsets: str = "earliest"
+    fail_on_data_loss: bool = True
+    #: Extra kafka client properties (security, timeouts), without the "kafka." prefix.
+    client_options: Mapping[str, str] = field(default_factory=dict)
+
+    def consumer_group(self, job_id: str) -> str:
+        return f"stream-{job_id}"
+
+
+@dataclass(frozen=True)
+class StreamJobSpec:
+    job_id: str
+    version: str
+    kafka: KafkaSpec
+    checkpoint_root: str
+    #: SQLAlchemy URL of the state/sink database, without a password.
+    database_url: str
+    generation: int = 1
+    trigger_interval: str = "1 second"
+    spark_conf: Mapping[str, str] = field(default_factory=dict)
+    #: How often the driver writes a heartbeat and checks for a stop request.
+    heartbeat_seconds: float = 2.0
+    #: Old batches Spark keeps in the checkpoint (spark.sql.streaming.minBatchesToRetain).
+    min_batches_to_retain: int = 100
+    #: Preflight mode: plan and run batches, write nothing to the results or the stored offsets.
+    dry_run: bool = False
+
+    # -- derived -----------------------------------------------------------------------------------
+    @property
+    def job_root(self) -> str:
+        return f"{self.checkpoint_root.rstrip('/')}/{self.job_id}"
+
+    @property
+    def checkpoint_path(self) -> str:
+        return generation_path(self.job_root, self.generation)
+
+    @property
+    def trigger_seconds(self) -> float:
+        return parse_interval(self.trigger_interval)
+
+    def with_generation(self, generation: int, starting_offsets: str | None = None) -> StreamJobSpec:
+        kafka = (
+            self.kafka if starting_offsets is None else replace(self.kafka, starting_offsets=starting_offsets)
+        )
+        return replace(self, generation=generation, kafka=kafka)
+
+    # -- serialisation -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["kafka"]["topics"] = list(self.kafka.topics)
+        data["kafka"]["client_options"] = dict(self.kafka.client_options)
+        data["spark_conf"] = dict(self.spark_conf)
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StreamJobSpec:
+        data = dict(data)
+        kafka = dict(data.pop("kafka", None) or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise SpecError(
+                sorted(unknown)[0], "is not a known field", f"Known fields: {', '.join(sorted(known))}"
+            )
+        unknown = set(kafka) - set(KafkaSpec.__dataclass_fields__)
+        if unknown:
+            raise SpecError(
+                f"kafka.{sorted(unknown)[0]}",
+                "is not a known field",
+                f"Known fields: {', '.join(sorted(KafkaSpec.__dataclass_fields__))}",
+            )
+        topics = kafka.get("topics", ())
+        kafka["topics"] = (topics,) if isinstance(topics, str) else tuple(topics)
+        try:
+            spec = cls(kafka=KafkaSpec(**kafka), **data)
+        except TypeError as err:  # a required field is missing
+            raise SpecError(
+                "spec",
+                str(err),
+                "Give every required field: job_id, version, kafka.bootstrap_servers, "
+                "kafka.topics, checkpoint_root, database_url",
+            ) from None
+        spec.validate()
+        return spec
+
+    @classmethod
+    def from_json(cls, text: str) -> StreamJobSpec:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise SpecError(
+                "spec", f"is not valid JSON ({err})", "Pass the spec as produced by to_json()"
+            ) from None
+        return cls.from_dict(data)
+
+    # -- validation --------------------------------------------------------------------------------
+    def validate(self) -> StreamJobSpec:
+        """Check every field; raise SpecError naming the first wrong one.  Returns self for chaining."""
+        if not isinstance(self.job_id, str) or not _JOB_ID.match(self.job_id):
+            raise SpecError(
+                "job_id",
+                f"{self.job_id!r} is not a safe name",
+                "Use letters, digits, '.', '_' or '-' (no '/' or '..'); it names checkpoint folders",
+            )
+        if ".." in self.job_id:
+            raise SpecError("job_id", f"{self.job_id!r} contains '..'", "Choose a name without '..'")
+        if not self.version or not isinstance(self.version, str):
+            raise SpecError("version", "is empty", "Give the code version, e.g. '1.4.0' or a git sha")
+        if not self.checkpoint_root:
+            raise SpecError("checkpoint_root", "is empty", "Give a local path or an hdfs:// URI")
+        if not isinstance(self.generation, int) or self.generation < 1:
+            raise SpecError(
+                "generation", f"{self.generation!r} is not a positive integer", "Generations start at 1"
+            )
+        _validate_database_url(self.database_url)
+        try:
+            if parse_interval(self.trigger_interval) <= 0:
+                raise ValueError
+        except ValueError:
+            raise SpecError(
+                "trigger_interval",
+                f"{self.trigger_interval!r} is not a positive interval",
+                "Write e.g. '500 milliseconds', '1 second' or '2 minutes'",
+            ) from None
+        if self.heartbeat_seconds <= 0:
+            raise SpecError("heartbeat_seconds", "must be positive", "Use e.g. 2.0")
+        if not isinstance(self.min_batches_to_retain, int) or self.min_batches_to_retain < 2:
+            raise SpecError(
+                "min_batches_to_retain",
+                "must be an integer >= 2",
+                "Spark needs the previous batch to replay the current one; 100 is Spark's default",
+            )
+        _validate_kafka(self.kafka)
+        return self
+
+
+def generation_path(job_root: str, generation: int) -> str:
+    return f"{job_root.rstrip('/')}/gen-{generation}"
+
+
+def parse_interval(text: str | float | int) -> float:
+    """Seconds in a trigger interval such as '500 milliseconds' or '2 minutes'."""
+    if isinstance(text, int | float):
+        return float(text)
+    match = _INTERVAL.match(str(text))
+    if not match:
+        raise ValueError(f"not an interval: {text!r}")
+    value, unit = float(match.group(1)), match.group(3)
+    if unit == "ms" or unit.startswith("milli"):
+        return value / 1000
+    return value * 60 if unit.startswith("m") else value
+
+
+def _validate_database_url(url: str) -> None:
+    if not url or "://" not in url:
+        raise SpecError(
+            "database_url",
+            f"{url!r} is not a database URL",
+            "Use e.g. sqlite:////var/lib/stream/state.db or postgresql+psycopg://user@host/db",
+        )
+    scheme = url.split("://", 1)[0]
+    if not (scheme.startswith("sqlite") or scheme.startswith("postgresql")):
+        raise SpecError(
+            "database_url", f"scheme {scheme!r} is not supported", "Use sqlite:// or postgresql+psycopg://"
+        )
+    if urlsplit(url).password:
+        raise SpecError(
+            "database_url",
+            "contains a password",
+            f"Remove it: the URL is visible in process listings. Put the password in the "
+            f"{DATABASE_PASSWORD_ENV} environment variable of the driver",
+        )
+
+
+def _validate_kafka(kafka: KafkaSpec) -> None:
+    if not kafka.bootstrap_servers or not all(":" in s for s in kafka.bootstrap_servers.split(",")):
+        raise SpecError(
+            "kafka.bootstrap_servers",
+            f"{kafka.bootstrap_servers!r} is not host:port[,host:port]",
+            "Give the broker list, e.g. 'broker1:9092,broker2:9092'",
+        )
+    if not kafka.topics:
+        raise SpecError("kafka.topics", "is empty", "Name at least one topic")
+    for topic in kafka.topics:
+        if not isinstance(topic, str) or not _TOPIC.match(topic):
+            raise SpecError(
+                "kafka.topics",
+                f"{topic!r} is not a valid Kafka topic name",
+                "Topic names use letters, digits, '.', '_' and '-'",
+            )
+    if kafka.source not in SOURCE_KINDS:
+        raise SpecError(
+            "kafka.source",
+            f"{kafka.source!r} is not one of {', '.join(SOURCE_KINDS)}",
+            "Use 'auto' unless you need to force one source",
+        )
+    if kafka.max_offsets_per_trigger is not None and (
+        not isinstance(kafka.max_offsets_per_trigger, int) or kafka.max_offsets_per_trigger < 1
+    ):
+        raise SpecError(
+            "kafka.max_offsets_per_trigger",
+            "must be a positive integer or null",
+            "Bound each batch, e.g. 10000, so memory stays flat on a backlog",
+        )
+    if kafka.starting_offsets not in ("earliest", "latest"):
+        try:
+            offsets = kafka_offsets.from_spark_json(kafka.starting_offsets)
+        except ValueError as err:
+            raise SpecError(
+                "kafka.starting_offsets",
+                str(err),
+                'Use "earliest", "latest" or Spark\'s JSON form {"topic": {"0": 42}}',
+            ) from None
+        strangers = sorted({topic for topic, _ in offsets} - set(kafka.topics))
+        if strangers:
+            raise SpecError(
+                "kafka.starting_offsets",
+                f"names topics the job does not read: {strangers}",
+                "Only give offsets for kafka.topics",
+            )

@@ -1,0 +1,143 @@
+"""Tables of the state database: where the runtime and the Airflow side meet.
+
+SQLAlchemy Core, so one definition serves SQLite (embedded default) and PostgreSQL.  Times are unix
+seconds (float): comparable in both dialects without time-zone conversions.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Float,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+
+metadata = MetaData()
+
+#: One row per stream job; ``epoch`` is the fencing token: only the run holding it may commit.
+jobs = Table(
+    "stream_jobs",
+    metadata,
+    Column("job_id", String(100), primary_key=True),
+    Column("epoch", BigInteger, nullable=False, default=0),
+    Column("generation", Integer, nullable=False, default=1),
+    Column("version", String(200)),
+    Column("updated_at", Float),
+)
+
+#: One row per checkpoint lineage.  A reset archives generation n (never deletes it) and starts n+1.
+generations = Table(
+    "stream_generations",
+    metadata,
+    Column("job_id", String(100), primary_key=True),
+    Column("generation", Integer, primary_key=True),
+    Column("checkpoint_path", Text, nullable=False),
+    #: The concrete offsets the generation started from (Spark JSON): the start of its batch 0.
+    Column("starting_offsets", Text),
+    Column("created_at", Float),
+    Column("archived_at", Float),
+    Column("archive_path", Text),
+    Column("reason", Text),
+)
+
+#: One row per driver lifetime.
+runs = Table(
+    "stream_runs",
+    metadata,
+    Column("run_id", String(64), primary_key=True),
+    Column("job_id", String(100), nullable=False, index=True),
+    Column("epoch", BigInteger, nullable=False),
+    Column("generation", Integer, nullable=False),
+    Column("version", String(200)),
+    Column("dry_run", Boolean, nullable=False, default=False),
+    Column("host", String(255)),
+    Column("pid", Integer),
+    #: STARTING -> RUNNING -> STOPPING -> STOPPED | FAILED; a driver killed -9 stays RUNNING with an old
+    #: heartbeat: the Airflow side concludes DEAD from that.
+    Column("status", String(20), nullable=False),
+    Column("started_at", Float),
+    Column("heartbeat_at", Float),
+    Column("query_started_at", Float),
+    Column("last_batch_id", BigInteger),
+    Column("last_batch_at", Float),
+    Column("last_progress", Text),
+    Column("stop_requested_at", Float),
+    Column("ended_at", Float),
+    Column("exit_code", Integer),
+    Column("failure_kind", String(40)),
+    Column("error_class", String(200)),
+    Column("termination_message", Text),
+    #: Where the driver's stdout/stderr go, when the launcher knows (local and client mode).
+    Column("log_path", Text),
+    #: The submission handle for cluster masters (driver id, YARN application id, pod name).
+    Column("submission_id", Text),
+)
+
+#: The stored offsets: per partition, the next offset not yet applied to the results.  They move
+#: forward only inside the transaction that wrote the results they cover.
+offsets = Table(
+    "stream_offsets",
+    metadata,
+    Column("job_id", String(100), primary_key=True),
+    Column("topic", String(249), primary_key=True),
+    Column("partition", Integer, primary_key=True),
+    Column("next_offset", BigInteger, nullable=False),
+    Column("generation", Integer),
+    Column("batch_id", BigInteger),
+    Column("updated_at", Float),
+)
+
+#: The batch ledger: one row per (batch, partition) that a transaction committed.
+batches = Table(
+    "stream_batches",
+    metadata,
+    Column("job_id", String(100), primary_key=True),
+    Column("generation", Integer, primary_key=True),
+    Column("batch_id", BigInteger, primary_key=True),
+    Column("topic", String(249), primary_key=True),
+    Column("partition", Integer, primary_key=True),
+    Column("start_offset", BigInteger, nullable=False),
+    Column("end_offset", BigInteger, nullable=False),
+    Column("rows_read", BigInteger, nullable=False),
+    Column("rows_applied", BigInteger, nullable=False),
+    Column("rows_dead", BigInteger, nullable=False),
+    Column("epoch", BigInteger, nullable=False),
+    Column("run_id", String(64)),
+    Column("committed_at", Float),
+)
+
+#: Records the job could not turn into results, kept byte for byte with the reason.
+dead_letters = Table(
+    "dead_letters",
+    metadata,
+    Column("job_id", String(100), primary_key=True),
+    Column("topic", String(249), primary_key=True),
+    Column("partition", Integer, primary_key=True),
+    Column("offset", BigInteger, primary_key=True),
+    Column("key", LargeBinary),
+    Column("value", LargeBinary),
+    Column("error", Text, nullable=False),
+    Column("generation", Integer),
+    Column("batch_id", BigInteger),
+    Column("recorded_at", Float),
+)
+
+#: What the Airflow side did to keep a job alive: the restart budget is counted from here.
+restarts = Table(
+    "stream_restarts",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("job_id", String(100), nullable=False, index=True),
+    Column("at", Float, nullable=False),
+    Column("action", String(40), nullable=False),
+    Column("reason", Text),
+    Column("failed_run_id", String(64)),
+    Column("new_run_id", String(64)),
+)

@@ -1,0 +1,276 @@
+"""Access to the state database shared by the runtime (writes) and the Airflow side (reads, requests).
+
+Every statement goes through SQLAlchemy Core with bound parameters.  SQLite runs in WAL mode with
+``BEGIN IMMEDIATE`` write transactions so the driver's heartbeats and the sink's commits serialise
+instead of failing with "database is locked" halfway through.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, func, select, update
+from sqlalchemy.engine import make_url
+
+from airflow_stream_provider.kafka_offsets import Offsets
+from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV
+from airflow_stream_provider.state import schema
+
+#: run statuses written by the driver
+STARTING, RUNNING, STOPPING, STOPPED, FAILED = "STARTING", "RUNNING", "STOPPING", "STOPPED", "FAILED"
+ACTIVE_STATUSES = (STARTING, RUNNING, STOPPING)
+
+
+def make_engine(url: str, password: str | None = None) -> Engine:
+    """An engine for ``url``; the password comes from the argument or the driver's environment."""
+    parsed = make_url(url)
+    password = password if password is not None else os.environ.get(DATABASE_PASSWORD_ENV)
+    if password and parsed.password is None and parsed.username:
+        parsed = parsed.set(password=password)
+    if parsed.get_backend_name() == "sqlite":
+        engine = create_engine(parsed, connect_args={"timeout": 60, "check_same_thread": False})
+        _sqlite_immediate_transactions(engine)
+        return engine
+    return create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=2)
+
+
+def _sqlite_immediate_transactions(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection, _record):  # pragma: no cover - exercised by every SQLite test
+        dbapi_connection.isolation_level = None  # let SQLAlchemy's "begin" event issue BEGIN
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute("PRAGMA busy_timeout=60000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(connection):  # pragma: no cover
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+@dataclass(frozen=True)
+class RunTicket:
+    run_id: str
+    epoch: int
+
+
+class StateStore:
+    """Typed operations on the state tables.  One instance per process; thread-safe via the pool."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    @classmethod
+    def from_url(cls, url: str, password: str | None = None) -> StateStore:
+        return cls(make_engine(url, password))
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def ensure_schema(self) -> None:
+        schema.metadata.create_all(self.engine)
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    # -- runs and fencing --------------------------------------------------------------------------
+    def begin_run(
+        self,
+        job_id: str,
+        generation: int,
+        version: str,
+        *,
+        run_id: str | None = None,
+        dry_run: bool = False,
+        host: str | None = None,
+        pid: int | None = None,
+        log_path: str | None = None,
+    ) -> RunTicket:
+        """Register a driver lifetime and take a new fencing epoch.
+
+        The epoch bump and the run row are one transaction, so two drivers starting at once get
+        different epochs and only the later one can commit.  A dry run (preflight) must not fence the
+        live run: it reads the current epoch without taking a new one.
+        """
+        run_id = run_id or uuid.uuid4().hex
+        now = time.time()
+        with self.engine.begin() as conn:
+            row = conn.execute(
+                select(schema.jobs.c.epoch).where(schema.jobs.c.job_id == job_id).with_for_update()
+            ).first()
+            if row is None:
+                conn.execute(
+                    schema.jobs.insert().values(
+                        job_id=job_id, epoch=0, generation=generation, version=version, updated_at=now
+                    )
+                )
+                epoch = 0
+            else:
+                epoch = row.epoch
+            if not dry_run:
+                epoch += 1
+                conn.execute(
+                    update(schema.jobs)
+                    .where(schema.jobs.c.job_id == job_id)
+                    .values(epoch=epoch, generation=generation, version=version, updated_at=now)
+                )
+            conn.execute(
+                schema.runs.insert().values(
+                    run_id=run_id,
+                    job_id=job_id,
+                    epoch=epoch,
+                    generation=generation,
+                    version=version,
+                    dry_run=dry_run,
+                    host=host,
+                    pid=pid,
+                    status=STARTING,
+                    started_at=now,
+                    heartbeat_at=now,
+                    log_path=log_path,
+                )
+            )
+        return RunTicket(run_id, epoch)
+
+    def current_epoch(self, job_id: str) -> int | None:
+        with self.engine.connect() as conn:
+            return conn.execute(select(schema.jobs.c.epoch).where(schema.jobs.c.job_id == job_id)).scalar()
+
+    def mark_query_started(self, run_id: str) -> None:
+        self._update_run(run_id, status=RUNNING, query_started_at=time.time(), heartbeat_at=time.time())
+
+    def heartbeat(self, run_id: str) -> bool:
+        """Record that the driver is alive; return True when a graceful stop was requested."""
+        now = time.time()
+        with self.engine.begin() as conn:
+            conn.execute(update(schema.runs).where(schema.runs.c.run_id == run_id).values(heartbeat_at=now))
+            return (
+                conn.execute(
+                    select(schema.runs.c.stop_requested_at).where(schema.runs.c.run_id == run_id)
+                ).scalar()
+                is not None
+            )
+
+    def record_progress(
+        self, run_id: str, batch_id: int, progress: Mapping[str, Any] | None, committed: bool
+    ) -> None:
+        values: dict[str, Any] = {"heartbeat_at": time.time(), "last_progress": json.dumps(progress or {})}
+        if committed:
+            values.update(last_batch_id=batch_id, last_batch_at=time.time())
+        self._update_run(run_id, **values)
+
+    def request_stop(self, run_id: str) -> bool:
+        """Ask a run to stop gracefully.  Returns False when it had already been asked or has ended."""
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                update(schema.runs)
+                .where(
+                    schema.runs.c.run_id == run_id,
+                    schema.runs.c.stop_requested_at.is_(None),
+                    schema.runs.c.status.in_(ACTIVE_STATUSES),
+                )
+                .values(stop_requested_at=time.time())
+            )
+            return result.rowcount == 1
+
+    def set_status(self, run_id: str, status: str) -> None:
+        self._update_run(run_id, status=status)
+
+    def finish_run(
+        self,
+        run_id: str,
+        *,
+        status: str,
+        exit_code: int,
+        failure_kind: str | None = None,
+        error_class: str | None = None,
+        message: str | None = None,
+    ) -> None:
+        self._update_run(
+            run_id,
+            status=status,
+            exit_code=exit_code,
+            failure_kind=failure_kind,
+            error_class=error_class,
+            termination_message=message,
+            ended_at=time.time(),
+        )
+
+    def _update_run(self, run_id: str, **values: Any) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(update(schema.runs).where(schema.runs.c.run_id == run_id).values(**values))
+
+    def get_run(self, run_id: str) -> dict[str, Any] | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(schema.runs).where(schema.runs.c.run_id == run_id)).mappings().first()
+            return dict(row) if row else None
+
+    def latest_run(self, job_id: str, *, include_dry_runs: bool = False) -> dict[str, Any] | None:
+        query = select(schema.runs).where(schema.runs.c.job_id == job_id)
+        if not include_dry_runs:
+            query = query.where(schema.runs.c.dry_run.is_(False))
+        with self.engine.connect() as conn:
+            row = conn.execute(query.order_by(schema.runs.c.started_at.desc()).limit(1)).mappings().first()
+            return dict(row) if row else None
+
+    # -- generations -------------------------------------------------------------------------------
+    def ensure_generation(
+        self, job_id: str, generation: int, checkpoint_path: str, starting_offsets: str | None
+    ) -> dict[str, Any]:
+        """Register a generation the first time a driver uses it; later calls return it unchanged."""
+        with self.engine.begin() as conn:
+            row = self._generation(conn, job_id, generation)
+            if row is None:
+                conn.execute(
+                    schema.generations.insert().values(
+                        job_id=job_id,
+                        generation=generation,
+                        checkpoint_path=checkpoint_path,
+                        starting_offsets=starting_offsets,
+                        created_at=time.time(),
+                    )
+                )
+                row = self._generation(conn, job_id, generation)
+            return dict(row)
+
+    def get_generation(self, job_id: str, generation: int) -> dict[str, Any] | None:
+        with self.engine.connect() as conn:
+            row = self._generation(conn, job_id, generation)
+            return dict(row) if row else None
+
+    @staticmethod
+    def _generation(conn, job_id: str, generation: int):
+        return (
+            conn.execute(
+                select(schema.generations).where(
+                    schema.generations.c.job_id == job_id, schema.generations.c.generation == generation
+                )
+            )
+            .mappings()
+            .first()
+        )
+
+    # -- offsets -----------------------------------------------------------------------------------
+    def stored_offsets(self, job_id: str, conn=None) -> Offsets:
+        query = select(
+            schema.offsets.c.topic, schema.offsets.c.partition, schema.offsets.c.next_offset
+        ).where(schema.offsets.c.job_id == job_id)
+        if conn is not None:
+            return {(r.topic, r.partition): r.next_offset for r in conn.execute(query)}
+        with self.engine.connect() as c:
+            return {(r.topic, r.partition): r.next_offset for r in c.execute(query)}
+
+    def count(self, table, **where: Any) -> int:
+        query = select(func.count()).select_from(table)
+        for column, value in where.items():
+            query = query.where(table.c[column] == value)
+        with self.engine.connect() as conn:
+            return conn.execute(query).scalar_one()
