@@ -1,0 +1,140 @@
+"""Start, find and end a detached Spark driver on this machine (local and client deploy mode).
+
+The driver must outlive whoever started it (an Airflow task, a test), so it runs in a new session
+(its own process group) with output going to a log file.  Killing the group takes down spark-submit's
+JVM, the Python driver and its workers together: that is what "the driver died" means here.
+Pure (no airflow, no pyspark): the Airflow driver hook and the test-suite share it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV, StreamJobSpec
+
+
+@dataclass(frozen=True)
+class DriverProcess:
+    pid: int  # also the process-group id: the driver leads its own session
+    log_path: str
+    run_id: str
+    #: set only in the process that started the driver: it alone can collect the exit code
+    popen: subprocess.Popen | None = field(default=None, compare=False, repr=False)
+
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return process_alive(self.pid)
+
+    def exit_code(self) -> int | None:
+        """The exit code once the driver ended, if this process started it; else None."""
+        return self.popen.poll() if self.popen is not None else None
+
+    def wait(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while self.alive():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"driver pid {self.pid} still running after {timeout:.0f}s (log: {self.log_path})"
+                )
+            time.sleep(0.1)
+        return self.exit_code()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        signal_group(self.pid, sig)
+        if sig == signal.SIGKILL and self.popen is not None:
+            self.popen.wait(30)
+
+
+def spark_submit_command(
+    spark_submit: str,
+    application: str,
+    spec: StreamJobSpec,
+    run_id: str,
+    *,
+    master: str = "local[2]",
+    conf: Mapping[str, str] | None = None,
+    py_files: Sequence[str] = (),
+    log_path: str | None = None,
+) -> list[str]:
+    cmd = [spark_submit, "--master", master, "--name", f"stream-{spec.job_id}"]
+    for key, value in sorted((conf or {}).items()):
+        cmd += ["--conf", f"{key}={value}"]
+    if py_files:
+        cmd += ["--py-files", ",".join(py_files)]
+    cmd += [application, "--spec", spec.to_json(), "--run-id", run_id]
+    if log_path:
+        cmd += ["--log-path", log_path]
+    return cmd
+
+
+def start_detached(
+    cmd: Sequence[str],
+    log_path: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    password: str | None = None,
+    cwd: str | None = None,
+) -> subprocess.Popen:
+    """Start ``cmd`` in a new session writing to ``log_path``; its pid is also its process-group id.
+
+    The database password goes into the child's environment only, never into its arguments.
+    """
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    child_env = dict(os.environ if env is None else env)
+    if password:
+        child_env[DATABASE_PASSWORD_ENV] = password
+    with open(log_path, "ab") as log_file:
+        # The spec never holds a password (validated), so the command line is safe to log.
+        log_file.write(f"$ {shlex.join(cmd)}\n".encode())
+        log_file.flush()
+        proc = subprocess.Popen(
+            list(cmd),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env,
+            cwd=cwd,
+            start_new_session=True,
+            close_fds=True,
+        )
+    return proc
+
+
+def process_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass

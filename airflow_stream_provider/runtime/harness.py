@@ -1,0 +1,380 @@
+"""The job harness: one spec in, one running checkpointed query, one exit code out.
+
+A job file holds only its business logic::
+
+    def parse(records: DataFrame) -> DataFrame: ...        # Kafka records -> parsed, with an error column
+    def results(events: DataFrame) -> list[Result]: ...    # good records -> result tables
+
+    sys.exit(StreamHarness.from_argv().run(parse, results))
+
+and the harness does the rest: Spark session and retention settings, the source (JVM connector or the
+Python one), the generation's starting offsets checked against Kafka, the fencing epoch, the
+transactional sink, the state listener, heartbeats, the stop marker, and an exit code that says why
+the driver ended (see ``failures``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from pyspark import SparkConf
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+from airflow_stream_provider import failures, kafka_client, kafka_offsets
+from airflow_stream_provider.runtime import faults, kafka_source, transaction
+from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
+from airflow_stream_provider.runtime.listener import StateListener
+from airflow_stream_provider.runtime.sink import DEAD_LETTER_COLUMNS, ResultsFn, TransactionalSink
+from airflow_stream_provider.spec import SpecError, StreamJobSpec
+from airflow_stream_provider.state import store as state
+
+log = logging.getLogger("airflow_stream_provider.harness")
+
+JVM_KAFKA_PROVIDER = "org.apache.spark.sql.kafka010.KafkaSourceProvider"
+#: How long a graceful stop waits for the running batch before interrupting it (the sink makes an
+#: interrupted batch harmless; waiting just avoids redoing work).
+STOP_WAIT_S = 120.0
+_LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)\])?$")
+
+
+class StartupError(Exception):
+    """The job cannot start; carries the exit code and a message that says what to fix."""
+
+    def __init__(self, kind: failures.FailureKind | None, message: str, exit_code: int | None = None):
+        self.kind = kind
+        self.exit_code = exit_code if exit_code is not None else failures.exit_code_for(kind)
+        super().__init__(message)
+
+
+class StreamHarness:
+    def __init__(self, spec: StreamJobSpec, *, run_id: str | None = None, log_path: str | None = None):
+        self.spec = spec.validate()
+        self.store = state.StateStore.from_url(spec.database_url)
+        self.store.ensure_schema()
+        self.ticket = self.store.begin_run(
+            spec.job_id,
+            spec.generation,
+            spec.version,
+            run_id=run_id,
+            dry_run=spec.dry_run,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            log_path=log_path,
+        )
+        self.run_id = self.ticket.run_id
+        self._stop_signalled = False
+        log.info(
+            "job %s version %s generation %s: run %s holds epoch %s%s",
+            spec.job_id,
+            spec.version,
+            spec.generation,
+            self.run_id,
+            self.ticket.epoch,
+            " (dry run)" if spec.dry_run else "",
+        )
+        self.spark: SparkSession | None = None
+        self._generation_start: kafka_offsets.Offsets = {}
+
+    # -- entry points ------------------------------------------------------------------------------
+    @classmethod
+    def from_argv(cls, argv: Sequence[str] | None = None) -> StreamHarness:
+        """Parse ``--spec JSON [--run-id ID] [--log-path P]``; a bad spec exits 2 before anything starts."""
+        parser = argparse.ArgumentParser(description="Run a checkpointed stream job")
+        parser.add_argument("--spec", required=True, help="the job spec as JSON (StreamJobSpec.to_json)")
+        parser.add_argument("--run-id", help="run id chosen by the launcher, so it can find this run")
+        parser.add_argument("--log-path", help="where the launcher sends this driver's output")
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:
+            spec = StreamJobSpec.from_json(args.spec)
+        except SpecError as err:
+            log.error("invalid job spec: %s", err)
+            sys.exit(failures.EXIT_CONFIG)
+        try:
+            return cls(spec, run_id=args.run_id, log_path=args.log_path)
+        except Exception as err:
+            classification = failures.classify(repr(err))
+            log.error("cannot reach the state database %s: %s", spec.database_url, err)
+            sys.exit(failures.exit_code_for(classification.kind))
+
+    def run(self, transform: Callable[[DataFrame], DataFrame], results: ResultsFn) -> int:
+        """Start the query, keep it alive until it stops or fails, record why, return the exit code.
+
+        ``transform`` turns the Kafka records (Spark's Kafka columns) into parsed records that keep
+        topic/partition/offset/key/value and add an ``error`` column (null for a good record);
+        ``results`` turns the good ones into result tables.
+        """
+        try:
+            self._start_spark()
+            self._generation_start = self._resolve_generation_start()
+            records = transform(self._source())
+            missing = [c for c in DEAD_LETTER_COLUMNS if c not in records.columns]
+            if missing:
+                raise StartupError(
+                    None,
+                    f"the transformed records lack columns {missing}: keep Kafka's "
+                    f"topic/partition/offset/key/value and add an 'error' column (null for a "
+                    f"good record)",
+                    failures.EXIT_CONFIG,
+                )
+            query = self._start_query(records, results)
+            return self._watch(query)
+        except StartupError as err:
+            return self._finish(state.FAILED, err.exit_code, err.kind, None, str(err))
+        except Exception as err:
+            return self._failed(err)
+        finally:
+            if self.spark is not None:
+                self.spark.stop()
+
+    # -- setup -------------------------------------------------------------------------------------
+    def _start_spark(self) -> None:
+        builder = SparkSession.builder.appName(f"stream-{self.spec.job_id}-{self.spec.version}")
+        master = SparkConf().get("spark.master", "local[2]")
+        match = _LOCAL_MASTER.match(master)
+        if match:  # local mode gives up a batch on the first task failure unless told to retry
+            builder = builder.master(f"local[{match.group(2) or 2},4]")
+        conf = {
+            "spark.sql.session.timeZone": "UTC",
+            "spark.sql.shuffle.partitions": "4",
+            "spark.sql.streaming.minBatchesToRetain": str(self.spec.min_batches_to_retain),
+            **self.spec.spark_conf,
+        }
+        for key, value in conf.items():
+            builder = builder.config(key, value)
+        self.spark = builder.getOrCreate()
+        self.spark.sparkContext.setLogLevel(os.environ.get("STREAM_SPARK_LOG_LEVEL", "WARN"))
+
+    def _resolve_generation_start(self) -> kafka_offsets.Offsets:
+        """The concrete offsets where this generation's batch 0 starts, recorded once per generation.
+
+        Recording them makes a restart before batch 0 committed plan the same batch again, and gives
+        the sink the start of batch 0.  A new generation's offsets are checked against what Kafka
+        still holds (invariant 5): a position out of retention is DATA_LOSS with the exact ranges.
+        """
+        spec = self.spec
+        known = self.store.get_generation(spec.job_id, spec.generation)
+        if known is not None and known["starting_offsets"]:
+            return kafka_offsets.from_spark_json(known["starting_offsets"])
+        client = kafka_client.consumer(spec.kafka.bootstrap_servers, dict(spec.kafka.client_options))
+        try:
+            earliest, latest = kafka_client.watermarks(client, spec.kafka.topics)
+        except Exception as err:
+            raise StartupError(
+                failures.FailureKind.TRANSIENT,
+                f"cannot read partitions of {list(spec.kafka.topics)} from "
+                f"kafka.bootstrap_servers={spec.kafka.bootstrap_servers}: {err!r}. Check the broker "
+                f"list and that the brokers are up",
+            ) from err
+        present = {topic for topic, _ in latest}
+        absent = [t for t in spec.kafka.topics if t not in present]
+        if absent:
+            raise StartupError(
+                None,
+                f"kafka.topics: topics {absent} do not exist on "
+                f"{spec.kafka.bootstrap_servers}. Create them or fix the job spec",
+                failures.EXIT_CONFIG,
+            )
+        starting = spec.kafka.starting_offsets
+        requested = (
+            starting if starting in ("earliest", "latest") else kafka_offsets.from_spark_json(starting)
+        )
+        resolved = kafka_offsets.resolve(requested, earliest, latest)
+        lost = kafka_offsets.find_lost_ranges(resolved, earliest, latest)
+        if lost and spec.kafka.fail_on_data_loss:
+            raise StartupError(
+                failures.FailureKind.DATA_LOSS,
+                "[KAFKA_DATA_LOSS.START_OFFSET_RESET] the starting offsets of generation "
+                f"{spec.generation} are no longer in Kafka: "
+                + "; ".join(r.describe() for r in lost)
+                + ". Decide whether to accept the loss (failOnDataLoss=false) or restore the data",
+            )
+        self.store.ensure_generation(
+            spec.job_id, spec.generation, spec.checkpoint_path, kafka_offsets.to_spark_json(resolved)
+        )
+        return resolved
+
+    def _source(self) -> DataFrame:
+        kind = self.spec.kafka.source
+        if kind == "auto":
+            kind = "jvm" if self._jvm_connector_present() else "python"
+        reader = self.spark.readStream
+        if kind == "jvm":
+            reader = reader.format("kafka")
+        else:
+            self.spark.dataSource.register(kafka_source.KafkaDataSource)
+            reader = reader.format(kafka_source.FORMAT)
+        options = {
+            "kafka.bootstrap.servers": self.spec.kafka.bootstrap_servers,
+            "subscribe": ",".join(self.spec.kafka.topics),
+            "startingOffsets": kafka_offsets.to_spark_json(self._generation_start),
+            "failOnDataLoss": str(self.spec.kafka.fail_on_data_loss).lower(),
+            **{f"kafka.{k}": str(v) for k, v in self.spec.kafka.client_options.items()},
+        }
+        if self.spec.kafka.max_offsets_per_trigger:
+            options["maxOffsetsPerTrigger"] = str(self.spec.kafka.max_offsets_per_trigger)
+        log.info(
+            "reading %s through the %s Kafka source from %s",
+            list(self.spec.kafka.topics),
+            kind,
+            options["startingOffsets"],
+        )
+        frame = reader.options(**options).load()
+        return frame.select("topic", "partition", "offset", "key", "value", "timestamp")
+
+    def _jvm_connector_present(self) -> bool:
+        try:
+            self.spark._jvm.java.lang.Class.forName(JVM_KAFKA_PROVIDER)
+            return True
+        except Exception:
+            return False
+
+    def _start_query(self, records: DataFrame, results: ResultsFn) -> StreamingQuery:
+        spec = self.spec
+        run = transaction.RunContext(spec.job_id, self.run_id, self.ticket.epoch, spec.generation)
+        checkpoint = spec.checkpoint_path
+        self.listener = StateListener(self.store, self.run_id)
+        self.spark.streams.addListener(self.listener)
+        self.sink = TransactionalSink(
+            store=self.store,
+            run=run,
+            offset_log=OffsetLog(self.spark, checkpoint),
+            generation_start=self._generation_start,
+            results=results,
+            dry_run=spec.dry_run,
+            after_commit=self._after_commit,
+        )
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        return (
+            records.writeStream.queryName(f"{spec.job_id}-gen{spec.generation}")
+            .option("checkpointLocation", checkpoint)
+            .trigger(processingTime=spec.trigger_interval)
+            .foreachBatch(self.sink)
+            .start()
+        )
+
+    def _after_commit(self, outcome: transaction.BatchOutcome) -> None:
+        self.store.record_progress(self.run_id, outcome.batch_id, None, committed=True)
+        try:  # make progress visible to standard Kafka lag tooling; the database stays the truth
+            kafka_client.commit_group(
+                self.spec.kafka.bootstrap_servers,
+                dict(self.spec.kafka.client_options),
+                self.spec.kafka.consumer_group(self.spec.job_id),
+                self.store.stored_offsets(self.spec.job_id),
+            )
+        except Exception as err:
+            log.warning("could not commit offsets to the consumer group: %r", err)
+
+    # -- life --------------------------------------------------------------------------------------
+    def _on_sigterm(self, signum, frame) -> None:
+        log.info("SIGTERM: stopping gracefully")
+        self._stop_signalled = True
+
+    def _watch(self, query: StreamingQuery) -> int:
+        while True:
+            if query.awaitTermination(self.spec.heartbeat_seconds):
+                exception = query.exception()
+                if exception is not None:
+                    return self._failed(exception)
+                return self._finish(state.STOPPED, failures.EXIT_STOPPED, None, None, "query stopped")
+            try:
+                stop = self.store.heartbeat(self.run_id) or self._stop_signalled
+            except Exception as err:
+                log.warning("heartbeat failed: %r", err)
+                stop = self._stop_signalled
+            if stop:
+                return self._stop_gracefully(query)
+
+    def _stop_gracefully(self, query: StreamingQuery) -> int:
+        """Let the running batch finish, then stop the query between batches."""
+        self.store.set_status(self.run_id, state.STOPPING)
+        deadline = time.monotonic() + STOP_WAIT_S
+        while query.status["isTriggerActive"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        faults.maybe_crash("during_stop")
+        query.stop()
+        exception = query.exception()
+        if exception is not None:
+            return self._failed(exception)
+        log.info("stopped gracefully after batch %s", query.lastProgress and query.lastProgress["batchId"])
+        return self._finish(state.STOPPED, failures.EXIT_STOPPED, None, None, "stopped")
+
+    def _failed(self, err: BaseException) -> int:
+        text = _describe(err)
+        error_class = _error_class(err)
+        classification = failures.classify(text, error_class)
+        log.error(
+            "query failed: %s [%s]: %s",
+            classification.kind.value,
+            classification.error_class,
+            classification.evidence,
+        )
+        return self._finish(
+            state.FAILED,
+            failures.exit_code_for(classification.kind),
+            classification.kind,
+            classification.error_class,
+            text[:20_000],
+        )
+
+    def _finish(
+        self,
+        status: str,
+        exit_code: int,
+        kind: failures.FailureKind | None,
+        error_class: str | None,
+        message: str,
+    ) -> int:
+        try:
+            self.store.finish_run(
+                self.run_id,
+                status=status,
+                exit_code=exit_code,
+                failure_kind=kind.value if kind else None,
+                error_class=error_class,
+                message=message,
+            )
+        except Exception as err:
+            log.error("could not record the end of run %s: %r", self.run_id, err)
+        if status == state.FAILED:
+            log.error(
+                "run %s ended: exit %s (%s) %s", self.run_id, exit_code, kind and kind.value, message[:2000]
+            )
+        return exit_code
+
+
+def _describe(err: BaseException) -> str:
+    """The full text to classify: message, Spark's stack/cause chain, and Python causes."""
+    parts = [f"{type(err).__name__}: {err}"]
+    for attr in ("getMessage", "desc", "stackTrace"):
+        value = getattr(err, attr, None)
+        value = value() if callable(value) else value
+        if value and str(value) not in parts[0]:
+            parts.append(str(value))
+    cause = err.__cause__ or err.__context__
+    while cause is not None and len(parts) < 10:
+        parts.append(f"caused by {type(cause).__name__}: {cause}")
+        cause = cause.__cause__ or cause.__context__
+    return "\n".join(parts)
+
+
+def _error_class(err: BaseException) -> str | None:
+    for attr in ("getCondition", "getErrorClass"):
+        method = getattr(err, attr, None)
+        if callable(method):
+            try:
+                value = method()
+            except Exception:
+                value = None
+            if value:
+                return value
+    return None

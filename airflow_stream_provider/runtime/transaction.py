@@ -1,0 +1,271 @@
+"""The exactly-once commit of one micro-batch: results, dead letters, offsets and ledger in ONE transaction.
+
+Spark replays batch N with the same offset range after a driver dies (the offsets log is written
+before the batch runs).  This module turns that at-least-once delivery into exactly-once results:
+
+1. ``plan`` compares the batch's per-partition range with the stored next offsets: a partition whose
+   range ends at or below the stored offset is a replay (skip), one that starts *above* it is a gap
+   (records would be lost: refuse).  Checked per batch, never per record: compaction and transaction
+   markers leave holes in offsets.
+2. ``commit`` writes everything inside one transaction that first checks the run's fencing epoch, so a
+   zombie driver cannot commit, and that re-reads the stored offsets under the lock.
+
+Pure database code (no pyspark): the Spark side hands it plain rows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Table, select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from airflow_stream_provider import kafka_offsets
+from airflow_stream_provider.kafka_offsets import Offsets
+from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.store import StateStore
+
+TopicPartition = tuple[str, int]
+
+
+class FencedError(RuntimeError):
+    """This run no longer holds the job's epoch: another driver took over.  Its batch is rejected."""
+
+
+class OffsetGapError(RuntimeError):
+    """A batch starts above the stored offset: applying it would silently lose records."""
+
+
+class ConcurrentCommitError(RuntimeError):
+    """The stored offsets changed between planning and committing a batch."""
+
+
+@dataclass(frozen=True)
+class BatchRange:
+    """Batch N of a generation: from ``start`` (end of batch N-1) to ``end`` (offsets log entry N)."""
+
+    batch_id: int
+    start: Offsets
+    end: Offsets
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    range: BatchRange
+    #: stored next offsets when planned; the commit verifies they did not move
+    stored: Offsets
+    #: per partition with a non-empty range, the first offset to apply (records below it are replays)
+    apply_from: dict[TopicPartition, int]
+
+    @property
+    def is_replay(self) -> bool:
+        """Every record of the batch is already reflected in the results."""
+        return not self.apply_from
+
+    def is_fresh(self, topic: str, partition: int, offset: int) -> bool:
+        first = self.apply_from.get((topic, partition))
+        return first is not None and first <= offset < self.range.end[(topic, partition)]
+
+
+@dataclass
+class Write:
+    """Rows for one result table.  On a key conflict, ``increments`` columns are added to the stored
+    value (aggregates applied as increments) and every other column is overwritten (idempotent upsert)."""
+
+    table: Table
+    rows: Sequence[Mapping[str, Any]]
+    key: tuple[str, ...]
+    increments: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RunContext:
+    job_id: str
+    run_id: str
+    epoch: int
+    generation: int
+
+
+@dataclass
+class BatchOutcome:
+    """What a commit did, for the ledger, the progress heartbeat and the tests."""
+
+    batch_id: int
+    read: dict[TopicPartition, int] = field(default_factory=dict)
+    applied: dict[TopicPartition, int] = field(default_factory=dict)
+    dead: dict[TopicPartition, int] = field(default_factory=dict)
+    committed_offsets: Offsets = field(default_factory=dict)
+    skipped_replay: bool = False
+
+
+def plan(store: StateStore, job_id: str, batch: BatchRange) -> BatchPlan:
+    stored = store.stored_offsets(job_id)
+    return BatchPlan(batch, stored, _apply_from(job_id, batch, stored))
+
+
+def _apply_from(job_id: str, batch: BatchRange, stored: Offsets) -> dict[TopicPartition, int]:
+    apply_from = {}
+    for tp, end in sorted(batch.end.items()):
+        start = batch.start.get(tp)
+        position = stored.get(tp)
+        if start is not None and end <= start:
+            continue  # nothing planned for this partition
+        if position is None:
+            apply_from[tp] = start if start is not None else 0
+            continue
+        if end <= position:
+            continue  # replay of a batch already committed
+        if start is not None and start > position:
+            raise OffsetGapError(
+                f"[STREAM_OFFSET_GAP] job {job_id} batch {batch.batch_id}: partition {tp[0]}-{tp[1]} starts at "
+                f"offset {start} but the results only cover up to {position}; records [{position}, {start}) "
+                f"would be lost. The checkpoint does not match the stored offsets: reset the job to a new "
+                f"generation that starts from the stored offsets."
+            )
+        apply_from[tp] = position if start is None else max(start, position)
+    return apply_from
+
+
+def commit(
+    store: StateStore,
+    run: RunContext,
+    batch_plan: BatchPlan,
+    *,
+    read: Mapping[TopicPartition, int],
+    dead_letters: Sequence[Mapping[str, Any]],
+    writes: Sequence[Write],
+) -> BatchOutcome:
+    """Apply one planned batch atomically.  ``read`` counts the fresh records per partition; the rows in
+    ``writes`` and ``dead_letters`` come from those records only."""
+    outcome = BatchOutcome(batch_plan.range.batch_id, read=dict(read))
+    for row in dead_letters:
+        tp = (row["topic"], row["partition"])
+        outcome.dead[tp] = outcome.dead.get(tp, 0) + 1
+    outcome.applied = {tp: n - outcome.dead.get(tp, 0) for tp, n in read.items()}
+    now = time.time()
+    with store.engine.begin() as conn:
+        _check_epoch(conn, run)
+        stored = store.stored_offsets(run.job_id, conn)
+        if stored != batch_plan.stored:
+            raise ConcurrentCommitError(
+                f"[STREAM_RUN_FENCED] job {run.job_id} batch {batch_plan.range.batch_id}: stored offsets moved "
+                f"from {kafka_offsets.to_spark_json(batch_plan.stored)} to {kafka_offsets.to_spark_json(stored)} "
+                f"while the batch was being computed; another driver is committing for this job."
+            )
+        if batch_plan.is_replay:
+            outcome.skipped_replay = True
+            return outcome
+        for write in writes:
+            if write.rows:
+                conn.execute(_upsert(conn.dialect.name, write), _dedupe(write))
+        if dead_letters:
+            conn.execute(
+                schema.dead_letters.insert(),
+                [
+                    {
+                        **row,
+                        "job_id": run.job_id,
+                        "generation": run.generation,
+                        "batch_id": batch_plan.range.batch_id,
+                        "recorded_at": now,
+                    }
+                    for row in dead_letters
+                ],
+            )
+        ledger = []
+        for tp, first in batch_plan.apply_from.items():
+            end = batch_plan.range.end[tp]
+            outcome.committed_offsets[tp] = end
+            ledger.append(
+                {
+                    "job_id": run.job_id,
+                    "generation": run.generation,
+                    "batch_id": batch_plan.range.batch_id,
+                    "topic": tp[0],
+                    "partition": tp[1],
+                    "start_offset": first,
+                    "end_offset": end,
+                    "rows_read": read.get(tp, 0),
+                    "rows_applied": outcome.applied.get(tp, 0),
+                    "rows_dead": outcome.dead.get(tp, 0),
+                    "epoch": run.epoch,
+                    "run_id": run.run_id,
+                    "committed_at": now,
+                }
+            )
+        conn.execute(schema.batches.insert(), ledger)
+        _advance_offsets(conn, run, batch_plan.range.batch_id, stored, outcome.committed_offsets, now)
+    return outcome
+
+
+def _check_epoch(conn, run: RunContext) -> None:
+    current = conn.execute(
+        select(schema.jobs.c.epoch).where(schema.jobs.c.job_id == run.job_id).with_for_update()
+    ).scalar()
+    if current != run.epoch:
+        raise FencedError(
+            f"[STREAM_RUN_FENCED] run {run.run_id} of job {run.job_id} holds epoch {run.epoch} but the job's "
+            f"current epoch is {current}: a newer driver took over, so this driver's batch was rejected and "
+            f"nothing was written. Stop this driver; the newer run owns the job."
+        )
+
+
+def _advance_offsets(conn, run: RunContext, batch_id: int, stored: Offsets, new: Offsets, now: float) -> None:
+    dialect = conn.dialect.name
+    rows = []
+    for tp, end in new.items():
+        if end < stored.get(tp, 0):  # invariant 2: offsets only move forward
+            raise AssertionError(f"stored offset of {tp} would move backwards: {stored[tp]} -> {end}")
+        rows.append(
+            {
+                "job_id": run.job_id,
+                "topic": tp[0],
+                "partition": tp[1],
+                "next_offset": end,
+                "generation": run.generation,
+                "batch_id": batch_id,
+                "updated_at": now,
+            }
+        )
+    if rows:
+        conn.execute(_upsert(dialect, Write(schema.offsets, rows, ("job_id", "topic", "partition"))), rows)
+
+
+def _insert_for(dialect: str):
+    if dialect == "postgresql":
+        return postgresql.insert
+    if dialect == "sqlite":
+        return sqlite.insert
+    raise ValueError(f"unsupported database dialect {dialect!r}: use SQLite or PostgreSQL")
+
+
+def _upsert(dialect: str, write: Write):
+    stmt = _insert_for(dialect)(write.table)
+    updates = {
+        c.name: (write.table.c[c.name] + stmt.excluded[c.name])
+        if c.name in write.increments
+        else stmt.excluded[c.name]
+        for c in write.table.columns
+        if c.name not in write.key
+    }
+    if not updates:
+        return stmt.on_conflict_do_nothing(index_elements=list(write.key))
+    return stmt.on_conflict_do_update(index_elements=list(write.key), set_=updates)
+
+
+def _dedupe(write: Write) -> list[Mapping[str, Any]]:
+    """One row per key: PostgreSQL refuses an upsert that touches the same row twice in one statement.
+    Increments are summed; other columns keep the last row's value (the latest record wins)."""
+    merged: dict[tuple, dict[str, Any]] = {}
+    for row in write.rows:
+        key = tuple(row[k] for k in write.key)
+        current = merged.get(key)
+        if current is None:
+            merged[key] = dict(row)
+            continue
+        for column, value in row.items():
+            current[column] = current[column] + value if column in write.increments else value
+    return list(merged.values())
