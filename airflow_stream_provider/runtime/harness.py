@@ -355,9 +355,10 @@ class StreamHarness:
 def _describe(err: BaseException) -> str:
     """The full text to classify: message, Spark's stack/cause chain, and Python causes."""
     parts = [f"{type(err).__name__}: {err}"]
-    for attr in ("getMessage", "desc", "stackTrace"):
+    # PySpark keeps the JVM message and stack trace in private attributes; the stack frames are the
+    # only evidence for some checkpoint corruptions (e.g. "next on empty iterator" in OffsetSeqLog).
+    for attr in ("_desc", "_stackTrace"):
         value = getattr(err, attr, None)
-        value = value() if callable(value) else value
         if value and str(value) not in parts[0]:
             parts.append(str(value))
     cause = err.__cause__ or err.__context__

@@ -1,0 +1,41 @@
+# Two environments, as in production: the Airflow side (.venv) never has pyspark, the Spark driver's
+# Python (.venv-spark) never has Airflow.  apache-airflow-providers-apache-spark installs pyspark-client,
+# which would overwrite the full pyspark wheel's files if both lived in one environment.
+PYTHON ?= python3
+VENV ?= .venv
+SPARK_VENV ?= .venv-spark
+PYTEST_ARGS ?=
+PIP_FLAGS ?= --quiet --disable-pip-version-check
+
+.PHONY: install test lint demo soak clean
+
+install: $(VENV)/.installed $(SPARK_VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@echo ">> creating the Airflow-side environment in $(VENV)"
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[airflow,test]'
+	@touch $@
+
+$(SPARK_VENV)/.installed: pyproject.toml
+	@echo ">> creating the Spark-driver environment in $(SPARK_VENV)"
+	$(PYTHON) -m venv $(SPARK_VENV)
+	$(SPARK_VENV)/bin/pip install $(PIP_FLAGS) -e '.[spark]'
+	@touch $@
+
+# The default test run: real Spark drivers, a real Kafka-protocol broker (Tansu), PostgreSQL and SQLite.
+# The fixtures start the broker and a fresh PostgreSQL database themselves.
+test: install
+	$(VENV)/bin/python -m pytest -m "not soak" $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+demo: install
+	@echo "not yet: the end-to-end demo arrives with the example DAGs"
+
+soak: install
+	$(VENV)/bin/python -m pytest -m soak $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(SPARK_VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,83 @@
+"""Session-wide real components: a Kafka-protocol broker, PostgreSQL, SQLite, Spark drivers."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.stack import postgres
+from tests.stack.broker import Broker
+from tests.stack.jobs import JobRunner, make_spec
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory):
+    instance = Broker(tmp_path_factory.mktemp("broker") / "tansu.log").start()
+    yield instance
+    instance.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    postgres.ensure_server()
+
+
+@pytest.fixture
+def postgres_url(postgres_server):
+    """A fresh database per test: result tables such as ``events`` are shared by every job in a database."""
+    name, url = postgres.create_database()
+    yield url
+    postgres.drop_database(name)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'state.db'}"
+    return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def job_id(request) -> str:
+    return f"{request.node.originalname.replace('test_', '')[:40]}-{uuid.uuid4().hex[:6]}".replace("_", "-")
+
+
+@pytest.fixture
+def topic(broker, job_id) -> str:
+    broker.create_topic(job_id, 3)
+    return job_id
+
+
+@pytest.fixture
+def runner(broker, topic, job_id, database_url, tmp_path):
+    spec = make_spec(job_id, broker.bootstrap, topic, database_url, tmp_path / "checkpoints")
+    instance = JobRunner(spec, tmp_path)
+    yield instance
+    instance.kill_all()
+    instance.store.dispose()
+
+
+class Figures:
+    """Numbers a test measured (kills, records, seconds), printed in the run's summary."""
+
+    def __init__(self):
+        self.rows: list[str] = []
+
+    def record(self, name: str, **values) -> None:
+        self.rows.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+
+
+_FIGURES = Figures()
+
+
+@pytest.fixture
+def figures() -> Figures:
+    return _FIGURES
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FIGURES.rows:
+        terminalreporter.section("measured figures")
+        for row in _FIGURES.rows:
+            terminalreporter.write_line(row)

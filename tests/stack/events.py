@@ -1,0 +1,117 @@
+"""Produce example events (some malformed) and compute what the results must be.
+
+The producer remembers the partition and offset Kafka acknowledged for every record, so the checks
+compare the database with what was really written, not with what a test meant to write.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import random
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+MALFORMED_SAMPLES = (
+    b"{not json",
+    b'{"event_id": "x", "user_id": "u", "kind": "k", "amount": "lots", "ts": "2026-11-22T10:00:00Z"}',
+    b'{"user_id": "u", "kind": "k", "amount": 1, "ts": "2026-11-22T10:00:00Z"}',
+    b"\xff\xfe\x00binary garbage",
+    b'{"event_id": "y", "user_id": "u", "kind": "k", "amount": 1, "ts": "yesterday"}',
+    b"[1, 2, 3]",
+)
+
+
+@dataclass
+class Produced:
+    """What Kafka acknowledged: valid events by id and malformed records by (partition, offset)."""
+
+    topic: str
+    events: dict[str, dict] = field(default_factory=dict)
+    malformed: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    end_offsets: Counter = field(default_factory=Counter)  # partition -> next offset
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def total(self) -> int:
+        return len(self.events) + len(self.malformed)
+
+    def kpi_minute(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(user_id, minute ISO) -> (event_count, amount_cents), recomputed from what was produced."""
+        kpi: dict[tuple[str, str], list[int]] = {}
+        for event in self.events.values():
+            minute = event["ts"][:16]  # "YYYY-MM-DDTHH:MM"
+            entry = kpi.setdefault((event["user_id"], minute), [0, 0])
+            entry[0] += 1
+            entry[1] += round(event["amount"] * 100)
+        return {k: (v[0], v[1]) for k, v in kpi.items()}
+
+
+class EventProducer:
+    def __init__(self, broker, topic: str, *, seed: int = 7, malformed_ratio: float = 0.01):
+        self.producer = broker.producer()
+        self.produced = Produced(topic)
+        self.random = random.Random(seed)
+        self.malformed_ratio = malformed_ratio
+        self.sent = 0
+        self.base = dt.datetime(2026, 11, 22, 10, 0, tzinfo=dt.UTC)
+
+    def send(self, count: int) -> None:
+        futures = []
+        for _ in range(count):
+            n = self.sent
+            self.sent += 1
+            if self.random.random() < self.malformed_ratio:
+                payload = MALFORMED_SAMPLES[n % len(MALFORMED_SAMPLES)]
+                futures.append((self.producer.send(self.produced.topic, value=payload), None, payload))
+                continue
+            event = {
+                "event_id": f"e-{n}",
+                "user_id": f"u-{self.random.randrange(50)}",
+                "kind": self.random.choice(("view", "click", "buy")),
+                "amount": round(self.random.uniform(0, 100), 2),
+                "ts": (self.base + dt.timedelta(seconds=n // 7)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            }
+            payload = json.dumps(event).encode()
+            futures.append(
+                (
+                    self.producer.send(self.produced.topic, key=event["user_id"].encode(), value=payload),
+                    event,
+                    payload,
+                )
+            )
+        for future, event, payload in futures:
+            meta = future.get(timeout=60)
+            with self.produced.lock:
+                if event is None:
+                    self.produced.malformed[(meta.partition, meta.offset)] = payload
+                else:
+                    self.produced.events[event["event_id"]] = event
+                self.produced.end_offsets[meta.partition] = max(
+                    self.produced.end_offsets[meta.partition], meta.offset + 1
+                )
+
+    def close(self) -> None:
+        self.producer.flush()
+        self.producer.close()
+
+
+class BackgroundProducer(threading.Thread):
+    """Sends ``total`` events in chunks while the test kills and restarts drivers."""
+
+    def __init__(self, producer: EventProducer, total: int, chunk: int = 200, pause_s: float = 0.05):
+        super().__init__(daemon=True)
+        self.producer, self.total, self.chunk, self.pause_s = producer, total, chunk, pause_s
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while self.producer.sent < self.total:
+                self.producer.send(min(self.chunk, self.total - self.producer.sent))
+                self.done.wait(self.pause_s)
+        except BaseException as err:
+            self.error = err
+        finally:
+            self.done.set()
