@@ -40,20 +40,26 @@ def client_options(options: Mapping[str, str]) -> dict[str, object]:
 def consumer(
     bootstrap: str, options: Mapping[str, object] | None = None, group_id: str | None = None
 ) -> KafkaConsumer:
+    """A cached consumer: for the driver and Spark's reused Python workers."""
     key = (bootstrap, group_id, tuple(sorted((options or {}).items())))
     with _LOCK:
         cached = _CACHE.get(key)
         if cached is None:
-            cached = KafkaConsumer(
-                bootstrap_servers=bootstrap.split(","),
-                group_id=group_id,
-                enable_auto_commit=False,
-                auto_offset_reset="none",
-                consumer_timeout_ms=1000,
-                **(options or {}),
-            )
-            _CACHE[key] = cached
+            cached = _CACHE[key] = new_consumer(bootstrap, options, group_id)
         return cached
+
+
+def new_consumer(
+    bootstrap: str, options: Mapping[str, object] | None = None, group_id: str | None = None
+) -> KafkaConsumer:
+    return KafkaConsumer(
+        bootstrap_servers=bootstrap.split(","),
+        group_id=group_id,
+        enable_auto_commit=False,
+        auto_offset_reset="none",
+        consumer_timeout_ms=1000,
+        **(options or {}),
+    )
 
 
 def partitions(client: KafkaConsumer, topics: Iterable[str]) -> list[TopicPartition]:

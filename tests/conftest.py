@@ -6,9 +6,12 @@ import uuid
 
 import pytest
 
+from tests.stack import airflow as airflow_stack
 from tests.stack import postgres
 from tests.stack.broker import Broker
 from tests.stack.jobs import JobRunner, make_spec
+
+airflow_stack.configure_environment()  # before any test module imports airflow
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +59,11 @@ def runner(broker, topic, job_id, database_url, tmp_path):
     yield instance
     instance.kill_all()
     instance.store.dispose()
+
+
+@pytest.fixture(scope="session")
+def airflow_db():
+    airflow_stack.migrate()
 
 
 class Figures:

@@ -30,7 +30,8 @@ def spark_env() -> dict[str, str]:
     """Environment for a driver: the Spark venv's Python on both driver and workers."""
     python = str(SPARK_BIN / "python")
     env = dict(os.environ)
-    env.update(PYSPARK_PYTHON=python, PYSPARK_DRIVER_PYTHON=python, PATH=f"{SPARK_BIN}:{env.get('PATH', '')}")
+    env.update(PYSPARK_PYTHON=python, PYSPARK_DRIVER_PYTHON=python, PATH=f"{SPARK_BIN}:{env.get('PATH', '')}",
+               SPARK_LOCAL_IP="127.0.0.1")  # tests talk to loopback only
     env.pop("SPARK_HOME", None)
     return env
 

@@ -1,0 +1,44 @@
+"""The restart budget: N restarts per window, with a backoff that resets after a healthy period.
+
+A crash loop must end in a clear failure, not a storm of restarts (invariant 7).  Pure: decided from
+the restart history the state database keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RestartBudget:
+    max_restarts: int = 3
+    window_s: float = 1800.0
+    backoff_base_s: float = 5.0
+    backoff_max_s: float = 300.0
+    #: restarts further apart than this are not "consecutive": the job was healthy in between
+    healthy_reset_s: float = 600.0
+
+    def __post_init__(self):
+        if self.max_restarts < 1 or self.window_s <= 0 or self.backoff_base_s < 0:
+            raise ValueError("restart budget: max_restarts >= 1, window > 0 and backoff >= 0 are required")
+
+    def used(self, restart_times: Sequence[float], now: float) -> list[float]:
+        return sorted(t for t in restart_times if now - t <= self.window_s)
+
+    def exhausted(self, restart_times: Sequence[float], now: float) -> bool:
+        return len(self.used(restart_times, now)) >= self.max_restarts
+
+    def backoff(self, restart_times: Sequence[float], now: float) -> float:
+        """Seconds to wait before the next restart: doubles with each consecutive restart."""
+        times = sorted(restart_times)
+        consecutive = 0
+        previous = now
+        for t in reversed(times):
+            if previous - t > self.healthy_reset_s:
+                break
+            consecutive += 1
+            previous = t
+        if consecutive == 0:
+            return 0.0
+        return min(self.backoff_base_s * 2 ** (consecutive - 1), self.backoff_max_s)

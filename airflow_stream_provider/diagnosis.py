@@ -1,0 +1,128 @@
+"""Health of a stream job, concluded in one place from what the state database and the driver show.
+
+Pure (no airflow, no pyspark): the sensors, triggers, operators and the command line all call
+``diagnose`` with facts they gathered, so the same evidence always yields the same verdict.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from airflow_stream_provider import failures
+from airflow_stream_provider.state.store import ACTIVE_STATUSES, FAILED, STARTING, STOPPED
+
+
+class Health(enum.StrEnum):
+    STARTING = "STARTING"  # driver up, query not yet running
+    HEALTHY = "HEALTHY"
+    STUCK = "STUCK"  # alive, no committed batch for a while, Kafka lag > 0
+    DEAD = "DEAD"  # driver gone without a clean stop (kill -9, OOM killer, lost host)
+    STOPPED = "STOPPED"  # clean stop, or never started
+    FAILED = "FAILED"  # terminated with a classified error
+
+    @property
+    def needs_action(self) -> bool:
+        return self in (Health.STUCK, Health.DEAD, Health.FAILED)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    #: no heartbeat for this long means the driver is gone, even where its process cannot be checked
+    heartbeat_timeout_s: float = 30.0
+    #: alive but no committed batch for this long while Kafka has unread records
+    stuck_after_s: float = 300.0
+
+
+@dataclass
+class Diagnosis:
+    job_id: str
+    health: Health
+    failure_kind: failures.FailureKind | None = None
+    error_class: str | None = None
+    run_id: str | None = None
+    generation: int | None = None
+    epoch: int | None = None
+    lag: int | None = None
+    evidence: list[str] = field(default_factory=list)
+    advice: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["health"] = self.health.value
+        data["failure_kind"] = self.failure_kind.value if self.failure_kind else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Diagnosis:
+        data = dict(data)
+        data["health"] = Health(data["health"])
+        data["failure_kind"] = failures.FailureKind(data["failure_kind"]) if data.get("failure_kind") else None
+        return cls(**data)
+
+    def summary(self) -> str:
+        kind = f"/{self.failure_kind.value}" if self.failure_kind else ""
+        return f"job {self.job_id}: {self.health.value}{kind} (run {self.run_id}): " + "; ".join(self.evidence)
+
+
+def diagnose(job_id: str, run: dict[str, Any] | None, *, driver_alive: bool | None, lag: int | None,
+             thresholds: Thresholds = Thresholds(), now: float | None = None) -> Diagnosis:
+    """Conclude the job's health from its latest run row.
+
+    ``driver_alive`` is the process check where it is possible (same host, or a cluster handle), else
+    None and the heartbeat age decides.  ``lag`` is the number of Kafka records not yet applied.
+    """
+    now = time.time() if now is None else now
+    if run is None:
+        return Diagnosis(job_id, Health.STOPPED, lag=lag, evidence=["no run recorded for this job"],
+                         advice="Submit the job.")
+    base = {"run_id": run["run_id"], "generation": run["generation"], "epoch": run["epoch"], "lag": lag}
+    heartbeat_age = now - (run["heartbeat_at"] or run["started_at"] or now)
+    status = run["status"]
+    if status == STOPPED:
+        return Diagnosis(job_id, Health.STOPPED, **base,
+                         evidence=[f"run stopped cleanly with exit code {run['exit_code']}"],
+                         advice="Nothing to do; submit the job to start it again.")
+    if status == FAILED:
+        kind = failures.FailureKind(run["failure_kind"]) if run["failure_kind"] else failures.FailureKind.UNKNOWN
+        message = (run["termination_message"] or "").strip()
+        classification = failures.classify(message, run["error_class"])
+        return Diagnosis(job_id, Health.FAILED, kind, run["error_class"], **base,
+                         evidence=[f"driver exited with code {run['exit_code']} ({kind.value})",
+                                   f"error: {classification.evidence or _first_line(message)}"],
+                         advice=classification.advice)
+    if status not in ACTIVE_STATUSES:
+        raise ValueError(f"unknown run status {status!r}")
+    if driver_alive is False or heartbeat_age > thresholds.heartbeat_timeout_s:
+        if driver_alive is False:
+            gone = f"its driver process (pid {run['pid']} on {run['host']}) is gone"
+        else:
+            gone = (f"its last heartbeat is {heartbeat_age:.0f}s old "
+                    f"(timeout {thresholds.heartbeat_timeout_s:.0f}s)")
+        evidence = [f"run {run['run_id']} is recorded as {status} but {gone}"]
+        if run["last_batch_id"] is not None:
+            evidence.append(f"last committed batch {run['last_batch_id']}")
+        return Diagnosis(job_id, Health.DEAD, **base, evidence=evidence,
+                         advice="Restart from the checkpoint: the batch it was running is replayed and the "
+                         "sink skips what was already committed.")
+    if status == STARTING or not run["query_started_at"]:
+        return Diagnosis(job_id, Health.STARTING, **base,
+                         evidence=[f"driver up for {now - (run['started_at'] or now):.0f}s, query not started yet"])
+    since = max(run["last_batch_at"] or 0, run["query_started_at"] or 0)
+    idle = now - since
+    if lag and idle > thresholds.stuck_after_s:
+        return Diagnosis(job_id, Health.STUCK, **base,
+                         evidence=[f"no batch committed for {idle:.0f}s (threshold {thresholds.stuck_after_s:.0f}s)",
+                                   f"{lag} Kafka records wait to be applied",
+                                   f"heartbeat {heartbeat_age:.0f}s ago: the driver is alive"],
+                         advice="Stop the driver (it is alive but makes no progress) and restart it from the "
+                         "checkpoint; read its log for the blocked batch.")
+    return Diagnosis(job_id, Health.HEALTHY, **base,
+                     evidence=[f"heartbeat {heartbeat_age:.0f}s ago", f"last batch {run['last_batch_id']}",
+                               f"lag {lag}"])
+
+
+def _first_line(text: str) -> str:
+    return text.splitlines()[0][:300] if text else ""

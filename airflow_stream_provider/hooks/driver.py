@@ -1,0 +1,135 @@
+"""The Spark driver of a stream job: submit it detached, tell whether it lives, stop it, kill it.
+
+Built on the Spark provider's SparkSubmitHook, so the ``spark`` connection (master, deploy mode,
+queue, spark-binary, Kerberos) means what it means everywhere else in Airflow.  The difference is
+that a stream driver must outlive the Airflow task that started it:
+
+* local and client deploy mode: spark-submit runs in a new session (its own process group) with its
+  output in a log file; the run row records host and pid, so the driver can be checked and killed;
+* cluster deploy mode (YARN, Kubernetes): spark-submit returns once the application is accepted
+  (``waitAppCompletion=false``) and the submission handle is recorded for status and kill.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+from airflow.sdk import BaseHook
+
+from airflow_stream_provider import local_driver
+from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV, StreamJobSpec
+
+_NO_WAIT = {
+    "spark.yarn.submit.waitAppCompletion": "false",
+    "spark.kubernetes.submission.waitAppCompletion": "false",
+    "spark.standalone.submit.waitAppCompletion": "false",
+}
+
+
+@dataclass(frozen=True)
+class SubmittedDriver:
+    run_id: str
+    deploy_mode: str
+    master: str
+    pid: int | None = None
+    log_path: str | None = None
+    submission_id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class StreamDriverHook(BaseHook):
+    conn_name_attr = "spark_conn_id"
+    default_conn_name = "spark_default"
+    conn_type = "spark"
+    hook_name = "Stream driver (Spark)"
+
+    def __init__(self, spark_conn_id: str = default_conn_name, *, conf: dict[str, str] | None = None,
+                 py_files: str | None = None, env_vars: dict[str, str] | None = None,
+                 log_dir: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.spark_conn_id = spark_conn_id
+        self.conf = dict(conf or {})
+        self.py_files = py_files
+        self.env_vars = dict(env_vars or {})
+        self.log_dir = log_dir or os.path.join(os.environ.get("AIRFLOW_HOME", os.path.expanduser("~/airflow")),
+                                               "logs", "stream_drivers")
+
+    def _spark_submit(self, application_args: list[str], conf: dict[str, str], name: str) -> SparkSubmitHook:
+        return SparkSubmitHook(conn_id=self.spark_conn_id, conf=conf, py_files=self.py_files, name=name,
+                               application_args=application_args, env_vars=self.env_vars or None)
+
+    def submit(self, application: str, spec: StreamJobSpec, run_id: str, password: str | None) -> SubmittedDriver:
+        """Start a driver for ``spec`` and return at once; the run row appears when the driver is up."""
+        log_path = str(Path(self.log_dir) / spec.job_id / f"{run_id}.log")
+        args = ["--spec", spec.to_json(), "--run-id", run_id, "--log-path", log_path]
+        name = f"stream-{spec.job_id}"
+        hook = self._spark_submit(args, self.conf, name)
+        master, deploy_mode = hook._connection["master"], hook._connection["deploy_mode"] or "client"
+        if deploy_mode == "cluster":
+            return self._submit_cluster(application, args, name, run_id, master, password)
+        cmd = hook._build_spark_submit_command(application)
+        env = {**os.environ, **self.env_vars}
+        popen = local_driver.start_detached(cmd, log_path, env=env, password=password)
+        self.log.info("Started driver for job %s run %s: pid %s, master %s, log %s", spec.job_id, run_id,
+                      popen.pid, master, log_path)
+        return SubmittedDriver(run_id, deploy_mode, master, pid=popen.pid, log_path=log_path)
+
+    def _submit_cluster(self, application: str, args: list[str], name: str, run_id: str, master: str,
+                        password: str | None) -> SubmittedDriver:
+        if password and not any(k.endswith(DATABASE_PASSWORD_ENV) for k in self.conf):
+            raise ValueError(
+                "cluster deploy mode: the driver's database password must come from the cluster manager "
+                f"(e.g. spark.kubernetes.driver.secretKeyRef.{DATABASE_PASSWORD_ENV}=secret:key); it is never "
+                "put on a spark-submit command line")
+        hook = self._spark_submit(args, {**self.conf, **_NO_WAIT}, name)
+        hook.submit(application)
+        handle = hook._driver_id or hook._yarn_application_id or hook._kubernetes_driver_pod
+        self.log.info("Submitted driver for run %s to %s in cluster mode: %s", run_id, master, handle)
+        return SubmittedDriver(run_id, "cluster", master, submission_id=handle)
+
+    # -- the life of a recorded run --------------------------------------------------------------------
+    @staticmethod
+    def is_local(run: dict[str, Any]) -> bool:
+        return bool(run.get("pid")) and run.get("host") == socket.gethostname() and not run.get("submission_id")
+
+    def is_alive(self, run: dict[str, Any]) -> bool | None:
+        """True/False where the process can be checked from here, None where only heartbeats can tell."""
+        if self.is_local(run):
+            return local_driver.process_alive(run["pid"])
+        return None
+
+    def terminate(self, run: dict[str, Any]) -> bool:
+        """SIGTERM: the harness treats it as a graceful stop request."""
+        return self._signal(run, signal.SIGTERM)
+
+    def kill(self, run: dict[str, Any]) -> str:
+        """Kill the driver outright: its process group locally, the application on a cluster."""
+        if self.is_local(run):
+            self._signal(run, signal.SIGKILL)
+            return f"killed process group of pid {run['pid']} on {run['host']}"
+        if run.get("submission_id"):
+            hook = self._spark_submit([], self.conf, f"stream-{run['job_id']}")
+            hook._driver_id = run["submission_id"]
+            hook._yarn_application_id = run["submission_id"] if "application_" in run["submission_id"] else None
+            hook._kubernetes_driver_pod = run["submission_id"]
+            hook.on_kill()
+            return f"asked the cluster manager to kill {run['submission_id']}"
+        return f"cannot kill run {run['run_id']} from {socket.gethostname()}: it runs on {run.get('host')}"
+
+    @staticmethod
+    def _signal(run: dict[str, Any], sig: int) -> bool:
+        if not StreamDriverHook.is_local(run):
+            return False
+        try:
+            local_driver.signal_group(os.getpgid(run["pid"]), sig)
+        except ProcessLookupError:
+            return False
+        return True

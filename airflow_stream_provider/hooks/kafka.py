@@ -1,0 +1,62 @@
+"""Kafka as the Airflow side needs it: partitions, earliest/latest offsets, lag of the stored offsets."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
+
+from airflow.sdk import BaseHook
+
+from airflow_stream_provider import kafka_client, kafka_offsets
+from airflow_stream_provider.kafka_offsets import LostRange, Offsets
+
+
+class KafkaOffsetsHook(BaseHook):
+    """Connection: host[:port] (or ``extra.bootstrap_servers`` for several brokers); other kafka-python
+    client settings (security_protocol, sasl_*) in extra."""
+
+    conn_name_attr = "kafka_conn_id"
+    default_conn_name = "stream_kafka_default"
+    conn_type = "stream_kafka"
+    hook_name = "Stream Kafka offsets"
+
+    def __init__(self, kafka_conn_id: str = default_conn_name, **kwargs):
+        super().__init__(**kwargs)
+        self.kafka_conn_id = kafka_conn_id
+
+    @cached_property
+    def _settings(self) -> tuple[str, dict[str, Any]]:
+        conn = self.get_connection(self.kafka_conn_id)
+        extra = dict(conn.extra_dejson)
+        bootstrap = extra.pop("bootstrap_servers", None) or (f"{conn.host}:{conn.port or 9092}" if conn.host else None)
+        if not bootstrap:
+            raise ValueError(f"connection {self.kafka_conn_id!r} names no broker: set host/port or "
+                             f"extra.bootstrap_servers")
+        return bootstrap, extra
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return self._settings[0]
+
+    @property
+    def client_options(self) -> dict[str, Any]:
+        return self._settings[1]
+
+    def watermarks(self, topics: Sequence[str]) -> tuple[Offsets, Offsets]:
+        """(earliest, latest) per partition.  A fresh client per call: a long-lived triggerer must not keep
+        a connection whose metadata went stale."""
+        client = kafka_client.new_consumer(self.bootstrap_servers, self.client_options)
+        try:
+            return kafka_client.watermarks(client, topics)
+        finally:
+            client.close()
+
+    def lag(self, stored: Offsets, topics: Sequence[str]) -> int:
+        """Records in Kafka not yet applied to the results (a partition never applied counts from earliest)."""
+        earliest, latest = self.watermarks(topics)
+        return sum(max(0, end - stored.get(tp, earliest.get(tp, 0))) for tp, end in latest.items())
+
+    def lost_ranges(self, stored: Offsets, topics: Sequence[str]) -> list[LostRange]:
+        earliest, latest = self.watermarks(topics)
+        return kafka_offsets.find_lost_ranges(stored, earliest, latest)

@@ -1,0 +1,110 @@
+"""The state database seen from Airflow: runs, epochs, heartbeats, stored offsets, restart history."""
+
+from __future__ import annotations
+
+import time
+from functools import cached_property
+from typing import Any
+
+from airflow.sdk import BaseHook
+from sqlalchemy import insert, select
+from sqlalchemy.engine import make_url
+
+from airflow_stream_provider.kafka_offsets import Offsets
+from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.store import StateStore
+
+
+class StreamStateHook(BaseHook):
+    """Connection: either ``extra.url`` (any SQLAlchemy URL, e.g. ``sqlite:////data/stream.db``) or the
+    usual host/port/schema/login/password fields of a PostgreSQL server.  The password is kept apart
+    from the URL so it can travel to the driver in its environment only."""
+
+    conn_name_attr = "state_conn_id"
+    default_conn_name = "stream_state_default"
+    conn_type = "stream_state"
+    hook_name = "Stream state database"
+
+    def __init__(self, state_conn_id: str = default_conn_name, **kwargs):
+        super().__init__(**kwargs)
+        self.state_conn_id = state_conn_id
+
+    @classmethod
+    def get_ui_field_behaviour(cls) -> dict[str, Any]:
+        return {
+            "hidden_fields": [],
+            "relabeling": {"schema": "Database"},
+            "placeholders": {"extra": '{"url": "sqlite:////var/lib/stream/state.db"}  (or leave empty and use '
+                             'host/port/database/login/password for PostgreSQL)'},
+        }
+
+    @cached_property
+    def credentials(self) -> tuple[str, str | None]:
+        """(URL without password, password)."""
+        conn = self.get_connection(self.state_conn_id)
+        extra = conn.extra_dejson
+        if extra.get("url"):
+            url = make_url(extra["url"])
+            password = url.password or conn.password or None
+            return url.set(password=None).render_as_string(hide_password=False), password
+        if not conn.host:
+            raise ValueError(f"connection {self.state_conn_id!r} names no database: set extra.url or the host, "
+                             f"port, database and login of a PostgreSQL server")
+        url = make_url(f"postgresql+psycopg://{conn.host}:{conn.port or 5432}/{conn.schema or 'postgres'}")
+        if conn.login:
+            url = url.set(username=conn.login)
+        return url.render_as_string(hide_password=False), conn.password or None
+
+    @property
+    def database_url(self) -> str:
+        return self.credentials[0]
+
+    @property
+    def password(self) -> str | None:
+        return self.credentials[1]
+
+    @cached_property
+    def store(self) -> StateStore:
+        store = StateStore.from_url(*self.credentials)
+        store.ensure_schema()
+        return store
+
+    # -- reads used by sensors and operators -------------------------------------------------------
+    def latest_run(self, job_id: str) -> dict[str, Any] | None:
+        return self.store.latest_run(job_id)
+
+    def stored_offsets(self, job_id: str) -> Offsets:
+        return self.store.stored_offsets(job_id)
+
+    def current_generation(self, job_id: str) -> int:
+        """The newest generation not archived; 1 for a job that never ran."""
+        table = schema.generations
+        with self.store.engine.connect() as conn:
+            value = conn.execute(select(table.c.generation).where(table.c.job_id == job_id,
+                                                                  table.c.archived_at.is_(None))
+                                 .order_by(table.c.generation.desc()).limit(1)).scalar()
+            if value is None:  # every generation archived: the next one
+                value = (conn.execute(select(table.c.generation).where(table.c.job_id == job_id)
+                                      .order_by(table.c.generation.desc()).limit(1)).scalar() or 0) + 1
+        return value
+
+    def mark_archived(self, job_id: str, generation: int, archive_path: str, reason: str) -> None:
+        table = schema.generations
+        with self.store.engine.begin() as conn:
+            conn.execute(table.update().where(table.c.job_id == job_id, table.c.generation == generation)
+                         .values(archived_at=time.time(), archive_path=archive_path, reason=reason))
+
+    # -- restart history (the restart budget is counted from it) ---------------------------------------
+    def record_restart(self, job_id: str, action: str, reason: str, failed_run_id: str | None,
+                       new_run_id: str | None) -> None:
+        with self.store.engine.begin() as conn:
+            conn.execute(insert(schema.restarts).values(job_id=job_id, at=time.time(), action=action,
+                                                        reason=reason[:2000], failed_run_id=failed_run_id,
+                                                        new_run_id=new_run_id))
+
+    def restarts_since(self, job_id: str, since: float) -> list[dict[str, Any]]:
+        table = schema.restarts
+        with self.store.engine.connect() as conn:
+            rows = conn.execute(select(table).where(table.c.job_id == job_id, table.c.at >= since)
+                                .order_by(table.c.at)).mappings().all()
+        return [dict(r) for r in rows]

@@ -1,0 +1,89 @@
+"""Sensors that wait for a stream job to need attention: driver death, a stuck query, a failure."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import BaseSensorOperator, PokeReturnValue
+from airflow.sdk.exceptions import AirflowException
+
+from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
+from airflow_stream_provider.hooks.state import StreamStateHook
+from airflow_stream_provider.triggers.health import StreamHealthTrigger, check_health
+
+
+class StreamHealthSensor(BaseSensorOperator):
+    """Wait until the job is DEAD, STUCK or FAILED (``fire_on``); return the diagnosis (health, failure
+    kind, Spark error class, evidence, advice) for the tasks downstream.
+
+    Deferrable by default: a stream is watched for hours, and a sleeping worker slot per stream would
+    waste the pool.  ``deferrable=False`` pokes from a worker instead.
+    """
+
+    template_fields: Sequence[str] = ("job_id", "topics")
+    ui_color = "#fdf2e9"
+    trigger_class = StreamHealthTrigger
+
+    def __init__(self, *, job_id: str, topics: Sequence[str],
+                 state_conn_id: str = StreamStateHook.default_conn_name,
+                 kafka_conn_id: str = KafkaOffsetsHook.default_conn_name,
+                 fire_on: Sequence[str] = ("DEAD", "STUCK", "FAILED"), failure_kinds: Sequence[str] | None = None,
+                 heartbeat_timeout: float = 30.0, stuck_after: float = 300.0, deferrable: bool = True,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.job_id = job_id
+        self.topics = topics
+        self.state_conn_id = state_conn_id
+        self.kafka_conn_id = kafka_conn_id
+        self.fire_on = tuple(fire_on)
+        self.failure_kinds = tuple(failure_kinds) if failure_kinds else None
+        self.heartbeat_timeout = heartbeat_timeout
+        self.stuck_after = stuck_after
+        self.deferrable = deferrable
+
+    def _trigger(self) -> StreamHealthTrigger:
+        return self.trigger_class(job_id=self.job_id, topics=list(self.topics), state_conn_id=self.state_conn_id,
+                                   kafka_conn_id=self.kafka_conn_id, fire_on=self.fire_on,
+                                   failure_kinds=self.failure_kinds, heartbeat_timeout=self.heartbeat_timeout,
+                                   stuck_after=self.stuck_after, poll_interval=self.poke_interval)
+
+    def execute(self, context) -> Any:
+        if not self.deferrable:
+            return super().execute(context)
+        trigger = self._trigger()
+        found = check_health(self.job_id, self.topics, self.state_conn_id, self.kafka_conn_id,
+                             self._thresholds())
+        if trigger.matches(found):  # no need to defer for what is already true
+            self.log.info("%s", found.summary())
+            return found.to_dict()
+        self.defer(trigger=trigger, method_name="execute_complete",
+                   timeout=self.timeout if self.timeout else None)
+
+    def execute_complete(self, context, event: dict[str, Any]) -> dict[str, Any]:
+        if event.get("status") != "fired":
+            raise AirflowException(event.get("message", f"health trigger failed: {event}"))
+        self.log.info("%s", event["message"])
+        return event["diagnosis"]
+
+    def poke(self, context) -> PokeReturnValue:
+        found = check_health(self.job_id, self.topics, self.state_conn_id, self.kafka_conn_id,
+                             self._thresholds())
+        self.log.info("%s", found.summary())
+        return PokeReturnValue(is_done=self._trigger().matches(found), xcom_value=found.to_dict())
+
+    def _thresholds(self):
+        from airflow_stream_provider.diagnosis import Thresholds
+
+        return Thresholds(self.heartbeat_timeout, self.stuck_after)
+
+
+class CheckpointIncompatibilitySensor(StreamHealthSensor):
+    """Wait until a run of the job fails because its checkpoint cannot be read by its code (Spark's
+    STATE_STORE_* / stateful-operator / source-count / log-version errors), and return the diagnosis with
+    Spark's error class.  Spark validates lazily, so keep one watching after every restart and upgrade."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("fire_on", ("FAILED",))
+        kwargs.setdefault("failure_kinds", ("CHECKPOINT_INCOMPATIBLE",))
+        super().__init__(**kwargs)

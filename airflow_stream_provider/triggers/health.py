@@ -1,0 +1,84 @@
+"""A trigger that watches a stream job's health without holding a worker slot.
+
+It polls the state database and, where possible, the driver process, through blocking clients run in
+a thread so the triggerer's event loop stays free.  No side effects: a trigger may run twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from airflow_stream_provider import diagnosis, local_driver
+from airflow_stream_provider.diagnosis import Thresholds
+
+
+class StreamHealthTrigger(BaseTrigger):
+    def __init__(self, *, job_id: str, topics: Sequence[str], state_conn_id: str, kafka_conn_id: str,
+                 fire_on: Sequence[str] = ("DEAD", "STUCK", "FAILED"), failure_kinds: Sequence[str] | None = None,
+                 heartbeat_timeout: float = 30.0, stuck_after: float = 300.0, poll_interval: float = 5.0):
+        super().__init__()
+        self.job_id = job_id
+        self.topics = list(topics)
+        self.state_conn_id = state_conn_id
+        self.kafka_conn_id = kafka_conn_id
+        self.fire_on = list(fire_on)
+        self.failure_kinds = list(failure_kinds) if failure_kinds else None
+        self.heartbeat_timeout = heartbeat_timeout
+        self.stuck_after = stuck_after
+        self.poll_interval = poll_interval
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}", {
+            "job_id": self.job_id, "topics": self.topics, "state_conn_id": self.state_conn_id,
+            "kafka_conn_id": self.kafka_conn_id, "fire_on": self.fire_on, "failure_kinds": self.failure_kinds,
+            "heartbeat_timeout": self.heartbeat_timeout, "stuck_after": self.stuck_after,
+            "poll_interval": self.poll_interval})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        while True:
+            try:
+                found = await asyncio.to_thread(check_health, self.job_id, self.topics, self.state_conn_id,
+                                                self.kafka_conn_id,
+                                                Thresholds(self.heartbeat_timeout, self.stuck_after))
+            except Exception as err:
+                yield TriggerEvent({"status": "error", "message": f"health check of job {self.job_id} failed: "
+                                                                  f"{err!r}"})
+                return
+            if self.matches(found):
+                yield TriggerEvent({"status": "fired", "message": found.summary(), "diagnosis": found.to_dict()})
+                return
+            self.log.debug("Job %s is %s", self.job_id, found.health.value)
+            await asyncio.sleep(self.poll_interval)
+
+    def matches(self, found: diagnosis.Diagnosis) -> bool:
+        if found.health.value not in self.fire_on:
+            return False
+        if self.failure_kinds is not None:
+            return found.failure_kind is not None and found.failure_kind.value in self.failure_kinds
+        return True
+
+
+def check_health(job_id: str, topics: Sequence[str], state_conn_id: str, kafka_conn_id: str,
+                 thresholds: Thresholds) -> diagnosis.Diagnosis:
+    """One health check: the latest run, the driver process if it is on this host, and the Kafka lag."""
+    from airflow_stream_provider.hooks.driver import StreamDriverHook
+    from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
+    from airflow_stream_provider.hooks.state import StreamStateHook
+
+    state = StreamStateHook(state_conn_id)
+    try:
+        run = state.latest_run(job_id)
+        lag = None
+        if run and run["status"] == "RUNNING":
+            try:
+                lag = KafkaOffsetsHook(kafka_conn_id).lag(state.stored_offsets(job_id), topics)
+            except Exception:
+                lag = None
+        alive = local_driver.process_alive(run["pid"]) if run and StreamDriverHook.is_local(run) else None
+        return diagnosis.diagnose(job_id, run, driver_alive=alive, lag=lag, thresholds=thresholds)
+    finally:
+        state.store.dispose()

@@ -1,0 +1,84 @@
+"""Health rules and the restart budget, on run rows as the driver writes them."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_stream_provider.budget import RestartBudget
+from airflow_stream_provider.diagnosis import Health, Thresholds, diagnose
+from airflow_stream_provider.failures import FailureKind
+
+NOW = 1_800_000_000.0
+
+
+def _run(**overrides):
+    row = {"run_id": "r1", "job_id": "j", "epoch": 3, "generation": 1, "status": "RUNNING", "pid": 4242,
+           "host": "h", "started_at": NOW - 100, "heartbeat_at": NOW - 1, "query_started_at": NOW - 90,
+           "last_batch_id": 7, "last_batch_at": NOW - 2, "exit_code": None, "failure_kind": None,
+           "error_class": None, "termination_message": None}
+    row.update(overrides)
+    return row
+
+
+def test_no_run_is_stopped():
+    assert diagnose("j", None, driver_alive=None, lag=0).health == Health.STOPPED
+
+
+def test_healthy():
+    found = diagnose("j", _run(), driver_alive=True, lag=10, now=NOW)
+    assert found.health == Health.HEALTHY and not found.health.needs_action
+
+
+def test_dead_by_process_check_even_with_a_fresh_heartbeat():
+    found = diagnose("j", _run(), driver_alive=False, lag=0, now=NOW)
+    assert found.health == Health.DEAD and "pid 4242 on h" in found.evidence[0]
+
+
+def test_dead_by_heartbeat_age_where_the_process_cannot_be_checked():
+    found = diagnose("j", _run(heartbeat_at=NOW - 45), driver_alive=None, lag=0, now=NOW,
+                     thresholds=Thresholds(heartbeat_timeout_s=30))
+    assert found.health == Health.DEAD and "45s old" in found.evidence[0]
+
+
+@pytest.mark.parametrize(("lag", "idle", "health"), [(5, 400, Health.STUCK), (0, 400, Health.HEALTHY),
+                                                      (5, 100, Health.HEALTHY)])
+def test_stuck_needs_both_no_progress_and_lag(lag, idle, health):
+    run = _run(last_batch_at=NOW - idle, query_started_at=NOW - idle - 10)
+    assert diagnose("j", run, driver_alive=True, lag=lag, now=NOW,
+                    thresholds=Thresholds(stuck_after_s=300)).health == health
+
+
+def test_failed_carries_kind_error_class_and_advice():
+    message = "StreamingQueryException: [STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE] Provided key schema ..."
+    found = diagnose("j", _run(status="FAILED", exit_code=3, failure_kind="CHECKPOINT_INCOMPATIBLE",
+                               error_class="STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE", termination_message=message),
+                     driver_alive=False, lag=0, now=NOW)
+    assert (found.health, found.failure_kind) == (Health.FAILED, FailureKind.CHECKPOINT_INCOMPATIBLE)
+    assert found.error_class == "STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE" and found.advice
+    assert found.to_dict()["failure_kind"] == "CHECKPOINT_INCOMPATIBLE"
+
+
+def test_starting():
+    found = diagnose("j", _run(status="STARTING", query_started_at=None), driver_alive=True, lag=3, now=NOW)
+    assert found.health == Health.STARTING
+
+
+def test_budget_counts_restarts_in_the_window():
+    budget = RestartBudget(max_restarts=3, window_s=600)
+    assert not budget.exhausted([NOW - 700, NOW - 500, NOW - 100], NOW)
+    assert budget.exhausted([NOW - 500, NOW - 300, NOW - 100], NOW)
+
+
+def test_backoff_doubles_and_resets_after_a_healthy_period():
+    budget = RestartBudget(backoff_base_s=5, backoff_max_s=60, healthy_reset_s=300)
+    assert budget.backoff([], NOW) == 0
+    assert budget.backoff([NOW - 10], NOW) == 5
+    assert budget.backoff([NOW - 60, NOW - 10], NOW) == 10
+    assert budget.backoff([NOW - 100, NOW - 60, NOW - 10], NOW) == 20
+    assert budget.backoff([NOW - 2000, NOW - 1900, NOW - 1800, NOW - 10], NOW) == 5  # healthy in between
+    assert budget.backoff([NOW - i * 10 for i in range(1, 12)], NOW) == 60  # capped
+
+
+def test_budget_rejects_nonsense():
+    with pytest.raises(ValueError, match="max_restarts"):
+        RestartBudget(max_restarts=0)
