@@ -8,7 +8,7 @@ offsets, and the Airflow side validates stored offsets before a reset.  Pure: no
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 #: ``{(topic, partition): next_offset}``: the internal form; Spark's JSON uses string partition keys.
@@ -163,5 +163,11 @@ def limit_range(
     return limited
 
 
-def topic_partitions(offsets: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
-    return sorted(set(offsets))
+def plan_batch_end(position: Mapping[tuple[str, int], int], earliest: Mapping[tuple[str, int], int],
+                   latest: Mapping[tuple[str, int], int], max_records: int | None) -> Offsets:
+    """The end of the next batch from the current position: partitions that appeared since the last
+    batch join at their earliest offset (nothing of theirs is skipped), then the admission limit applies."""
+    start = dict(position)
+    for tp, first in earliest.items():
+        start.setdefault(tp, first)
+    return limit_range(start, latest, max_records)

@@ -84,10 +84,8 @@ class KafkaStreamReader(DataSourceStreamReader):
         earliest, latest = kafka_client.watermarks(self._consumer(), self.topics)
         position = kafka_offsets.from_spark_json(start)
         position = self._check_data_loss(position, earliest, latest)
-        for tp, first in earliest.items():  # partitions that appeared since the last batch
-            position.setdefault(tp, first)
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        return kafka_offsets.to_spark_dict(kafka_offsets.limit_range(position, latest, max_rows))
+        return kafka_offsets.to_spark_dict(kafka_offsets.plan_batch_end(position, earliest, latest, max_rows))
 
     def reportLatestOffset(self) -> dict | None:
         _, latest = kafka_client.watermarks(self._consumer(), self.topics)

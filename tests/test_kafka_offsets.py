@@ -1,0 +1,57 @@
+"""Offset arithmetic shared by the source, the sink and the reset path."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_stream_provider.kafka_offsets import (
+    find_lost_ranges,
+    from_spark_json,
+    limit_range,
+    plan_batch_end,
+    resolve,
+    to_spark_json,
+)
+
+A0, A1, B0 = ("a", 0), ("a", 1), ("b", 0)
+
+
+def test_spark_json_round_trip():
+    offsets = {A0: 42, A1: 7, B0: 0}
+    assert to_spark_json(offsets) == '{"a":{"0":42,"1":7},"b":{"0":0}}'
+    assert from_spark_json(to_spark_json(offsets)) == offsets
+
+
+@pytest.mark.parametrize("bad", ['{"a": {"x": 1}}', '{"a": {"0": -5}}', '{"a": 3}', "[1]", '{"a": {"0": true}}'])
+def test_malformed_offsets_are_refused(bad):
+    with pytest.raises(ValueError):
+        from_spark_json(bad)
+
+
+def test_lost_ranges_retention_backwards_and_vanished():
+    lost = find_lost_ranges({A0: 5, A1: 90, B0: 3}, earliest={A0: 20, A1: 0}, latest={A0: 50, A1: 30})
+    assert [(r.topic, r.partition, r.start, r.end) for r in lost] == [("a", 0, 5, 20), ("a", 1, 30, 90),
+                                                                     ("b", 0, 3, None)]
+    assert "fell out of retention" in lost[0].reason and "went backwards" in lost[1].reason
+    assert find_lost_ranges({A0: 20}, {A0: 20}, {A0: 50}) == []
+
+
+def test_resolve_sentinels_and_unnamed_partitions():
+    earliest, latest = {A0: 2, A1: 3}, {A0: 10, A1: 11}
+    assert resolve("earliest", earliest, latest) == earliest
+    assert resolve("latest", earliest, latest) == latest
+    assert resolve({A0: -1}, earliest, latest) == {A0: 10, A1: 3}
+
+
+def test_limit_shares_the_budget_by_backlog():
+    end = limit_range({A0: 0, A1: 0, B0: 0}, {A0: 900, A1: 100, B0: 0}, 100)
+    assert end == {A0: 90, A1: 10, B0: 0}
+    assert limit_range({A0: 0}, {A0: 5}, 100) == {A0: 5}
+    assert limit_range({A0: 0, A1: 0}, {A0: 1000, A1: 1}, 10) == {A0: 9, A1: 1}  # no partition starves
+
+
+def test_new_partitions_join_at_their_earliest_offset():
+    end = plan_batch_end({A0: 10}, earliest={A0: 0, A1: 4}, latest={A0: 12, A1: 9}, max_records=None)
+    assert end == {A0: 12, A1: 9}
+    start_of_new = plan_batch_end({A0: 12}, earliest={A0: 0, A1: 4}, latest={A0: 12, A1: 4}, max_records=None)
+    assert start_of_new[A1] == 4

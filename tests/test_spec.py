@@ -1,0 +1,49 @@
+"""Bad configuration fails before anything starts, naming the field and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_stream_provider.spec import SpecError, StreamJobSpec
+
+GOOD = {"job_id": "orders", "version": "1.0", "checkpoint_root": "/data/ckpt",
+        "database_url": "postgresql+psycopg://stream@db/results",
+        "kafka": {"bootstrap_servers": "k1:9092,k2:9092", "topics": ["orders"]}}
+
+
+def _with(**changes):
+    data = {**GOOD, "kafka": dict(GOOD["kafka"])}
+    for key, value in changes.items():
+        if key.startswith("kafka_"):
+            data["kafka"][key[6:]] = value
+        else:
+            data[key] = value
+    return data
+
+
+def test_good_spec_round_trips():
+    spec = StreamJobSpec.from_dict(GOOD)
+    assert StreamJobSpec.from_json(spec.to_json()) == spec
+    assert spec.checkpoint_path == "/data/ckpt/orders/gen-1"
+    assert spec.with_generation(3, '{"orders":{"0":5}}').checkpoint_path == "/data/ckpt/orders/gen-3"
+
+
+@pytest.mark.parametrize(("changes", "field", "fix"), [
+    ({"job_id": "../x"}, "job_id", "no '/' or '..'"),
+    ({"job_id": "a/b"}, "job_id", "no '/'"),
+    ({"database_url": "postgresql+psycopg://stream:s3cret@db/results"}, "database_url", "STREAM_DATABASE_PASSWORD"),
+    ({"database_url": "mysql://db/x"}, "database_url", "sqlite://"),
+    ({"kafka_starting_offsets": '{"orders": {"0": "ten"}}'}, "kafka.starting_offsets", "earliest"),
+    ({"kafka_starting_offsets": '{"other": {"0": 1}}'}, "kafka.starting_offsets", "kafka.topics"),
+    ({"kafka_source": "jvmm"}, "kafka.source", "auto"),
+    ({"kafka_bootstrap_servers": "nohostport"}, "kafka.bootstrap_servers", "broker1:9092"),
+    ({"kafka_topics": []}, "kafka.topics", "at least one"),
+    ({"kafka_topics": ["bad topic"]}, "kafka.topics", "letters"),
+    ({"trigger_interval": "soon"}, "trigger_interval", "1 second"),
+    ({"kafka_max_offsets_per_trigger": 0}, "kafka.max_offsets_per_trigger", "10000"),
+    ({"generaton": 2}, "generaton", "Known fields"),
+])
+def test_bad_field_is_named_with_its_fix(changes, field, fix):
+    with pytest.raises(SpecError) as err:
+        StreamJobSpec.from_dict(_with(**changes))
+    assert err.value.field == field and fix in str(err.value)
