@@ -25,6 +25,14 @@ class KafkaOffsetsHook(BaseHook):
         super().__init__(**kwargs)
         self.kafka_conn_id = kafka_conn_id
 
+    @classmethod
+    def get_ui_field_behaviour(cls) -> dict[str, Any]:
+        return {
+            "hidden_fields": ["schema", "login", "password"],
+            "relabeling": {"host": "Broker host"},
+            "placeholders": {"extra": '{"bootstrap_servers": "k1:9092,k2:9092", "security_protocol": "SSL"}'},
+        }
+
     @cached_property
     def _settings(self) -> tuple[str, dict[str, Any]]:
         conn = self.get_connection(self.kafka_conn_id)

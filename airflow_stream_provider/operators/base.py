@@ -1,0 +1,249 @@
+"""What every stream-job operator shares: the job spec, the hooks, launching a run and stopping one.
+
+The spec is given once per DAG as a plain dict (templated); connections complete it at run time:
+the state connection gives the database URL (its password stays out of the spec and reaches the
+driver through its environment), the Kafka connection the brokers, the Spark connection the master.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_stream_provider import diagnosis, failures, kafka_offsets, local_driver
+from airflow_stream_provider.diagnosis import Diagnosis, Health, Thresholds
+from airflow_stream_provider.hooks.checkpoint import CheckpointHook
+from airflow_stream_provider.hooks.driver import StreamDriverHook
+from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
+from airflow_stream_provider.hooks.state import StreamStateHook
+from airflow_stream_provider.spec import SpecError, StreamJobSpec
+from airflow_stream_provider.state.store import ACTIVE_STATUSES
+
+
+class StreamJobError(Exception):
+    """A failure Airflow's retries may fix (broker or database briefly away)."""
+
+
+class StreamJobOperator(BaseOperator):
+    template_fields: Sequence[str] = ("spec", "application", "conf", "env_vars", "py_files")
+    template_fields_renderers = {"spec": "json", "conf": "json"}
+    ui_color = "#e8f1fb"
+
+    def __init__(self, *, spec: dict[str, Any], application: str | None = None,
+                 state_conn_id: str = StreamStateHook.default_conn_name,
+                 kafka_conn_id: str = KafkaOffsetsHook.default_conn_name,
+                 spark_conn_id: str = StreamDriverHook.default_conn_name,
+                 checkpoint_conn_id: str | None = None, conf: dict[str, str] | None = None,
+                 py_files: str | None = None, env_vars: dict[str, str] | None = None,
+                 ready_timeout: float = 300.0, heartbeat_timeout: float = 30.0, stuck_after: float = 300.0,
+                 stop_timeout: float = 120.0, kill_grace: float = 30.0, driver_log_dir: str | None = None,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.spec = spec
+        self.application = application
+        self.state_conn_id = state_conn_id
+        self.kafka_conn_id = kafka_conn_id
+        self.spark_conn_id = spark_conn_id
+        self.checkpoint_conn_id = checkpoint_conn_id
+        self.conf = conf
+        self.py_files = py_files
+        self.env_vars = env_vars
+        self.ready_timeout = ready_timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.stuck_after = stuck_after
+        self.stop_timeout = stop_timeout
+        self.kill_grace = kill_grace
+        self.driver_log_dir = driver_log_dir
+
+    # -- hooks (built lazily: templated fields are rendered after __init__) -----------------------------
+    @cached_property
+    def state(self) -> StreamStateHook:
+        return StreamStateHook(self.state_conn_id)
+
+    @cached_property
+    def kafka(self) -> KafkaOffsetsHook:
+        return KafkaOffsetsHook(self.kafka_conn_id)
+
+    @cached_property
+    def driver(self) -> StreamDriverHook:
+        return StreamDriverHook(self.spark_conn_id, conf=self.conf, py_files=self.py_files,
+                                env_vars=self.env_vars, log_dir=self.driver_log_dir)
+
+    @cached_property
+    def job(self) -> StreamJobSpec:
+        """The validated spec; a bad one fails the task before anything starts (no retry can fix it)."""
+        data = dict(self.spec)
+        data["kafka"] = {**data.get("kafka", {}), "bootstrap_servers": self.kafka.bootstrap_servers}
+        data["database_url"] = self.state.database_url
+        try:
+            return StreamJobSpec.from_dict(data)
+        except SpecError as err:
+            raise AirflowFailException(f"invalid stream job spec: {err}") from None
+
+    @cached_property
+    def checkpoints(self) -> CheckpointHook:
+        return CheckpointHook(self.job.checkpoint_root, self.checkpoint_conn_id)
+
+    @property
+    def thresholds(self) -> Thresholds:
+        return Thresholds(heartbeat_timeout_s=self.heartbeat_timeout, stuck_after_s=self.stuck_after)
+
+    # -- diagnosis -------------------------------------------------------------------------------------
+    def diagnose(self) -> Diagnosis:
+        job = self.job
+        run = self.state.latest_run(job.job_id)
+        try:
+            lag = self.kafka.lag(self.state.stored_offsets(job.job_id), job.kafka.topics)
+        except Exception as err:
+            self.log.warning("Could not read Kafka lag for job %s: %r", job.job_id, err)
+            lag = None
+        alive = self.driver.is_alive(run) if run else None
+        return diagnosis.diagnose(job.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
+
+    def live_run(self) -> dict[str, Any] | None:
+        """The latest run if its driver is alive (by process check or fresh heartbeat)."""
+        run = self.state.latest_run(self.job.job_id)
+        if run is None or run["status"] not in ACTIVE_STATUSES:
+            return None
+        found = diagnosis.diagnose(self.job.job_id, run, driver_alive=self.driver.is_alive(run), lag=None,
+                                   thresholds=self.thresholds)
+        return None if found.health == Health.DEAD else run
+
+    # -- launching -------------------------------------------------------------------------------------
+    def launch(self, *, generation: int | None = None, starting_offsets: str | None = None,
+               spec: StreamJobSpec | None = None) -> dict[str, Any]:
+        """Submit a driver and wait until its query runs; fail with the driver's own evidence if it doesn't."""
+        if not self.application:
+            raise AirflowFailException(f"{self.task_id}: 'application' (the job file to submit) is required")
+        spec = spec or self.job
+        generation = generation or self.state.current_generation(spec.job_id)
+        spec = spec.with_generation(generation, starting_offsets)
+        run_id = uuid.uuid4().hex
+        submitted = self.driver.submit(self.application, spec, run_id, self.state.password)
+        run = self._wait_ready(spec, submitted)
+        self.log.info("Job %s run %s is running: generation %s, epoch %s", spec.job_id, run_id, generation,
+                      run["epoch"])
+        return {"job_id": spec.job_id, "run_id": run_id, "epoch": run["epoch"], "generation": generation,
+                "version": spec.version, "checkpoint_path": spec.checkpoint_path, "pid": submitted.pid,
+                "log_path": submitted.log_path, "submission_id": submitted.submission_id}
+
+    def _wait_ready(self, spec: StreamJobSpec, submitted) -> dict[str, Any]:
+        deadline = time.monotonic() + self.ready_timeout
+        process = local_driver.DriverProcess(submitted.pid, submitted.log_path, submitted.run_id) \
+            if submitted.pid else None
+        while time.monotonic() < deadline:
+            run = self.state.store.get_run(submitted.run_id)
+            if run and run["query_started_at"] and run["status"] in ACTIVE_STATUSES:
+                return run
+            if run and run["status"] not in ACTIVE_STATUSES or (process and not process.alive()):
+                time.sleep(0.5)  # let the driver finish writing its termination record
+                raise self._start_failure(spec, submitted, self.state.store.get_run(submitted.run_id))
+            time.sleep(0.5)
+        raise StreamJobError(f"job {spec.job_id} run {submitted.run_id}: the query did not start within "
+                             f"{self.ready_timeout:.0f}s. Driver log: {submitted.log_path}")
+
+    def _start_failure(self, spec: StreamJobSpec, submitted, run: dict[str, Any] | None) -> Exception:
+        tail = _log_tail(submitted.log_path)
+        if run is None:
+            return StreamJobError(f"job {spec.job_id}: the driver exited before registering its run "
+                                  f"(state database unreachable, or bad arguments). Driver log "
+                                  f"{submitted.log_path}:\n{tail}")
+        found = diagnosis.diagnose(spec.job_id, run, driver_alive=False, lag=None)
+        message = (f"job {spec.job_id} run {run['run_id']} did not start: {found.summary()}. "
+                   f"What to do: {found.advice} Driver log {submitted.log_path}:\n{tail}")
+        if found.failure_kind in (failures.FailureKind.TRANSIENT, failures.FailureKind.RESOURCE):
+            return StreamJobError(message)
+        return AirflowFailException(message)
+
+    # -- the two recovery actions -------------------------------------------------------------------
+    def restart_from_checkpoint(self, reason: str, failed_run: dict[str, Any] | None) -> dict[str, Any]:
+        """A new run on the current generation: Spark replays the unfinished batch, the sink skips what
+        was committed."""
+        live = self.live_run()
+        if live is not None:
+            self.stop_run(live)
+        result = self.launch()
+        self.state.record_restart(self.job.job_id, "restart", reason, failed_run and failed_run["run_id"],
+                                  result["run_id"])
+        return {**result, "action": "restart"}
+
+    def reset_and_resume(self, reason: str, *, allow_data_loss: bool = False) -> dict[str, Any]:
+        """Archive the current generation and start the next one from the offsets stored with the results.
+
+        The stored offsets are checked against Kafka first (invariant 5): offsets that fell out of
+        retention fail the task with the exact lost ranges unless ``allow_data_loss``.
+        """
+        job = self.job
+        live = self.live_run()
+        if live is not None:
+            self.stop_run(live)
+        stored = self.state.stored_offsets(job.job_id)
+        lost = self.kafka.lost_ranges(stored, job.kafka.topics) if stored else []
+        if lost and not allow_data_loss:
+            raise AirflowFailException(
+                f"job {job.job_id}: cannot resume from the stored offsets {kafka_offsets.to_spark_json(stored)}: "
+                + "; ".join(r.describe() for r in lost)
+                + ". Nothing was archived or started. Restore the data, or rerun with allow_data_loss=True "
+                "to accept the loss.")
+        generation = self.state.current_generation(job.job_id)
+        archive_path = None
+        active = {g.generation for g in self.checkpoints.list_generations(job.job_id) if not g.archived}
+        if generation in active:
+            archive_path = self.checkpoints.archive_generation(job.job_id, generation)
+            self.state.mark_archived(job.job_id, generation, archive_path, reason)
+            self.log.info("Archived generation %s of job %s to %s", generation, job.job_id, archive_path)
+        starting = kafka_offsets.to_spark_json(stored) if stored else None
+        if lost:  # accepted loss: start where Kafka still has data
+            earliest, latest = self.kafka.watermarks(job.kafka.topics)
+            moved = {tp: min(max(off, earliest.get(tp, off)), latest.get(tp, off)) for tp, off in stored.items()}
+            starting = kafka_offsets.to_spark_json(moved)
+        result = self.launch(generation=generation + 1, starting_offsets=starting)
+        self.state.record_restart(job.job_id, "reset", reason, None, result["run_id"])
+        return {**result, "action": "reset", "archived_generation": generation, "archive_path": archive_path,
+                "starting_offsets": starting, "lost_ranges": [r.to_dict() for r in lost]}
+
+    # -- stopping --------------------------------------------------------------------------------------
+    def stop_run(self, run: dict[str, Any]) -> dict[str, Any]:
+        """Graceful stop: the stop marker, then wait; SIGTERM and kill only after the timeout."""
+        started = time.monotonic()
+        self.state.store.request_stop(run["run_id"])
+        self.log.info("Asked run %s of job %s to stop; waiting up to %ss", run["run_id"], run["job_id"],
+                      self.stop_timeout)
+        outcome = "stopped"
+        if not self._wait_ended(run, self.stop_timeout):
+            self.log.warning("Run %s did not stop within %ss: sending SIGTERM", run["run_id"], self.stop_timeout)
+            outcome = "terminated"
+            self.driver.terminate(run)
+            if not self._wait_ended(run, self.kill_grace):
+                outcome = "killed"
+                self.log.warning("Run %s ignored SIGTERM: %s", run["run_id"], self.driver.kill(run))
+                self._wait_ended(run, self.kill_grace)
+        final = self.state.store.get_run(run["run_id"]) or run
+        return {"job_id": run["job_id"], "run_id": run["run_id"], "outcome": outcome,
+                "exit_code": final["exit_code"], "status": final["status"],
+                "seconds": round(time.monotonic() - started, 1)}
+
+    def _wait_ended(self, run: dict[str, Any], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            current = self.state.store.get_run(run["run_id"])
+            if current and current["status"] not in ACTIVE_STATUSES and self.driver.is_alive(current) is not True:
+                return True
+            if self.driver.is_alive(run) is False:
+                return True
+            time.sleep(0.5)
+        return False
+
+
+def _log_tail(path: str | None, lines: int = 25) -> str:
+    if not path or not Path(path).exists():
+        return "(no local driver log)"
+    content = Path(path).read_text(errors="replace").splitlines()
+    return "\n".join(line[:300] for line in content[-lines:])

@@ -1,0 +1,15 @@
+"""Restart a stream job from its checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow_stream_provider.operators.base import StreamJobOperator
+
+
+class RestartStreamingJobOperator(StreamJobOperator):
+    """Stop the live run if any (gracefully), then start a new run on the same checkpoint generation."""
+
+    def execute(self, context) -> dict[str, Any]:
+        last = self.state.latest_run(self.job.job_id)
+        return self.restart_from_checkpoint("manual restart", last)

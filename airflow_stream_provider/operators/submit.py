@@ -1,0 +1,46 @@
+"""Submit a stream job and wait until its query runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_stream_provider.operators.base import StreamJobOperator
+
+IF_RUNNING = ("fail", "skip", "replace")
+
+
+class SubmitStreamingJobOperator(StreamJobOperator):
+    """Start the job's driver detached from this task; succeed once the first heartbeat shows the query
+    running.
+
+    :param if_running: what to do when a run of the job is already alive: ``fail`` (default: a double
+        start is usually a mistake), ``skip`` (return the live run), or ``replace`` (stop it gracefully,
+        then start).  A forced second driver could not corrupt results anyway: the newer epoch fences the
+        older run.
+    """
+
+    template_fields = (*StreamJobOperator.template_fields, "if_running")
+
+    def __init__(self, *, if_running: str = "fail", **kwargs):
+        super().__init__(**kwargs)
+        self.if_running = if_running
+
+    def execute(self, context) -> dict[str, Any]:
+        if self.if_running not in IF_RUNNING:
+            raise AirflowFailException(f"if_running={self.if_running!r} is not one of {', '.join(IF_RUNNING)}")
+        live = self.live_run()
+        if live is not None:
+            if self.if_running == "fail":
+                raise AirflowFailException(
+                    f"job {self.job.job_id} already runs (run {live['run_id']}, pid {live['pid']} on "
+                    f"{live['host']}, heartbeat at {live['heartbeat_at']:.0f}). Stop it first, or set "
+                    f"if_running='skip' or 'replace'.")
+            if self.if_running == "skip":
+                self.log.info("Job %s already runs as %s: skipping submit", self.job.job_id, live["run_id"])
+                return {"job_id": self.job.job_id, "run_id": live["run_id"], "epoch": live["epoch"],
+                        "generation": live["generation"], "action": "skipped"}
+            self.log.info("Replacing run %s of job %s", live["run_id"], self.job.job_id)
+            self.stop_run(live)
+        return {**self.launch(), "action": "submitted"}
