@@ -32,7 +32,8 @@ class StreamJobError(Exception):
 
 
 class StreamJobOperator(BaseOperator):
-    template_fields: Sequence[str] = ("spec", "application", "conf", "env_vars", "py_files")
+    template_fields: Sequence[str] = ("spec", "application", "conf", "env_vars", "py_files", "ready_timeout",
+                                      "heartbeat_timeout", "stuck_after", "stop_timeout", "driver_log_dir")
     template_fields_renderers = {"spec": "json", "conf": "json"}
     ui_color = "#e8f1fb"
 
@@ -93,7 +94,7 @@ class StreamJobOperator(BaseOperator):
 
     @property
     def thresholds(self) -> Thresholds:
-        return Thresholds(heartbeat_timeout_s=self.heartbeat_timeout, stuck_after_s=self.stuck_after)
+        return Thresholds(heartbeat_timeout_s=float(self.heartbeat_timeout), stuck_after_s=float(self.stuck_after))
 
     # -- diagnosis -------------------------------------------------------------------------------------
     def diagnose(self) -> Diagnosis:
@@ -135,7 +136,7 @@ class StreamJobOperator(BaseOperator):
                 "log_path": submitted.log_path, "submission_id": submitted.submission_id}
 
     def _wait_ready(self, spec: StreamJobSpec, submitted) -> dict[str, Any]:
-        deadline = time.monotonic() + self.ready_timeout
+        deadline = time.monotonic() + float(self.ready_timeout)
         process = local_driver.DriverProcess(submitted.pid, submitted.log_path, submitted.run_id) \
             if submitted.pid else None
         while time.monotonic() < deadline:
@@ -217,7 +218,7 @@ class StreamJobOperator(BaseOperator):
         self.log.info("Asked run %s of job %s to stop; waiting up to %ss", run["run_id"], run["job_id"],
                       self.stop_timeout)
         outcome = "stopped"
-        if not self._wait_ended(run, self.stop_timeout):
+        if not self._wait_ended(run, float(self.stop_timeout)):
             self.log.warning("Run %s did not stop within %ss: sending SIGTERM", run["run_id"], self.stop_timeout)
             outcome = "terminated"
             self.driver.terminate(run)

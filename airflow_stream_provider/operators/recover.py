@@ -34,14 +34,24 @@ class RecoverStreamingJobOperator(StreamJobOperator):
     Out of budget (``max_restarts`` within ``restart_window``), the task fails and says so.
     """
 
-    template_fields = (*StreamJobOperator.template_fields, "on_incompatible")
+    template_fields = (*StreamJobOperator.template_fields, "on_incompatible", "max_restarts", "restart_window",
+                       "backoff_base")
 
     def __init__(self, *, max_restarts: int = 3, restart_window: float = 1800.0, backoff_base: float = 5.0,
                  backoff_max: float = 300.0, healthy_reset: float = 600.0, on_incompatible: str = "reset",
                  **kwargs):
         super().__init__(**kwargs)
-        self.budget = RestartBudget(max_restarts, restart_window, backoff_base, backoff_max, healthy_reset)
+        self.max_restarts = max_restarts
+        self.restart_window = restart_window
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self.healthy_reset = healthy_reset
         self.on_incompatible = on_incompatible
+
+    @property
+    def budget(self) -> RestartBudget:
+        return RestartBudget(int(self.max_restarts), float(self.restart_window), float(self.backoff_base),
+                             float(self.backoff_max), float(self.healthy_reset))
 
     def execute(self, context) -> dict[str, Any]:
         if self.on_incompatible not in ON_INCOMPATIBLE:

@@ -21,7 +21,7 @@ class StreamHealthSensor(BaseSensorOperator):
     waste the pool.  ``deferrable=False`` pokes from a worker instead.
     """
 
-    template_fields: Sequence[str] = ("job_id", "topics")
+    template_fields: Sequence[str] = ("job_id", "topics", "heartbeat_timeout", "stuck_after")
     ui_color = "#fdf2e9"
     trigger_class = StreamHealthTrigger
 
@@ -45,8 +45,8 @@ class StreamHealthSensor(BaseSensorOperator):
     def _trigger(self) -> StreamHealthTrigger:
         return self.trigger_class(job_id=self.job_id, topics=list(self.topics), state_conn_id=self.state_conn_id,
                                    kafka_conn_id=self.kafka_conn_id, fire_on=self.fire_on,
-                                   failure_kinds=self.failure_kinds, heartbeat_timeout=self.heartbeat_timeout,
-                                   stuck_after=self.stuck_after, poll_interval=self.poke_interval)
+                                   failure_kinds=self.failure_kinds, heartbeat_timeout=float(self.heartbeat_timeout),
+                                   stuck_after=float(self.stuck_after), poll_interval=self.poke_interval)
 
     def execute(self, context) -> Any:
         if not self.deferrable:
@@ -75,7 +75,7 @@ class StreamHealthSensor(BaseSensorOperator):
     def _thresholds(self):
         from airflow_stream_provider.diagnosis import Thresholds
 
-        return Thresholds(self.heartbeat_timeout, self.stuck_after)
+        return Thresholds(float(self.heartbeat_timeout), float(self.stuck_after))
 
 
 class CheckpointIncompatibilitySensor(StreamHealthSensor):

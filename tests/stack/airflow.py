@@ -20,7 +20,7 @@ def configure_environment() -> None:
     """Must run before anything imports airflow: its configuration is read at import time."""
     os.environ["AIRFLOW_HOME"] = HOME
     os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
-    os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(Path(__file__).resolve().parents[2] / "dags")
+    os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(Path(__file__).resolve().parents[1] / "dags")
     os.environ.setdefault("AIRFLOW__LOGGING__LOGGING_LEVEL", "INFO")
 
 
