@@ -123,16 +123,6 @@ def process_alive(pid: int) -> bool:
         return True
 
 
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)

@@ -132,8 +132,8 @@ def test_incompatible_checkpoint_is_reset_from_stored_offsets(stream, broker, fi
     # Version 2 adds a stateful operator: Spark cannot run it on version 1's checkpoint.
     upgraded = {**params, "application": str(FIXTURE_JOBS / "events_with_dedup.py"),
                 "spec": {**params["spec"], "version": "2.0"}}
-    producer.send(500)  # the incompatibility shows only when a batch with data runs
-    _run(dags.deploy, upgraded, if_running="replace")  # the query may fail at once or on its first batch
+    _run(dags.deploy, upgraded, if_running="replace")  # stops 1.0 gracefully, starts 2.0 on its checkpoint
+    producer.send(500)  # Spark validates the state lazily: the error comes with the first batch of data
 
     status, tasks = _run(dags.incompatible, upgraded, reason="upgrade to 2.0")
     assert status == "success", tasks

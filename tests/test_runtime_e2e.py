@@ -84,9 +84,7 @@ def test_kill9_exactly_once(broker, topic, runner, figures):
 def test_new_generation_starts_from_stored_offsets(broker, topic, runner):
     producer = EventProducer(broker, topic)
     producer.send(2000)
-    driver = runner.start()
-    runner.wait_caught_up(_end(producer), driver)
-    assert runner.stop(driver) == failures.EXIT_STOPPED
+    runner.process_backlog(_end(producer))
     stored = runner.store.stored_offsets(runner.spec.job_id)
 
     # archive generation 1 (never delete), then resume generation 2 from the database's offsets
@@ -123,9 +121,7 @@ def test_zombie_driver_is_fenced(broker, topic, runner):
     assert f"current epoch is {newer.epoch}" in row["termination_message"]
     assert runner.store.stored_offsets(runner.spec.job_id) == before  # the zombie committed nothing
 
-    driver = runner.start()
-    runner.wait_caught_up(_end(producer), driver)
-    assert runner.stop(driver) == failures.EXIT_STOPPED
+    runner.process_backlog(_end(producer))
     assert check_exactly_once(runner.store, runner.spec.job_id, producer.produced)["read"] == 1600
 
 
@@ -134,9 +130,7 @@ def test_zombie_driver_is_fenced(broker, topic, runner):
 def test_data_loss_names_the_lost_ranges(broker, topic, runner):
     producer = EventProducer(broker, topic)
     producer.send(900)
-    driver = runner.start()
-    runner.wait_caught_up(_end(producer), driver)
-    assert runner.stop(driver) == failures.EXIT_STOPPED
+    runner.process_backlog(_end(producer))
     stored = runner.store.stored_offsets(runner.spec.job_id)
 
     # The topic is recreated: the offsets the checkpoint and the database hold are gone from Kafka.

@@ -149,6 +149,13 @@ class JobRunner:
         assert self.store.request_stop(driver.run_id), "stop request was not accepted"
         return driver.wait(timeout)
 
+    def process_backlog(self, end_offsets: dict[int, int], spec: StreamJobSpec | None = None) -> None:
+        """Start a driver, let it apply everything up to ``end_offsets``, stop it gracefully (exit 0)."""
+        driver = self.start(spec)
+        self.wait_caught_up(end_offsets, driver)
+        code = self.stop(driver)
+        assert code == 0, f"graceful stop ended with exit code {code}\n{self.log_tail(driver)}"
+
     def committed_batches(self) -> int:
         return self.store.count(schema.batches, job_id=self.spec.job_id)
 
