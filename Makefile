@@ -26,7 +26,7 @@ $(SPARK_VENV)/.installed: pyproject.toml
 # The default test run: real Spark drivers, a real Kafka-protocol broker (Tansu), PostgreSQL and SQLite.
 # The fixtures start the broker and a fresh PostgreSQL database themselves.
 test: install
-	$(VENV)/bin/python -m pytest -m "not soak" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not soak" --durations=12 $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -80,6 +80,15 @@ class Broker:
         finally:
             admin.close()
 
+    def group_offsets(self, group: str) -> dict[int, int]:
+        """Committed offsets of a consumer group, by partition: what standard lag tools show."""
+        admin = self.admin()
+        try:
+            committed = admin.list_group_offsets(group).get(group, {})
+        finally:
+            admin.close()
+        return {tp.partition: meta.offset for tp, meta in committed.items()}
+
     def producer(self) -> KafkaProducer:
         # Batching off: Tansu answers ListOffsets(latest) from the last record *batch*, so multi-record
         # batches would hide their tail from end-offset checks until the next produce.
