@@ -264,12 +264,14 @@ class StreamHarness:
 
     def _after_commit(self, outcome: transaction.BatchOutcome) -> None:
         self.store.record_progress(self.run_id, outcome.batch_id, None, committed=True)
+        if self.spec.dry_run:  # a preflight must leave no trace a lag tool or the live run would see
+            return
         try:  # make progress visible to standard Kafka lag tooling; the database stays the truth
             kafka_client.commit_group(
                 self.spec.kafka.bootstrap_servers,
                 dict(self.spec.kafka.client_options),
                 self.spec.kafka.consumer_group(self.spec.job_id),
-                self.store.stored_offsets(self.spec.job_id),
+                outcome.committed_offsets,
             )
         except Exception as err:
             log.warning("could not commit offsets to the consumer group: %r", err)

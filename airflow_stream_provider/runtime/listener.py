@@ -40,10 +40,8 @@ class StateListener(StreamingQueryListener):
                 for s in progress.sources
             ],
         }
-        # A progress event follows a finished batch; with input it means the sink committed it.
-        self._safely(
-            self.store.record_progress, self.run_id, progress.batchId, summary, progress.numInputRows > 0
-        )
+        # Only the sink marks a batch committed (it knows a replay from new work); this is progress detail.
+        self._safely(self.store.record_progress, self.run_id, progress.batchId, summary, False)
 
     def onQueryIdle(self, event) -> None:
         self._safely(self.store.heartbeat, self.run_id)

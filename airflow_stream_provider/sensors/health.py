@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
 
+from airflow_stream_provider.diagnosis import Thresholds
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
-from airflow_stream_provider.triggers.health import StreamHealthTrigger, check_health
+from airflow_stream_provider.triggers.health import HealthProbe, StreamHealthTrigger
 
 
 class StreamHealthSensor(BaseSensorOperator):
@@ -52,8 +54,7 @@ class StreamHealthSensor(BaseSensorOperator):
         if not self.deferrable:
             return super().execute(context)
         trigger = self._trigger()
-        found = check_health(self.job_id, self.topics, self.state_conn_id, self.kafka_conn_id,
-                             self._thresholds())
+        found = self._probe.check()
         if trigger.matches(found):  # no need to defer for what is already true
             self.log.info("%s", found.summary())
             return found.to_dict()
@@ -67,15 +68,14 @@ class StreamHealthSensor(BaseSensorOperator):
         return event["diagnosis"]
 
     def poke(self, context) -> PokeReturnValue:
-        found = check_health(self.job_id, self.topics, self.state_conn_id, self.kafka_conn_id,
-                             self._thresholds())
+        found = self._probe.check()
         self.log.info("%s", found.summary())
         return PokeReturnValue(is_done=self._trigger().matches(found), xcom_value=found.to_dict())
 
-    def _thresholds(self):
-        from airflow_stream_provider.diagnosis import Thresholds
-
-        return Thresholds(float(self.heartbeat_timeout), float(self.stuck_after))
+    @cached_property
+    def _probe(self) -> HealthProbe:
+        return HealthProbe(self.job_id, self.topics, self.state_conn_id, self.kafka_conn_id,
+                           Thresholds(float(self.heartbeat_timeout), float(self.stuck_after)))
 
 
 class CheckpointIncompatibilitySensor(StreamHealthSensor):

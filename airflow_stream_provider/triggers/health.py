@@ -39,20 +39,24 @@ class StreamHealthTrigger(BaseTrigger):
             "poll_interval": self.poll_interval})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        while True:
-            try:
-                found = await asyncio.to_thread(check_health, self.job_id, self.topics, self.state_conn_id,
-                                                self.kafka_conn_id,
-                                                Thresholds(self.heartbeat_timeout, self.stuck_after))
-            except Exception as err:
-                yield TriggerEvent({"status": "error", "message": f"health check of job {self.job_id} failed: "
-                                                                  f"{err!r}"})
-                return
-            if self.matches(found):
-                yield TriggerEvent({"status": "fired", "message": found.summary(), "diagnosis": found.to_dict()})
-                return
-            self.log.debug("Job %s is %s", self.job_id, found.health.value)
-            await asyncio.sleep(self.poll_interval)
+        probe = HealthProbe(self.job_id, self.topics, self.state_conn_id, self.kafka_conn_id,
+                            Thresholds(self.heartbeat_timeout, self.stuck_after))
+        try:
+            while True:
+                try:
+                    found = await asyncio.to_thread(probe.check)
+                except Exception as err:
+                    yield TriggerEvent({"status": "error",
+                                        "message": f"health check of job {self.job_id} failed: {err!r}"})
+                    return
+                if self.matches(found):
+                    yield TriggerEvent({"status": "fired", "message": found.summary(),
+                                        "diagnosis": found.to_dict()})
+                    return
+                self.log.debug("Job %s is %s", self.job_id, found.health.value)
+                await asyncio.sleep(self.poll_interval)
+        finally:
+            probe.close()
 
     def matches(self, found: diagnosis.Diagnosis) -> bool:
         if found.health.value not in self.fire_on:
@@ -62,23 +66,36 @@ class StreamHealthTrigger(BaseTrigger):
         return True
 
 
-def check_health(job_id: str, topics: Sequence[str], state_conn_id: str, kafka_conn_id: str,
-                 thresholds: Thresholds) -> diagnosis.Diagnosis:
-    """One health check: the latest run, the driver process if it is on this host, and the Kafka lag."""
-    from airflow_stream_provider.hooks.driver import StreamDriverHook
-    from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
-    from airflow_stream_provider.hooks.state import StreamStateHook
+class HealthProbe:
+    """The blocking half of a health check, built once per watch so a trigger polling every few seconds
+    does not rebuild its database engine and Kafka client each time."""
 
-    state = StreamStateHook(state_conn_id)
-    try:
-        run = state.latest_run(job_id)
+    def __init__(self, job_id: str, topics: Sequence[str], state_conn_id: str, kafka_conn_id: str,
+                 thresholds: Thresholds):
+        from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
+        from airflow_stream_provider.hooks.state import StreamStateHook
+
+        self.job_id = job_id
+        self.topics = list(topics)
+        self.thresholds = thresholds
+        self.state = StreamStateHook(state_conn_id)
+        self.kafka = KafkaOffsetsHook(kafka_conn_id)
+
+    def check(self) -> diagnosis.Diagnosis:
+        """The latest run, the driver process if it is on this host, and the Kafka lag (only worth reading
+        while the query runs: it is the evidence for STUCK)."""
+        from airflow_stream_provider.hooks.driver import StreamDriverHook
+
+        run = self.state.latest_run(self.job_id)
         lag = None
         if run and run["status"] == "RUNNING":
             try:
-                lag = KafkaOffsetsHook(kafka_conn_id).lag(state.stored_offsets(job_id), topics)
-            except Exception:
-                lag = None
+                lag = self.kafka.lag(self.state.stored_offsets(self.job_id), self.topics)
+            except Exception as err:
+                self.state.log.warning("Could not read the Kafka lag of job %s: %r", self.job_id, err)
         alive = local_driver.process_alive(run["pid"]) if run and StreamDriverHook.is_local(run) else None
-        return diagnosis.diagnose(job_id, run, driver_alive=alive, lag=lag, thresholds=thresholds)
-    finally:
-        state.store.dispose()
+        return diagnosis.diagnose(self.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
+
+    def close(self) -> None:
+        if "store" in self.state.__dict__:
+            self.state.store.dispose()
