@@ -107,8 +107,15 @@ class StreamDriverHook(BaseHook):
         return None
 
     def terminate(self, run: dict[str, Any]) -> bool:
-        """SIGTERM: the harness treats it as a graceful stop request."""
-        return self._signal(run, signal.SIGTERM)
+        """SIGTERM to the Python driver only: its harness stops the query between batches.  Sent to the
+        whole group it would also reach the JVM, whose shutdown hooks stop Spark under the query."""
+        if not self.is_local(run):
+            return False
+        try:
+            os.kill(run["pid"], signal.SIGTERM)
+        except ProcessLookupError:
+            return False
+        return True
 
     def kill(self, run: dict[str, Any]) -> str:
         """Kill the driver outright: its process group locally, the application on a cluster."""
