@@ -6,8 +6,10 @@ once, KPIs equal to a recomputation, stored offsets equal to Kafka's end offsets
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import signal
 import time
 
 import pytest
@@ -36,11 +38,14 @@ def test_graceful_stop_and_restart(broker, topic, runner, figures):
     assert (row["status"], row["exit_code"], row["failure_kind"]) == ("STOPPED", 0, None)
     check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
 
-    # records produced while stopped are picked up by the next run, nothing repeated
+    # records produced while stopped are picked up by the next run, nothing repeated; this time the
+    # stop comes as SIGTERM to the Python driver, the stop operator's first escalation
     producer.send(700)
     driver = runner.start()
     runner.wait_caught_up(_end(producer), driver)
-    assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED
+    os.kill(runner.run_row(driver)["pid"], signal.SIGTERM)
+    assert driver.wait(60) == failures.EXIT_STOPPED, runner.log_tail(driver)
+    assert runner.run_row(driver)["status"] == "STOPPED"
     counts = check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
     assert counts["read"] == 4700
     # progress is visible to standard Kafka lag tooling through the job's consumer group
