@@ -171,3 +171,21 @@ def plan_batch_end(position: Mapping[tuple[str, int], int], earliest: Mapping[tu
     for tp, first in earliest.items():
         start.setdefault(tp, first)
     return limit_range(start, latest, max_records)
+
+
+def from_offset_log(lines: list[str]) -> Offsets:
+    """The Kafka positions in one offsets-log entry's source lines (after the version and metadata lines).
+
+    A job may read more than one Kafka stream (the harness's ``kafka_stream``); their positions are
+    merged, keyed by topic and partition.  ``-`` (a source with no offset yet) contributes nothing.
+    """
+    merged: Offsets = {}
+    for line in lines:
+        if line.strip() in ("", "-"):
+            continue
+        for tp, offset in from_spark_json(line).items():
+            if tp in merged:
+                raise ValueError(f"{tp[0]}-{tp[1]} is read by two sources of the same query")
+            merged[tp] = offset
+    return merged
+

@@ -65,7 +65,7 @@ class StreamJobSpec:
     heartbeat_seconds: float = 2.0
     #: Old batches Spark keeps in the checkpoint (spark.sql.streaming.minBatchesToRetain).
     min_batches_to_retain: int = 100
-    #: Preflight mode: plan and run batches, write nothing to the results or the stored offsets.
+    #: Preflight mode: run batches until one with id >= 1 ran (it reads state), write nothing, stop.
     dry_run: bool = False
 
     # -- derived -----------------------------------------------------------------------------------

@@ -6,8 +6,6 @@ through the JVM's FileSystem means local paths, ``hdfs://`` and object stores re
 
 from __future__ import annotations
 
-import json
-
 from pyspark.sql import SparkSession
 
 from airflow_stream_provider import kafka_offsets
@@ -37,11 +35,9 @@ class OffsetLog:
 
 
 def parse_entry(text: str) -> Offsets:
-    """Parse one offsets-log file: a version line, batch metadata, then one line per source.
-
-    The jobs this runtime builds have exactly one source; its line is Spark's Kafka offset JSON.
-    """
+    """Parse one offsets-log file: a version line, batch metadata, then one line per source, each
+    Spark's Kafka offset JSON (several when the job reads a second stream)."""
     lines = [line for line in text.splitlines() if line.strip()]
     if len(lines) < 3 or not lines[0].startswith("v"):
         raise ValueError(f"malformed offsets log entry: {text[:200]!r}")
-    return kafka_offsets.from_spark_json(json.loads(lines[2]))
+    return kafka_offsets.from_offset_log(lines[2:])

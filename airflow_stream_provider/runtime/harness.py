@@ -40,8 +40,8 @@ from airflow_stream_provider.state import store as state
 log = logging.getLogger("airflow_stream_provider.harness")
 
 JVM_KAFKA_PROVIDER = "org.apache.spark.sql.kafka010.KafkaSourceProvider"
-#: How long a graceful stop waits for the running batch before interrupting it (the sink makes an
-#: interrupted batch harmless; waiting just avoids redoing work).
+#: How long a graceful stop waits for the running batch to end before interrupting it (the sink makes
+#: an interrupted batch harmless; waiting just avoids redoing work).
 STOP_WAIT_S = 120.0
 _LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)\])?$")
 
@@ -72,6 +72,8 @@ class StreamHarness:
         )
         self.run_id = self.ticket.run_id
         self._stop_signalled = False
+        #: A dry run (upgrade preflight) stops by itself once one batch ran through the sink.
+        self._preflight_done = False
         log.info(
             "job %s version %s generation %s: run %s holds epoch %s%s",
             spec.job_id,
@@ -185,9 +187,12 @@ class StreamHarness:
                 failures.EXIT_CONFIG,
             )
         starting = spec.kafka.starting_offsets
-        requested = (
-            starting if starting in ("earliest", "latest") else kafka_offsets.from_spark_json(starting)
-        )
+        if starting in ("earliest", "latest"):
+            requested = starting
+        else:  # stored offsets may name a second stream's topics too: this source takes its own
+            requested = {
+                tp: o for tp, o in kafka_offsets.from_spark_json(starting).items() if tp[0] in spec.kafka.topics
+            }
         resolved = kafka_offsets.resolve(requested, earliest, latest)
         lost = kafka_offsets.find_lost_ranges(resolved, earliest, latest)
         if lost and spec.kafka.fail_on_data_loss:
@@ -198,12 +203,22 @@ class StreamHarness:
                 + "; ".join(r.describe() for r in lost)
                 + ". Decide whether to accept the loss (failOnDataLoss=false) or restore the data",
             )
-        self.store.ensure_generation(
-            spec.job_id, spec.generation, spec.checkpoint_path, kafka_offsets.to_spark_json(resolved)
-        )
+        if not spec.dry_run:  # a preflight runs on a copy and must not record anything for the job
+            self.store.ensure_generation(
+                spec.job_id, spec.generation, spec.checkpoint_path, kafka_offsets.to_spark_json(resolved)
+            )
         return resolved
 
     def _source(self) -> DataFrame:
+        return self.kafka_stream(self.spec.kafka.topics, kafka_offsets.to_spark_json(self._generation_start))
+
+    def kafka_stream(self, topics: Sequence[str], starting_offsets: str = "earliest") -> DataFrame:
+        """A Kafka stream with the job's brokers, client options and source kind.
+
+        The job's own records come from ``spec.kafka.topics``; a job that needs a second stream (a
+        control topic, a join partner) asks for it here so both share one configuration.  Every
+        stream's positions are in the offsets log, and the sink applies each record once.
+        """
         kind = self.spec.kafka.source
         if kind == "auto":
             kind = "jvm" if self._jvm_connector_present() else "python"
@@ -215,25 +230,21 @@ class StreamHarness:
             reader = reader.format(kafka_source.FORMAT)
         options = {
             "kafka.bootstrap.servers": self.spec.kafka.bootstrap_servers,
-            "subscribe": ",".join(self.spec.kafka.topics),
-            "startingOffsets": kafka_offsets.to_spark_json(self._generation_start),
+            "subscribe": ",".join(topics),
+            "startingOffsets": starting_offsets,
             "failOnDataLoss": str(self.spec.kafka.fail_on_data_loss).lower(),
             **{f"kafka.{k}": str(v) for k, v in self.spec.kafka.client_options.items()},
         }
         if self.spec.kafka.max_offsets_per_trigger:
             options["maxOffsetsPerTrigger"] = str(self.spec.kafka.max_offsets_per_trigger)
-        log.info(
-            "reading %s through the %s Kafka source from %s",
-            list(self.spec.kafka.topics),
-            kind,
-            options["startingOffsets"],
-        )
+        log.info("reading %s through the %s Kafka source from %s", list(topics), kind, starting_offsets)
         frame = reader.options(**options).load()
         return frame.select("topic", "partition", "offset", "key", "value", "timestamp")
 
     def _jvm_connector_present(self) -> bool:
-        try:
-            self.spark._jvm.java.lang.Class.forName(JVM_KAFKA_PROVIDER)
+        try:  # through the context class loader: --packages jars are not on py4j's own loader
+            jvm = self.spark._jvm
+            jvm.java.lang.Thread.currentThread().getContextClassLoader().loadClass(JVM_KAFKA_PROVIDER)
             return True
         except Exception:
             return False
@@ -264,7 +275,10 @@ class StreamHarness:
 
     def _after_commit(self, outcome: transaction.BatchOutcome) -> None:
         self.store.record_progress(self.run_id, outcome.batch_id, None, committed=True)
-        if self.spec.dry_run:  # a preflight must leave no trace a lag tool or the live run would see
+        if self.spec.dry_run:  # leave no other trace
+            # Done once a batch that reads the previous batch's state ran: batch 0 starts from empty
+            # state, so a stateful change shows only from batch 1 on.
+            self._preflight_done = outcome.batch_id >= 1
             return
         try:  # make progress visible to standard Kafka lag tooling; the database stays the truth
             kafka_client.commit_group(
@@ -293,15 +307,22 @@ class StreamHarness:
             except Exception as err:
                 log.warning("heartbeat failed: %r", err)
                 stop = self._stop_signalled
-            if stop:
+            if stop or self._preflight_done:
                 return self._stop_gracefully(query)
 
     def _stop_gracefully(self, query: StreamingQuery) -> int:
         """Let the running batch finish, then stop the query between batches."""
         self.store.set_status(self.run_id, state.STOPPING)
         deadline = time.monotonic() + STOP_WAIT_S
-        while query.status["isTriggerActive"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        finished = self.sink.calls_finished
+        # Stop between batches: when no trigger runs, or right after the sink returned from one (on a
+        # busy stream the next batch starts at once, so "no trigger" may never be seen).
+        while (
+            query.status["isTriggerActive"]
+            and self.sink.calls_finished == finished
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.02)
         faults.maybe_crash("during_stop")
         query.stop()
         exception = query.exception()

@@ -106,13 +106,19 @@ def plan(store: StateStore, job_id: str, batch: BatchRange) -> BatchPlan:
     return BatchPlan(batch, stored, _apply_from(job_id, batch, stored))
 
 
+def whole_batch(batch: BatchRange) -> BatchPlan:
+    """A plan that applies every record of the batch, ignoring the stored offsets (preflight dry runs)."""
+    apply_from = {tp: batch.start.get(tp, 0) for tp, end in batch.end.items() if end > batch.start.get(tp, 0)}
+    return BatchPlan(batch, {}, apply_from)
+
+
 def _apply_from(job_id: str, batch: BatchRange, stored: Offsets) -> dict[TopicPartition, int]:
     apply_from = {}
     for tp, end in sorted(batch.end.items()):
         start = batch.start.get(tp)
         position = stored.get(tp)
-        if start is not None and end <= start:
-            continue  # nothing planned for this partition
+        if end <= (start if start is not None else 0):
+            continue  # nothing planned for this partition (e.g. an empty second stream)
         if position is None:
             apply_from[tp] = start if start is not None else 0
             continue
