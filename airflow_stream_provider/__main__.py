@@ -1,7 +1,9 @@
-"""``python -m airflow_stream_provider status``: a job's state at a glance, for on-call, without Airflow.
+"""``python -m airflow_stream_provider``: a job's state at a glance, for on-call, without a running Airflow.
 
-Reads only the state database (the password, if any, from STREAM_DATABASE_PASSWORD): the latest runs
-with their health inputs, the checkpoint generations, and the stored offsets.
+``status`` reads the state database (the password, if any, from STREAM_DATABASE_PASSWORD): the latest
+runs with their health inputs, the generations and the stored offsets; with ``--checkpoint-root`` also
+what each generation's checkpoint holds (last batch, committed or not, its offsets).  ``prune`` applies a
+retention policy to a job's archived generations (never to active ones).
 """
 
 from __future__ import annotations
@@ -56,6 +58,23 @@ def status(store: StateStore, job_id: str, runs: int = 5) -> str:
     return "\n".join(out)
 
 
+def checkpoint_history(checkpoint_root: str, job_id: str, checkpoint_conn_id: str | None = None) -> str:
+    """Every generation on checkpoint storage: state, newest file time, last batch and its offsets."""
+    from airflow_stream_provider.hooks.checkpoint import CheckpointHook  # needs Airflow's SDK, not a server
+
+    rows = []
+    for info in CheckpointHook(checkpoint_root, checkpoint_conn_id).list_generations(job_id):
+        batch = info.latest_batch
+        offsets = "-" if batch is None or batch.offsets is None else kafka_offsets.to_spark_json(batch.offsets)
+        rows.append([info.generation, "archived" if info.archived else "active", _when(info.modified_at),
+                     "-" if batch is None else batch.batch_id,
+                     "-" if batch is None else ("yes" if batch.committed else "no (replayed on start)"),
+                     offsets, info.path])
+    if not rows:
+        return f"no checkpoint generations of job {job_id} under {checkpoint_root}"
+    return _table(rows, ["gen", "state", "modified", "last batch", "committed", "offsets", "path"])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m airflow_stream_provider")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -63,7 +82,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     show.add_argument("--database-url", required=True, help="SQLAlchemy URL of the state database")
     show.add_argument("--job-id", required=True)
     show.add_argument("--runs", type=int, default=5, help="how many recent runs to list")
+    show.add_argument("--checkpoint-root", help="also list what each generation's checkpoint holds")
+    show.add_argument("--checkpoint-conn-id", help="Airflow connection for WebHDFS (hdfs:// roots)")
+    prune = commands.add_parser("prune", help="remove archived generations outside a retention policy")
+    prune.add_argument("--checkpoint-root", required=True)
+    prune.add_argument("--job-id", required=True)
+    prune.add_argument("--keep", type=int, help="keep the newest N archives")
+    prune.add_argument("--max-age-days", type=float, help="keep archives younger than this")
+    prune.add_argument("--checkpoint-conn-id", help="Airflow connection for WebHDFS (hdfs:// roots)")
     args = parser.parse_args(argv)
+    if args.command == "prune":
+        return _prune(args)
     store = StateStore.from_url(args.database_url)
     try:
         if not inspect(store.engine).has_table(schema.runs.name):
@@ -73,6 +102,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(status(store, args.job_id, args.runs))
     finally:
         store.dispose()
+    if args.checkpoint_root:
+        print("\ncheckpoints:\n" + checkpoint_history(args.checkpoint_root, args.job_id, args.checkpoint_conn_id))
+    return 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    from airflow_stream_provider.hooks.checkpoint import CheckpointHook
+
+    if args.keep is None and args.max_age_days is None:
+        print("prune: give --keep N and/or --max-age-days D; nothing is deleted without a policy", file=sys.stderr)
+        return 2
+    hook = CheckpointHook(args.checkpoint_root, args.checkpoint_conn_id)
+    removed = hook.prune_archives(args.job_id, max_count=args.keep,
+                                  max_age_s=None if args.max_age_days is None else args.max_age_days * 86400)
+    print("\n".join(f"removed {path}" for path in removed) or "nothing to remove")
     return 0
 
 

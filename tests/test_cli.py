@@ -31,3 +31,29 @@ def test_status_shows_runs_generations_and_offsets(tmp_path, capsys):
 def test_status_on_a_database_without_stream_state_says_so(tmp_path, capsys):
     assert main(["status", "--database-url", f"sqlite:///{tmp_path / 'empty.db'}", "--job-id", "x"]) == 2
     assert "no stream state" in capsys.readouterr().err
+
+
+def test_status_with_checkpoints_then_prune_by_retention(tmp_path, capsys):
+    """Generations on disk in Spark's format: two archives and the active one."""
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    StateStore.from_url(url).ensure_schema()
+    job = tmp_path / "ckpt" / "orders"
+    for directory, batch, committed in [("archive/gen-1-20260101T000000Z", 4, True),
+                                        ("archive/gen-2-20261101T000000Z", 9, True), ("gen-3", 2, False)]:
+        for log in ("offsets", "commits"):
+            (job / directory / log).mkdir(parents=True)
+        (job / directory / "offsets" / str(batch)).write_text(f'v1\n{{}}\n{{"orders":{{"0":{batch * 10}}}}}\n')
+        if committed:
+            (job / directory / "commits" / str(batch)).write_text("v1\n{}\n")
+
+    assert main(["status", "--database-url", url, "--job-id", "orders", "--checkpoint-root",
+                 str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out.split("checkpoints:")[1].splitlines()
+    assert [line.split()[:2] for line in out[3:]] == [["1", "archived"], ["2", "archived"], ["3", "active"]]
+    assert '{"orders":{"0":20}}' in out[5] and "no (replayed on start)" in out[5]
+
+    assert main(["prune", "--checkpoint-root", str(tmp_path / "ckpt"), "--job-id", "orders"]) == 2
+    assert main(["prune", "--checkpoint-root", str(tmp_path / "ckpt"), "--job-id", "orders", "--keep", "1"]) == 0
+    assert "removed" in capsys.readouterr().out
+    assert sorted(p.name for p in (job / "archive").iterdir()) == ["gen-2-20261101T000000Z"]
+    assert (job / "gen-3" / "offsets" / "2").exists()

@@ -503,7 +503,7 @@ class CheckpointHook(BaseHook):
             lines = [line for line in text.splitlines() if line.strip()]
             if len(lines) < 3 or not lines[0].startswith("v"):
                 raise ValueError("expected a version line, batch metadata and one line per source")
-            return kafka_offsets.from_spark_json(json.loads(lines[2]))
+            return kafka_offsets.from_offset_log(lines[2:])
         except (OSError, ValueError) as err:  # JSONDecodeError is a ValueError
             self.log.warning("Cannot parse offsets log entry %s: %s", self._external(path), err)
             return None
@@ -591,6 +591,24 @@ class CheckpointHook(BaseHook):
                 path = os.path.join(directory, name)
                 if os.path.islink(path):
                     self._resolve(path, what="link inside the generation")
+
+    def new_preflight_root(self, job_id: str) -> str:
+        """A fresh directory name under ``<job_root>/preflight/`` for one preflight's copy."""
+        stamp = time.strftime(_ARCHIVE_TIME, time.gmtime())
+        return f"{self.job_root(job_id)}/{PREFLIGHT_DIR}/{stamp}-{uuid.uuid4().hex[:8]}"
+
+    def remove_preflight(self, job_id: str, path: str) -> None:
+        """Delete one preflight copy made by :meth:`copy_generation`; nothing else can be removed here."""
+        preflight_dir = self._resolve(self._join(self._job_dir(job_id), PREFLIGHT_DIR), what="preflight dir")
+        resolved = self._resolve(path, what="preflight copy")
+        if self._dirname(resolved) != preflight_dir:
+            raise ValueError(
+                f"refusing to remove {path!r}: only direct children of {self._external(preflight_dir)} "
+                "(preflight copies) are removed by remove_preflight()"
+            )
+        if self._fs.exists(resolved):
+            self._fs.delete(resolved)
+            self.log.info("Removed preflight copy %s", self._external(resolved))
 
     def drop_latest_commit(self, path: str) -> int | None:
         """Remove ``commits/<latest>`` (and its ``.crc``) from a copy so that Spark re-plans that batch.

@@ -7,9 +7,11 @@ driver through its environment), the Kafka connection the brokers, the Spark con
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,8 @@ class StreamJobError(Exception):
 
 class StreamJobOperator(BaseOperator):
     template_fields: Sequence[str] = ("spec", "application", "conf", "env_vars", "py_files", "ready_timeout",
-                                      "heartbeat_timeout", "stuck_after", "stop_timeout", "driver_log_dir")
+                                      "heartbeat_timeout", "stuck_after", "stop_timeout", "driver_log_dir",
+                                      "checkpoint_conn_id")
     template_fields_renderers = {"spec": "json", "conf": "json"}
     ui_color = "#e8f1fb"
 
@@ -119,16 +122,18 @@ class StreamJobOperator(BaseOperator):
 
     # -- launching -------------------------------------------------------------------------------------
     def launch(self, *, generation: int | None = None, starting_offsets: str | None = None,
-               spec: StreamJobSpec | None = None) -> dict[str, Any]:
+               spec: StreamJobSpec | None = None, application: str | None = None) -> dict[str, Any]:
         """Submit a driver and wait until its query runs; fail with the driver's own evidence if it doesn't."""
-        if not self.application:
+        application = application or self.application
+        if not application:
             raise AirflowFailException(f"{self.task_id}: 'application' (the job file to submit) is required")
         spec = spec or self.job
         generation = generation or self.state.current_generation(spec.job_id)
         spec = spec.with_generation(generation, starting_offsets)
         run_id = uuid.uuid4().hex
-        submitted = self.driver.submit(self.application, spec, run_id, self.state.password)
+        submitted = self.driver.submit(application, spec, run_id, self.state.password)
         run = self._wait_ready(spec, submitted)
+        self.state.store.record_launch(run_id, application, spec.to_json())
         self.log.info("Job %s run %s is running: generation %s, epoch %s", spec.job_id, run_id, generation,
                       run["epoch"])
         return {"job_id": spec.job_id, "run_id": run_id, "epoch": run["epoch"], "generation": generation,
@@ -170,29 +175,24 @@ class StreamJobOperator(BaseOperator):
         live = self.live_run()
         if live is not None:
             self.stop_run(live)
-        result = self.launch()
+        recorded = self.recorded_launch(failed_run)
+        result = self.launch(application=recorded[0], spec=recorded[1]) if recorded else self.launch()
         self.state.record_restart(self.job.job_id, "restart", reason, failed_run and failed_run["run_id"],
                                   result["run_id"])
         return {**result, "action": "restart"}
 
-    def reset_and_resume(self, reason: str, *, allow_data_loss: bool = False) -> dict[str, Any]:
+    def reset_and_resume(self, reason: str, *, allow_data_loss: bool = False, spec: StreamJobSpec | None = None,
+                         application: str | None = None) -> dict[str, Any]:
         """Archive the current generation and start the next one from the offsets stored with the results.
 
         The stored offsets are checked against Kafka first (invariant 5): offsets that fell out of
         retention fail the task with the exact lost ranges unless ``allow_data_loss``.
         """
-        job = self.job
+        job = spec or self.job
         live = self.live_run()
         if live is not None:
             self.stop_run(live)
-        stored = self.state.stored_offsets(job.job_id)
-        lost = self.kafka.lost_ranges(stored, job.kafka.topics) if stored else []
-        if lost and not allow_data_loss:
-            raise AirflowFailException(
-                f"job {job.job_id}: cannot resume from the stored offsets {kafka_offsets.to_spark_json(stored)}: "
-                + "; ".join(r.describe() for r in lost)
-                + ". Nothing was archived or started. Restore the data, or rerun with allow_data_loss=True "
-                "to accept the loss.")
+        stored, lost = self.resume_point(job, allow_data_loss=allow_data_loss)
         generation = self.state.current_generation(job.job_id)
         archive_path = None
         active = {g.generation for g in self.checkpoints.list_generations(job.job_id) if not g.archived}
@@ -205,10 +205,39 @@ class StreamJobOperator(BaseOperator):
             earliest, latest = self.kafka.watermarks(job.kafka.topics)
             moved = {tp: min(max(off, earliest.get(tp, off)), latest.get(tp, off)) for tp, off in stored.items()}
             starting = kafka_offsets.to_spark_json(moved)
-        result = self.launch(generation=generation + 1, starting_offsets=starting)
+        result = self.launch(generation=generation + 1, starting_offsets=starting, spec=job,
+                             application=application)
         self.state.record_restart(job.job_id, "reset", reason, None, result["run_id"])
         return {**result, "action": "reset", "archived_generation": generation, "archive_path": archive_path,
                 "starting_offsets": starting, "lost_ranges": [r.to_dict() for r in lost]}
+
+    def recorded_launch(self, run: dict[str, Any] | None,
+                        application: str | None = None) -> tuple[str, StreamJobSpec] | None:
+        """The job file and spec a run was launched with (recorded once its query ran), with today's
+        brokers and database: a restart or a rollback starts exactly the code that ran, not whatever the
+        DAG's arguments say now."""
+        application = application or (run and run.get("application"))
+        if not application or run is None:
+            return None
+        current = self.job
+        if not run.get("spec"):
+            return application, replace(current, version=run["version"])
+        recorded = json.loads(run["spec"])
+        recorded["kafka"]["bootstrap_servers"] = current.kafka.bootstrap_servers
+        recorded.update(database_url=current.database_url, dry_run=False)
+        return application, StreamJobSpec.from_dict(recorded)
+
+    def resume_point(self, job: StreamJobSpec, *, allow_data_loss: bool = False):
+        """The stored offsets and the ranges of them Kafka no longer holds; fails on loss unless allowed."""
+        stored = self.state.stored_offsets(job.job_id)
+        lost = self.kafka.lost_ranges(stored, job.kafka.topics) if stored else []
+        if lost and not allow_data_loss:
+            raise AirflowFailException(
+                f"job {job.job_id}: cannot resume from the stored offsets {kafka_offsets.to_spark_json(stored)}: "
+                + "; ".join(r.describe() for r in lost)
+                + ". Nothing was archived or started. Restore the data, or rerun with allow_data_loss=True "
+                "to accept the loss.")
+        return stored, lost
 
     # -- stopping --------------------------------------------------------------------------------------
     def stop_run(self, run: dict[str, Any]) -> dict[str, Any]:

@@ -78,6 +78,10 @@ runs = Table(
     Column("log_path", Text),
     #: The submission handle for cluster masters (driver id, YARN application id, pod name).
     Column("submission_id", Text),
+    #: What was launched (job file and spec JSON, which holds no secret), recorded by the launcher once
+    #: the query runs: an upgrade rolls back to exactly this.
+    Column("application", Text),
+    Column("spec", Text),
 )
 
 #: The stored offsets: per partition, the next offset not yet applied to the results.  They move

@@ -181,6 +181,9 @@ class StateStore:
             )
             return result.rowcount == 1
 
+    def record_launch(self, run_id: str, application: str, spec_json: str) -> None:
+        self._update_run(run_id, application=application, spec=spec_json)
+
     def set_status(self, run_id: str, status: str) -> None:
         self._update_run(run_id, status=status)
 

@@ -339,6 +339,18 @@ def test_archive_refuses_an_existing_target(hook, tree, root):
 
 
 # -- copy and drop_latest_commit -------------------------------------------------------------------------
+def test_preflight_copy_is_made_and_removed_inside_its_own_directory(hook, tree, root):
+    preflight = hook.new_preflight_root(JOB)
+    assert preflight.startswith(f"{root}/{JOB}/preflight/") and preflight != hook.new_preflight_root(JOB)
+    copy = hook.copy_generation(JOB, 1, f"{preflight}/{JOB}/gen-1")
+    assert snapshot(Path(copy)) == snapshot(root / JOB / "gen-1")
+    for elsewhere in (str(root / JOB / "gen-1"), f"{root}/{JOB}/preflight", f"{preflight}/{JOB}", str(root)):
+        with pytest.raises(ValueError, match="refusing to remove|outside the checkpoint root"):
+            hook.remove_preflight(JOB, elsewhere)
+    hook.remove_preflight(JOB, preflight)
+    assert not Path(preflight).exists() and (root / JOB / "gen-1" / "commits" / "2").exists()
+
+
 def test_copy_then_drop_latest_commit_on_the_copy(hook, tree, root):
     target = hook.copy_generation(JOB, 1, f"{root}/{JOB}/preflight/v2")
     assert snapshot(Path(target)) == snapshot(root / JOB / "gen-1")

@@ -1,0 +1,268 @@
+"""Upgrade a running stream job to new code: preflight, stop, start (or reset), verify, roll back."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_stream_provider import kafka_offsets, local_driver, upgrade
+from airflow_stream_provider import spec as spec_module
+from airflow_stream_provider.failures import FailureKind
+from airflow_stream_provider.operators.base import StreamJobError, StreamJobOperator, _log_tail
+from airflow_stream_provider.spec import StreamJobSpec
+from airflow_stream_provider.state.store import ACTIVE_STATUSES, STOPPED
+from airflow_stream_provider.upgrade import Action, Preflight, Verdict
+
+
+class UpgradeStreamingJobOperator(StreamJobOperator):
+    """Move a stream job to a new version (``application`` + ``version``) with exactly-once results.
+
+    1. *Preflight*, while the old run keeps running: copy the current checkpoint generation, drop its
+       newest commit so Spark must run that batch again, and run the new code on the copy as a dry run
+       (one batch, nothing written). The verdict is compatible / incompatible (Spark's error class) /
+       failed / inconclusive.
+    2. Decide with ``reset_policy`` (see :mod:`airflow_stream_provider.upgrade`): reuse the checkpoint,
+       reset to a new generation from the stored offsets (checked against Kafka *before* the stop), or
+       abort with what a reset would do. A failed preflight aborts: the old run is never stopped.
+    3. Graceful stop of the old run, then start the new version.
+    4. Verify: the new run must commit a batch (or be caught up) within ``verify_timeout``.
+    5. Otherwise roll back to what ran before (the application and spec recorded with its run, or
+       ``previous_application``): on the untouched old generation when it was kept, from the stored
+       offsets when it was archived, and fail the task saying what happened.
+
+    :param version: the new version label (defaults to the spec's ``version``).
+    :param reset_policy: ``auto`` | ``after_preflight`` | ``never``.
+    :param previous_application: the job file to roll back to, when the old run was not launched by this
+        provider (otherwise it is read from the old run's record).
+    """
+
+    template_fields = (*StreamJobOperator.template_fields, "version", "reset_policy", "previous_application",
+                       "preflight_timeout", "verify_timeout")
+    ui_color = "#fdf2e0"
+
+    def __init__(self, *, version: str | None = None, reset_policy: str = "after_preflight",
+                 previous_application: str | None = None, preflight_timeout: float = 300.0,
+                 verify_timeout: float | None = None, allow_data_loss: bool = False,
+                 keep_preflight_copy: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.version = version
+        self.reset_policy = reset_policy
+        self.previous_application = previous_application
+        self.preflight_timeout = preflight_timeout
+        self.verify_timeout = verify_timeout
+        self.allow_data_loss = allow_data_loss
+        self.keep_preflight_copy = keep_preflight_copy
+
+    @property
+    def new_spec(self) -> StreamJobSpec:
+        return replace(self.job, version=str(self.version)) if self.version else self.job
+
+    def execute(self, context) -> dict[str, Any]:
+        try:
+            policy = upgrade.check_policy(self.reset_policy)
+        except ValueError as err:
+            raise AirflowFailException(str(err)) from None
+        new = self.new_spec
+        job_id = new.job_id
+        before = self.state.latest_run(job_id)
+        previous = self.recorded_launch(before, self.previous_application)
+        generation = self.state.current_generation(job_id)
+        live = self.live_run()
+        self.log.info("Upgrading job %s from %s to %s (generation %s, %s)", job_id,
+                      before and before["version"], new.version, generation,
+                      f"run {live['run_id']} live" if live else "no live run")
+
+        preflight = self.preflight(new, generation)
+        decision = upgrade.decide(preflight, policy)
+        self.log.info("Preflight: %s (%s). Decision: %s, because %s", preflight.verdict.value,
+                      preflight.detail, decision.action.value, decision.why)
+        outcome: dict[str, Any] = {"job_id": job_id, "from_version": before and before["version"],
+                                   "to_version": new.version, "preflight": preflight.to_dict(),
+                                   "decision": decision.action.value, "generation_before": generation}
+        if decision.action == Action.ABORT:
+            raise AirflowFailException(self._abort_message(new, generation, preflight, decision, live))
+        if decision.action == Action.RESET:  # check the resume point while the old run still runs
+            self.resume_point(new, allow_data_loss=self.allow_data_loss)
+        if live is not None:
+            outcome["stopped"] = self.stop_run(live)
+        try:
+            started = self._start(new, decision)
+            outcome["verified"] = self.verify(started)
+        except (StreamJobError, AirflowFailException) as err:
+            self.log.error("Version %s of job %s failed after the stop: %s", new.version, job_id, err)
+            rolled = self._roll_back(previous, generation, str(err))
+            raise AirflowFailException(
+                f"job {job_id}: the upgrade to version {new.version} failed after the old run was stopped: "
+                f"{_first_lines(str(err))}\n{rolled}") from None
+        return {**outcome, **started}
+
+    # -- preflight -------------------------------------------------------------------------------------
+    def preflight(self, new: StreamJobSpec, generation: int) -> Preflight:
+        """Run the new code as a dry run on a copy of generation ``generation``'s checkpoint."""
+        job_id = new.job_id
+        active = {g.generation for g in self.checkpoints.list_generations(job_id) if not g.archived}
+        path = self.checkpoints.generation_path(job_id, generation)
+        if generation not in active or not self.checkpoints.has_checkpoint(path):
+            return Preflight(Verdict.SKIPPED, f"generation {generation} has no checkpoint yet")
+        root = self.checkpoints.new_preflight_root(job_id)
+        copy = spec_module.generation_path(f"{root}/{job_id}", generation)
+        started = time.monotonic()
+        try:
+            self.checkpoints.copy_generation(job_id, generation, copy)
+            replayed = self.checkpoints.drop_latest_commit(copy)
+            dry = replace(new.with_generation(generation), checkpoint_root=root, dry_run=True)
+            run_id = uuid.uuid4().hex
+            self.log.info("Preflight of version %s on a copy of generation %s (%s; batch %s replayed): run %s",
+                          new.version, generation, copy, replayed, run_id)
+            submitted = self.driver.submit(self.application, dry, run_id, self.state.password)
+            run = self._wait_dry_run(submitted)
+            verdict = _verdict(run, submitted.log_path)
+            return replace(verdict, run_id=run_id, log_path=submitted.log_path,
+                           seconds=round(time.monotonic() - started, 1))
+        finally:
+            if not self.keep_preflight_copy:
+                self.checkpoints.remove_preflight(job_id, root)
+
+    def _wait_dry_run(self, submitted) -> dict[str, Any] | None:
+        deadline = time.monotonic() + float(self.preflight_timeout)
+        run = None
+        while time.monotonic() < deadline:
+            run = self.state.store.get_run(submitted.run_id)
+            if run and run["status"] not in ACTIVE_STATUSES and self.driver.is_alive(run) is not True:
+                return run
+            if submitted.pid and not local_driver.process_alive(submitted.pid):
+                time.sleep(0.5)  # let it write its termination record
+                return self.state.store.get_run(submitted.run_id)
+            time.sleep(0.5)
+        if run is not None:  # no batch within the timeout: end it, the verdict is inconclusive
+            self.log.warning("Preflight run %s ran no batch within %ss: stopping it", submitted.run_id,
+                             self.preflight_timeout)
+            self.stop_run(run)
+        return {**(run or {}), "status": "TIMEOUT"}
+
+    # -- start, verify, roll back ----------------------------------------------------------------------
+    def _start(self, new: StreamJobSpec, decision: upgrade.Decision) -> dict[str, Any]:
+        reason = f"upgrade to version {new.version}: {decision.why}"
+        if decision.action == Action.RESET:
+            return self.reset_and_resume(reason, allow_data_loss=self.allow_data_loss, spec=new)
+        try:
+            return {**self.launch(spec=new), "action": "reuse"}
+        except (StreamJobError, AirflowFailException):
+            failed = self.state.latest_run(new.job_id)
+            refused = failed and failed["failure_kind"] == FailureKind.CHECKPOINT_INCOMPATIBLE.value
+            if not (refused and decision.reset_on_start_failure):
+                raise
+            self.log.warning("Version %s refused the checkpoint on start (%s); reset_policy='auto': resetting",
+                             new.version, failed["error_class"])
+            return self.reset_and_resume(f"{reason}; refused on start: {failed['error_class']}",
+                                         allow_data_loss=self.allow_data_loss, spec=new)
+
+    def verify(self, started: dict[str, Any]) -> dict[str, Any]:
+        """The new run must commit a batch within the timeout.  A stream that stays idle (no lag at any
+        poll) the whole time cannot prove more than a running query, and passes as ``idle``."""
+        timeout = float(self.verify_timeout if self.verify_timeout is not None else self.ready_timeout)
+        began = time.monotonic()
+        idle = True
+        while time.monotonic() - began < timeout:
+            run = self.state.store.get_run(started["run_id"])
+            if run["last_batch_id"] is not None:
+                return {"batch_id": run["last_batch_id"], "seconds": round(time.monotonic() - began, 1)}
+            if run["status"] not in ACTIVE_STATUSES or self.driver.is_alive(run) is False:
+                time.sleep(0.5)
+                run = self.state.store.get_run(started["run_id"])
+                raise self._start_failure(self.job, _Submitted(run), run)
+            idle = idle and self._caught_up()
+            time.sleep(0.5)
+        if idle:
+            self.log.warning("Run %s is running but no record arrived in %.0fs: verified as running only",
+                             started["run_id"], timeout)
+            return {"batch_id": None, "idle": True, "seconds": round(time.monotonic() - began, 1)}
+        raise StreamJobError(f"run {started['run_id']} committed no batch within {timeout:.0f}s although Kafka "
+                             f"had records for it. Driver log: {started.get('log_path')}")
+
+    def _caught_up(self) -> bool:
+        try:
+            lag = self.kafka.lag(self.state.stored_offsets(self.job.job_id), self.job.kafka.topics)
+        except Exception:
+            return False
+        return lag == 0
+
+    def _roll_back(self, previous: tuple[str, StreamJobSpec] | None, generation: int, why: str) -> str:
+        job_id = self.job.job_id
+        live = self.live_run()
+        if live is not None:
+            self.stop_run(live)
+        if previous is None:
+            return ("No rollback: the previous version's job file is unknown (its run was not launched by this "
+                    "provider). Pass previous_application, or start the previous version by hand.")
+        application, old = previous
+        kept = self.state.current_generation(job_id) == generation
+        reason = f"rollback to version {old.version}: {_first_lines(why, 1)}"
+        try:
+            if kept:
+                try:
+                    result = {**self.launch(spec=old, application=application), "action": "restart"}
+                except (StreamJobError, AirflowFailException):
+                    failed = self.state.latest_run(job_id)
+                    if not failed or failed["failure_kind"] != FailureKind.CHECKPOINT_INCOMPATIBLE.value:
+                        raise
+                    result = self.reset_and_resume(reason, spec=old, application=application)
+            else:
+                result = self.reset_and_resume(reason, spec=old, application=application)
+            self.verify(result)
+        except (StreamJobError, AirflowFailException) as err:
+            return (f"The rollback to version {old.version} ({application}) failed too: {_first_lines(str(err))}. "
+                    "The job is down; start a known-good version by hand.")
+        self.state.record_restart(job_id, "rollback", reason, None, result["run_id"])
+        where = (f"on the untouched generation {generation}" if result["action"] == "restart"
+                 else f"on generation {result['generation']} from the stored offsets")
+        return (f"Rolled back: version {old.version} ({application}) runs again {where} as run "
+                f"{result['run_id']}, and has committed since.")
+
+    def _abort_message(self, new: StreamJobSpec, generation: int, preflight: Preflight,
+                       decision: upgrade.Decision, live: dict[str, Any] | None) -> str:
+        job_id = new.job_id
+        running = (f"Nothing was stopped: run {live['run_id']} (version {live['version']}) keeps running."
+                   if live else "Nothing was stopped or started.")
+        head = f"job {job_id}: upgrade to version {new.version} refused: {decision.why}. {running}"
+        if preflight.verdict != Verdict.INCOMPATIBLE:
+            return (f"{head}\nPreflight run {preflight.run_id} ({preflight.failure_kind}, {preflight.error_class}): "
+                    f"{preflight.detail}\nFix the new version and rerun. Preflight driver log "
+                    f"{preflight.log_path}:\n{_log_tail(preflight.log_path)}")
+        stored = self.state.stored_offsets(job_id)
+        resume = kafka_offsets.to_spark_json(stored) if stored else f"{new.kafka.starting_offsets!r} (none stored)"
+        archive = f"{self.checkpoints.job_root(job_id)}/archive/gen-{generation}-<UTC time>"
+        return (f"{head}\nSpark refused a copy of the checkpoint: {preflight.error_class}: {preflight.detail}\n"
+                f"A reset would archive {self.checkpoints.generation_path(job_id, generation)} to {archive} and "
+                f"start generation {generation + 1} of version {new.version} from the stored offsets {resume}. "
+                "To do that, rerun with reset_policy='after_preflight' (or use ResetStreamingJobOperator).")
+
+
+class _Submitted:
+    """The parts of a submission ``_start_failure`` reads, rebuilt from a run row."""
+
+    def __init__(self, run: dict[str, Any]):
+        self.run_id = run["run_id"]
+        self.log_path = run.get("log_path")
+
+
+def _verdict(run: dict[str, Any] | None, log_path: str | None) -> Preflight:
+    if run is None:
+        return Preflight(Verdict.FAILED, f"the dry-run driver exited before registering its run: "
+                                         f"{_first_lines(_log_tail(log_path, 5), 5)}")
+    if run["status"] == STOPPED and run.get("last_batch_id") is not None:
+        return Preflight(Verdict.COMPATIBLE, f"batch {run['last_batch_id']} ran on the copy")
+    if run["status"] == "TIMEOUT" or run["status"] == STOPPED:
+        return Preflight(Verdict.INCONCLUSIVE, "the dry run ran no batch before it ended")
+    kind, error_class = run.get("failure_kind"), run.get("error_class")
+    detail = _first_lines(run.get("termination_message") or "no termination message", 3)
+    verdict = Verdict.INCOMPATIBLE if kind == FailureKind.CHECKPOINT_INCOMPATIBLE.value else Verdict.FAILED
+    return Preflight(verdict, detail, error_class=error_class, failure_kind=kind)
+
+
+def _first_lines(text: str, lines: int = 4) -> str:
+    return "\n".join(line[:400] for line in text.strip().splitlines()[:lines])

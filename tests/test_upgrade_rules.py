@@ -1,0 +1,47 @@
+"""The upgrade decision table (pure) and the checkpoint pieces the preflight relies on."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_stream_provider import kafka_offsets
+from airflow_stream_provider.upgrade import Action, Preflight, Verdict, check_policy, decide
+
+INCOMPATIBLE = Preflight(Verdict.INCOMPATIBLE, "refused", error_class="STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE")
+
+
+@pytest.mark.parametrize(
+    ("verdict", "policy", "action", "reset_later"),
+    [
+        (Verdict.COMPATIBLE, "never", Action.REUSE, False),
+        (Verdict.COMPATIBLE, "auto", Action.REUSE, False),
+        (Verdict.INCOMPATIBLE, "auto", Action.RESET, False),
+        (Verdict.INCOMPATIBLE, "after_preflight", Action.RESET, False),
+        (Verdict.INCOMPATIBLE, "never", Action.ABORT, False),
+        (Verdict.FAILED, "auto", Action.ABORT, False),
+        (Verdict.INCONCLUSIVE, "auto", Action.REUSE, True),
+        (Verdict.INCONCLUSIVE, "after_preflight", Action.REUSE, False),
+        (Verdict.SKIPPED, "auto", Action.REUSE, True),
+        (Verdict.SKIPPED, "never", Action.REUSE, False),
+    ],
+)
+def test_decision_table(verdict, policy, action, reset_later):
+    found = decide(Preflight(verdict, "detail", error_class="X"), policy)
+    assert (found.action, found.reset_on_start_failure) == (action, reset_later)
+
+
+def test_never_names_the_incompatibility():
+    assert "STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE" in decide(INCOMPATIBLE, "never").why
+
+
+@pytest.mark.parametrize("policy", ["Auto", "after-preflight", "", "always"])
+def test_misspelt_policy_is_refused_with_the_choices(policy):
+    with pytest.raises(ValueError, match="auto, after_preflight, never"):
+        check_policy(policy)
+
+
+def test_offset_log_merges_the_sources_of_one_query():
+    lines = ['{"events":{"0":5,"1":7}}', "-", '{"events-control":{"0":2}}']
+    assert kafka_offsets.from_offset_log(lines) == {("events", 0): 5, ("events", 1): 7, ("events-control", 0): 2}
+    with pytest.raises(ValueError, match="two sources"):
+        kafka_offsets.from_offset_log(['{"a":{"0":1}}', '{"a":{"0":2}}'])
