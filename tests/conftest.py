@@ -7,7 +7,7 @@ import uuid
 import pytest
 
 from tests.stack import airflow as airflow_stack
-from tests.stack import postgres
+from tests.stack import dagruns, postgres
 from tests.stack.broker import Broker
 from tests.stack.jobs import JobRunner, make_spec
 
@@ -64,6 +64,13 @@ def runner(broker, topic, job_id, database_url, tmp_path):
 @pytest.fixture(scope="session")
 def airflow_db():
     airflow_stack.migrate()
+
+
+@pytest.fixture
+def stream(airflow_db, broker, topic, job_id, tmp_path, monkeypatch):
+    """One job wired into real Airflow: connections, shared DAG params, its state hook."""
+
+    yield from dagruns.stream_job(broker, topic, job_id, tmp_path, monkeypatch)
 
 
 class Figures:

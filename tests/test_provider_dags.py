@@ -12,70 +12,13 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from airflow_stream_provider import failures
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from tests.dags import provider_scenarios as dags
-from tests.stack import airflow as airflow_stack
 from tests.stack import observed
+from tests.stack.dagruns import FIXTURE_JOBS, caught_up, run_dag
 from tests.stack.events import EventProducer
-from tests.stack.jobs import EVENTS_JOB, REPO, TEST_SPARK_CONF, check_exactly_once, spark_env, wait_until
-
-FIXTURE_JOBS = REPO / "tests" / "fixtures" / "jobs"
-
-
-# -- fixtures --------------------------------------------------------------------------------------------
-@pytest.fixture
-def stream(airflow_db, broker, topic, job_id, tmp_path, monkeypatch):
-    """Connections for one job, and the operator arguments every DAG of the job shares."""
-    db_path = tmp_path / "state.db"
-    for conn_id, fields in {
-        "stream_state_default": {"conn_type": "stream_state", "extra": {"url": f"sqlite:///{db_path}"}},
-        "stream_kafka_default": {"conn_type": "stream_kafka", "host": "127.0.0.1", "port": broker.port},
-        "spark_default": {"conn_type": "spark", "host": "local[2]",
-                          "extra": {"deploy-mode": "client", "spark-binary": "spark-submit"}},
-    }.items():
-        monkeypatch.setenv(*airflow_stack.connection_env(conn_id, **fields))
-    env = spark_env()
-    monkeypatch.setenv("PATH", env["PATH"])  # spark-submit of the driver environment
-    observed.reset()
-    spec = {"job_id": job_id, "version": "1.0", "checkpoint_root": str(tmp_path / "checkpoints"),
-            "trigger_interval": "500 milliseconds", "heartbeat_seconds": 1.0,
-            "kafka": {"topics": [topic], "source": "python", "max_offsets_per_trigger": 1500}}
-    params = {"spec": spec, "application": EVENTS_JOB, "conf": TEST_SPARK_CONF, "ready_timeout": 240,
-              "env_vars": {k: env[k] for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_LOCAL_IP")},
-              "driver_log_dir": str(tmp_path / "driver-logs"), "heartbeat_timeout": 15, "stop_timeout": 90}
-    from airflow_stream_provider.hooks.state import StreamStateHook
-
-    state = StreamStateHook()
-    yield {"params": params, "job_id": job_id, "topic": topic, "state": state, "tmp": tmp_path}
-    for run in _runs(state, job_id):
-        if run["pid"]:
-            StreamDriverHook._signal(run, signal.SIGKILL)
-    state.store.dispose()
-
-
-def _runs(state, job_id):
-    from sqlalchemy import select
-
-    from airflow_stream_provider.state import schema
-
-    with state.store.engine.connect() as conn:
-        return [dict(r) for r in conn.execute(select(schema.runs).where(schema.runs.c.job_id == job_id)).mappings()]
-
-
-def _run(dag, params: dict, **overrides):
-    """Trigger ``dag`` with the job's params; return (state, {task_id: (state, xcom)})."""
-    dag_run = dag.test(run_conf={**params, **overrides})
-    tasks = {ti.task_id: (ti.state, ti.xcom_pull(task_ids=ti.task_id)) for ti in dag_run.get_task_instances()}
-    return dag_run.state, tasks
-
-
-def _caught_up(state, job_id, producer, timeout=240):
-    wait_until(lambda: {p: o for (_, p), o in state.stored_offsets(job_id).items()}
-               == dict(producer.produced.end_offsets), timeout, "the job to catch up",
-               on_timeout=lambda: f"stored {state.stored_offsets(job_id)} vs {dict(producer.produced.end_offsets)}")
+from tests.stack.jobs import check_exactly_once
 
 
 # -- scenarios -------------------------------------------------------------------------------------------
@@ -84,7 +27,7 @@ def test_kill9_is_detected_by_a_deferred_sensor_and_recovered(stream, broker, fi
     producer = EventProducer(broker, stream["topic"])
     producer.send(2000)
 
-    status, tasks = _run(dags.deploy, params)
+    status, tasks = run_dag(dags.deploy, params)
     assert status == "success", tasks
     first = tasks["submit"][1]
     assert first["action"] == "submitted" and first["generation"] == 1 and first["epoch"] == 1
@@ -95,11 +38,11 @@ def test_kill9_is_detected_by_a_deferred_sensor_and_recovered(stream, broker, fi
     def kill_when_watched():
         if observed.TRIGGER_STARTED.wait(300):
             killed_at.append(time.time())
-            StreamDriverHook._signal(state.store.get_run(first["run_id"]), signal.SIGKILL)
+            StreamDriverHook._signal(state.store.getrun_dag(first["run_id"]), signal.SIGKILL)
 
     killer = threading.Thread(target=kill_when_watched, daemon=True)
     killer.start()
-    status, tasks = _run(dags.health, params)
+    status, tasks = run_dag(dags.health, params)
     killer.join(10)
     assert status == "success", tasks
     assert killed_at and observed.TRIGGER_FIRED_AT, "the sensor did not defer to its trigger"
@@ -107,14 +50,14 @@ def test_kill9_is_detected_by_a_deferred_sensor_and_recovered(stream, broker, fi
     diagnosis, recovered = tasks["health"][1], tasks["recover"][1]
     assert diagnosis["health"] == "DEAD" and diagnosis["run_id"] == first["run_id"], diagnosis
     assert recovered["action"] == "restart" and recovered["generation"] == 1, recovered
-    recovered_at = state.store.get_run(recovered["run_id"])["query_started_at"]
+    recovered_at = state.store.getrun_dag(recovered["run_id"])["query_started_at"]
 
     producer.send(800)
-    _caught_up(state, job_id, producer)
-    status, tasks = _run(dags.stop, params)
+    caught_up(state, job_id, producer)
+    status, tasks = run_dag(dags.stop, params)
     assert status == "success" and tasks["stop"][1]["outcome"] == "stopped", tasks
     assert tasks["stop"][1]["exit_code"] == failures.EXIT_STOPPED
-    status, tasks = _run(dags.stop, params)  # a second stop is a no-op that says so
+    status, tasks = run_dag(dags.stop, params)  # a second stop is a no-op that says so
     assert status == "success" and tasks["stop"][1]["outcome"] == "not running", tasks
 
     counts = check_exactly_once(state.store, job_id, producer.produced)
@@ -126,16 +69,16 @@ def test_incompatible_checkpoint_is_reset_from_stored_offsets(stream, broker, fi
     state, job_id, params = stream["state"], stream["job_id"], stream["params"]
     producer = EventProducer(broker, stream["topic"])
     producer.send(1500)
-    assert _run(dags.deploy, params)[0] == "success"
-    _caught_up(state, job_id, producer)
+    assert run_dag(dags.deploy, params)[0] == "success"
+    caught_up(state, job_id, producer)
 
     # Version 2 adds a stateful operator: Spark cannot run it on version 1's checkpoint.
-    upgraded = {**params, "application": str(FIXTURE_JOBS / "events_with_dedup.py"),
+    upgraded = {**params, "application": str(FIXTURE_JOBS / "dedup_by_position.py"),
                 "spec": {**params["spec"], "version": "2.0"}}
-    _run(dags.deploy, upgraded, if_running="replace")  # stops 1.0 gracefully, starts 2.0 on its checkpoint
+    run_dag(dags.deploy, upgraded, if_running="replace")  # stops 1.0 gracefully, starts 2.0 on its checkpoint
     producer.send(500)  # Spark validates the state lazily: the error comes with the first batch of data
 
-    status, tasks = _run(dags.incompatible, upgraded, reason="upgrade to 2.0")
+    status, tasks = run_dag(dags.incompatible, upgraded, reason="upgrade to 2.0")
     assert status == "success", tasks
     found, reset = tasks["checkpoint"][1], tasks["reset"][1]
     assert found["failure_kind"] == "CHECKPOINT_INCOMPATIBLE", found
@@ -146,8 +89,8 @@ def test_incompatible_checkpoint_is_reset_from_stored_offsets(stream, broker, fi
     assert not (Path(params["spec"]["checkpoint_root"]) / job_id / "gen-1").exists()
 
     producer.send(700)
-    _caught_up(state, job_id, producer)
-    assert _run(dags.stop, upgraded)[0] == "success"
+    caught_up(state, job_id, producer)
+    assert run_dag(dags.stop, upgraded)[0] == "success"
     counts = check_exactly_once(state.store, job_id, producer.produced)
     figures.record("airflow incompatible checkpoint -> reset", archive=archive.name, **counts)
 
@@ -156,16 +99,16 @@ def test_crash_loop_ends_at_the_restart_budget(stream, broker):
     state, job_id = stream["state"], stream["job_id"]
     EventProducer(broker, stream["topic"]).send(200)
     crashing = {**stream["params"], "application": str(FIXTURE_JOBS / "crash_on_batch.py")}
-    _run(dags.deploy, crashing)  # its query starts, then its first batch fails
+    run_dag(dags.deploy, crashing)  # its query starts, then its first batch fails
     outcomes = []
     for _ in range(3):
-        status, tasks = _run(dags.health, crashing, max_restarts=2)
+        status, tasks = run_dag(dags.health, crashing, max_restarts=2)
         outcomes.append(tasks["recover"][0])
         if tasks["recover"][0] == "failed":
             break
     assert outcomes == ["success", "success", "failed"], outcomes
     assert len(state.restarts_since(job_id, 0)) == 2
-    last = state.latest_run(job_id)
+    last = state.latestrun_dag(job_id)
     assert last["failure_kind"] == "USER_CODE" and "simulated bug" in last["termination_message"]
 
 
@@ -173,10 +116,10 @@ def test_stuck_query_is_reported_stuck(stream, broker):
     state, job_id = stream["state"], stream["job_id"]
     EventProducer(broker, stream["topic"]).send(300)
     stuck = {**stream["params"], "application": str(FIXTURE_JOBS / "stuck_on_batch.py")}
-    assert _run(dags.deploy, stuck)[0] == "success"
-    status, tasks = _run(dags.watch, stuck, stuck_after=8)
+    assert run_dag(dags.deploy, stuck)[0] == "success"
+    status, tasks = run_dag(dags.watch, stuck, stuck_after=8)
     assert status == "success", tasks
     found = tasks["health"][1]
     assert found["health"] == "STUCK" and found["lag"] == 300, found
-    run = state.latest_run(job_id)
+    run = state.latestrun_dag(job_id)
     assert run["status"] == "RUNNING" and run["last_batch_id"] is None

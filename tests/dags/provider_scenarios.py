@@ -11,6 +11,7 @@ from airflow_stream_provider.operators.recover import RecoverStreamingJobOperato
 from airflow_stream_provider.operators.reset import ResetStreamingJobOperator
 from airflow_stream_provider.operators.stop import StopStreamingJobOperator
 from airflow_stream_provider.operators.submit import SubmitStreamingJobOperator
+from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
 from airflow_stream_provider.sensors.health import CheckpointIncompatibilitySensor
 from tests.stack.observed import ObservedHealthSensor
 
@@ -29,7 +30,7 @@ WATCH = {"job_id": "{{ params.spec.job_id }}", "topics": "{{ params.spec.kafka.t
          "stuck_after": "{{ params.stuck_after }}"}
 PARAMS = {"spec": {}, "application": "", "conf": {}, "env_vars": {}, "driver_log_dir": "", "ready_timeout": 240,
           "heartbeat_timeout": 15, "stop_timeout": 90, "stuck_after": 300, "if_running": "fail",
-          "max_restarts": 3, "reason": "test"}
+          "max_restarts": 3, "reason": "test", "reset_policy": "after_preflight", "preflight_timeout": 240}
 
 
 def _dag(dag_id: str) -> DAG:
@@ -53,3 +54,7 @@ with _dag("test_stream_incompatible") as incompatible:
 
 with _dag("test_stream_stop") as stop:
     StopStreamingJobOperator(task_id="stop", **JOB)
+
+with _dag("test_stream_upgrade") as upgrade:
+    UpgradeStreamingJobOperator(task_id="upgrade", reset_policy="{{ params.reset_policy }}",
+                                preflight_timeout="{{ params.preflight_timeout }}", **JOB)

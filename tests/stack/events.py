@@ -108,10 +108,28 @@ class BackgroundProducer(threading.Thread):
 
     def run(self) -> None:
         try:
-            while self.producer.sent < self.total:
+            while self.producer.sent < self.total and not self.done.is_set():
                 self.producer.send(min(self.chunk, self.total - self.producer.sent))
                 self.done.wait(self.pause_s)
         except BaseException as err:
             self.error = err
         finally:
             self.done.set()
+
+
+class Trickle:
+    """A steady stream of events while a DAG runs (a live topic never stops), until the block ends."""
+
+    def __init__(self, producer: EventProducer, chunk: int = 25, pause_s: float = 0.5):
+        self.background = BackgroundProducer(producer, total=10**9, chunk=chunk, pause_s=pause_s)
+
+    def __enter__(self) -> Trickle:
+        self.background.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.background.done.set()
+        self.background.join(30)
+        if self.background.error is not None:
+            raise self.background.error
+

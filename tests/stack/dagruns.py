@@ -1,0 +1,66 @@
+"""One stream job wired into real Airflow: connections, the DAG params every DAG of the job shares,
+and helpers to trigger a DAG with ``dag.test()`` and read what its tasks returned.
+
+Imported by conftest before Airflow is configured, so Airflow modules are imported inside functions.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from sqlalchemy import select
+
+from airflow_stream_provider.state import schema
+from tests.stack import airflow as airflow_stack
+from tests.stack.jobs import EVENTS_JOB, REPO, TEST_SPARK_CONF, spark_env, wait_until
+
+FIXTURE_JOBS = REPO / "tests" / "fixtures" / "jobs"
+
+
+def stream_job(broker, topic: str, job_id: str, tmp_path, monkeypatch):
+    """Connections for one job (SQLite state database), and the DAG params for it; yields a dict."""
+    db_path = tmp_path / "state.db"
+    for conn_id, fields in {
+        "stream_state_default": {"conn_type": "stream_state", "extra": {"url": f"sqlite:///{db_path}"}},
+        "stream_kafka_default": {"conn_type": "stream_kafka", "host": "127.0.0.1", "port": broker.port},
+        "spark_default": {"conn_type": "spark", "host": "local[2]",
+                          "extra": {"deploy-mode": "client", "spark-binary": "spark-submit"}},
+    }.items():
+        monkeypatch.setenv(*airflow_stack.connection_env(conn_id, **fields))
+    env = spark_env()
+    monkeypatch.setenv("PATH", env["PATH"])  # spark-submit of the driver environment
+    from airflow_stream_provider.hooks.driver import StreamDriverHook
+    from airflow_stream_provider.hooks.state import StreamStateHook
+    from tests.stack import observed
+
+    observed.reset()
+    spec = {"job_id": job_id, "version": "1.0", "checkpoint_root": str(tmp_path / "checkpoints"),
+            "trigger_interval": "500 milliseconds", "heartbeat_seconds": 1.0,
+            "kafka": {"topics": [topic], "source": "python", "max_offsets_per_trigger": 1500}}
+    params = {"spec": spec, "application": EVENTS_JOB, "conf": TEST_SPARK_CONF, "ready_timeout": 240,
+              "env_vars": {k: env[k] for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_LOCAL_IP")},
+              "driver_log_dir": str(tmp_path / "driver-logs"), "heartbeat_timeout": 15, "stop_timeout": 90}
+    state = StreamStateHook()
+    yield {"params": params, "job_id": job_id, "topic": topic, "state": state, "tmp": tmp_path}
+    for run in runs(state, job_id):
+        if run["pid"]:
+            StreamDriverHook._signal(run, signal.SIGKILL)
+    state.store.dispose()
+
+
+def runs(state, job_id: str) -> list[dict]:
+    with state.store.engine.connect() as conn:
+        return [dict(r) for r in conn.execute(select(schema.runs).where(schema.runs.c.job_id == job_id)).mappings()]
+
+
+def run_dag(dag, params: dict, **overrides):
+    """Trigger ``dag`` with the job's params; return (state, {task_id: (state, xcom)})."""
+    dag_run = dag.test(run_conf={**params, **overrides})
+    tasks = {ti.task_id: (ti.state, ti.xcom_pull(task_ids=ti.task_id)) for ti in dag_run.get_task_instances()}
+    return dag_run.state, tasks
+
+
+def caught_up(state, job_id: str, producer, timeout: float = 240) -> None:
+    wait_until(lambda: {p: o for (_, p), o in state.stored_offsets(job_id).items()}
+               == dict(producer.produced.end_offsets), timeout, "the job to catch up",
+               on_timeout=lambda: f"stored {state.stored_offsets(job_id)} vs {dict(producer.produced.end_offsets)}")
