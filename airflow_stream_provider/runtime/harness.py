@@ -314,12 +314,13 @@ class StreamHarness:
         """Let the running batch finish, then stop the query between batches."""
         self.store.set_status(self.run_id, state.STOPPING)
         deadline = time.monotonic() + STOP_WAIT_S
-        finished = self.sink.calls_finished
-        # Stop between batches: when no trigger runs, or right after the sink returned from one (on a
-        # busy stream the next batch starts at once, so "no trigger" may never be seen).
+        completed = self.listener.batches_completed
+        # Stop between batches: when no trigger runs, or as soon as a batch completed (its state and
+        # commit log written).  On a busy stream the next batch starts at once, so "no trigger" may
+        # never be seen; stopping while the sink or a state store commits would fail the query.
         while (
             query.status["isTriggerActive"]
-            and self.sink.calls_finished == finished
+            and self.listener.batches_completed == completed
             and time.monotonic() < deadline
         ):
             time.sleep(0.02)

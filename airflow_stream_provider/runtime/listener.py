@@ -22,12 +22,15 @@ class StateListener(StreamingQueryListener):
         self.store = store
         self.run_id = run_id
         self.termination: dict | None = None
+        #: Progress events seen: each one follows a fully completed batch (a graceful stop waits for one).
+        self.batches_completed = 0
 
     def onQueryStarted(self, event) -> None:
         self._safely(self.store.mark_query_started, self.run_id)
 
     def onQueryProgress(self, event) -> None:
         progress = event.progress
+        self.batches_completed += 1  # after the batch's state and commit log are written
         summary = {
             "batch_id": progress.batchId,
             "timestamp": progress.timestamp,
