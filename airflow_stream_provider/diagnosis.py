@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from airflow_stream_provider import failures
-from airflow_stream_provider.state.store import ACTIVE_STATUSES, FAILED, STARTING, STOPPED
+from airflow_stream_provider.state.store import ACTIVE_STATUSES, DEAD, FAILED, STARTING, STOPPED
 
 
 class Health(enum.StrEnum):
@@ -93,6 +93,10 @@ def diagnose(job_id: str, run: dict[str, Any] | None, *, driver_alive: bool | No
                          evidence=[f"driver exited with code {run['exit_code']} ({kind.value})",
                                    f"error: {classification.evidence or _first_line(message)}"],
                          advice=classification.advice)
+    if status == DEAD:
+        return Diagnosis(job_id, Health.DEAD, **base, evidence=[run["termination_message"] or "driver gone"],
+                         advice="Restart from the checkpoint: the batch it was running is replayed and the "
+                         "sink skips what was already committed.")
     if status not in ACTIVE_STATUSES:
         raise ValueError(f"unknown run status {status!r}")
     if driver_alive is False or heartbeat_age > thresholds.heartbeat_timeout_s:

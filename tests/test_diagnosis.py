@@ -34,6 +34,12 @@ def test_dead_by_process_check_even_with_a_fresh_heartbeat():
     assert found.health == Health.DEAD and "pid 4242 on h" in found.evidence[0]
 
 
+def test_a_run_recorded_dead_stays_dead_whatever_the_process_check():
+    found = diagnose("j", _run(status="DEAD", termination_message="found dead: pid 4242 gone"),
+                     driver_alive=None, lag=0, now=NOW)
+    assert found.health == Health.DEAD and found.evidence == ["found dead: pid 4242 gone"]
+
+
 def test_dead_by_heartbeat_age_where_the_process_cannot_be_checked():
     found = diagnose("j", _run(heartbeat_at=NOW - 45), driver_alive=None, lag=0, now=NOW,
                      thresholds=Thresholds(heartbeat_timeout_s=30))

@@ -175,6 +175,8 @@ class StreamJobOperator(BaseOperator):
         live = self.live_run()
         if live is not None:
             self.stop_run(live)
+        if failed_run is not None and self.state.store.mark_dead(failed_run["run_id"], f"found dead: {reason}"):
+            self.log.info("Recorded run %s as DEAD", failed_run["run_id"])
         recorded = self.recorded_launch(failed_run)
         result = self.launch(application=recorded[0], spec=recorded[1]) if recorded else self.launch()
         self.state.record_restart(self.job.job_id, "restart", reason, failed_run and failed_run["run_id"],

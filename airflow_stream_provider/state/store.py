@@ -24,6 +24,8 @@ from airflow_stream_provider.state import schema
 
 #: run statuses written by the driver
 STARTING, RUNNING, STOPPING, STOPPED, FAILED = "STARTING", "RUNNING", "STOPPING", "STOPPED", "FAILED"
+#: A driver that died without recording its end (kill -9, lost machine), as found by the Airflow side.
+DEAD = "DEAD"
 ACTIVE_STATUSES = (STARTING, RUNNING, STOPPING)
 
 
@@ -183,6 +185,16 @@ class StateStore:
 
     def record_launch(self, run_id: str, application: str, spec_json: str) -> None:
         self._update_run(run_id, application=application, spec=spec_json)
+
+    def mark_dead(self, run_id: str, evidence: str) -> bool:
+        """Record that an active run's driver is gone; a run that ended on its own keeps its record."""
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                update(schema.runs)
+                .where(schema.runs.c.run_id == run_id, schema.runs.c.status.in_(ACTIVE_STATUSES))
+                .values(status=DEAD, ended_at=time.time(), termination_message=evidence)
+            )
+            return result.rowcount == 1
 
     def set_status(self, run_id: str, status: str) -> None:
         self._update_run(run_id, status=status)
