@@ -1,0 +1,70 @@
+"""The example DAGs in ``dags/``: they load, they are configured only through Airflow, and the demo runs
+all four of them with ``dag.test()`` against the real local stack (``make demo``, in a subprocess)."""
+
+from __future__ import annotations
+
+import ast
+import datetime as dt
+import os
+import re
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from tests.stack.jobs import REPO
+
+DAGS = REPO / "dags"
+
+
+def test_every_example_dag_loads_without_import_errors(monkeypatch):
+    from airflow.dag_processing.dagbag import DagBag
+
+    monkeypatch.syspath_prepend(str(DAGS))  # as Airflow's BundleDagBag does
+
+    bag = DagBag(str(DAGS))
+    assert bag.import_errors == {}
+    assert set(bag.dag_ids) == {"stream_deploy", "stream_health", "stream_stop", "stream_upgrade"}
+    health = bag.dags["stream_health"]
+    assert health.max_active_runs == 1 and health.catchup is False
+    assert health.schedule == dt.timedelta(minutes=5)
+    for dag_id in ("stream_deploy", "stream_stop", "stream_upgrade"):
+        assert bag.dags[dag_id].schedule is None, f"{dag_id} is triggered by hand"
+    upgrade = bag.dags["stream_upgrade"]
+    assert {"application", "version", "reset_policy"} <= set(upgrade.params)
+
+
+@pytest.mark.parametrize("path", sorted(DAGS.glob("*.py")), ids=lambda p: p.name)
+def test_no_path_or_host_is_hard_coded_in_a_dag_file(path):
+    """Everything about the job comes from connections, Variables and params."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Module | ast.FunctionDef) and ast.get_docstring(node)}
+    pieces = {id(part) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for part in node.values}
+    strings = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+               and isinstance(node.value, str) and id(node) not in docstrings | pieces]
+    for value in strings:
+        assert not re.match(r"(/|[a-z]+://|localhost|127\.0\.0\.1)", value), f"hard-coded path or host {value!r}"
+        assert not re.search(r":\d{4,5}\b", value), f"hard-coded port in {value!r}"
+
+
+def test_demo_tells_the_whole_story_exactly_once(tmp_path):
+    """``make demo``'s scenario: deploy, SIGKILL, stream_health recovers, incompatible upgrade, stop."""
+    workdir = tmp_path / "demo"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    done = subprocess.run([sys.executable, "-m", "demo", "--events", "4000", "--workdir", str(workdir)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    output = done.stdout + done.stderr[-5000:]
+    assert done.returncode == 0, output[-8000:]
+    result = dict(pair.split("=") for pair in done.stdout.strip().splitlines()[-1].removeprefix("RESULT ").split())
+    malformed = int(re.search(r"malformed records produced\s+(\d+)", done.stdout).group(1))
+    assert result["duplicates"] == "0" and result["lost"] == "0", done.stdout[-3000:]
+    assert int(result["produced"]) >= 4000 and int(result["dead_letters"]) == malformed > 0, result
+    assert int(result["applied"]) + malformed == int(result["produced"]), result
+    assert int(result["recoveries"]) >= 2, result  # the restart after SIGKILL and the upgrade's reset
+    assert "stream_health saw DEAD; recover: restart" in done.stdout
+    assert "preflight: incompatible (STREAMING_STATEFUL_OPERATOR_MISSING_STATE_DIRECTORY)" in done.stdout
+    leftovers = [p.info for p in psutil.process_iter(["pid", "cmdline"])
+                 if any(str(workdir) in part for part in (p.info["cmdline"] or []))]
+    assert leftovers == [], f"the demo left processes behind: {leftovers}"
