@@ -25,9 +25,10 @@ $(SPARK_VENV)/.installed: pyproject.toml
 	@touch $@
 
 # The default test run: real Spark drivers, a real Kafka-protocol broker (Tansu), PostgreSQL and SQLite.
-# The fixtures start the broker and a fresh PostgreSQL database themselves.
+# The fixtures start the broker and a fresh PostgreSQL database themselves.  Two pytest workers: most
+# of a driver scenario is waiting (start-up, triggers, polling), so two share the 2 cores well.
 test: install
-	$(VENV)/bin/python -m pytest -m "not soak" --durations=12 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not soak" -n 2 --durations=15 $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -74,25 +74,27 @@ def stream(airflow_db, broker, topic, job_id, tmp_path, monkeypatch):
 
 
 class Figures:
-    """Numbers a test measured (kills, records, seconds), printed in the run's summary."""
+    """Numbers a test measured (kills, records, seconds), printed in the run's summary.
 
-    def __init__(self):
-        self.rows: list[str] = []
+    Kept in the test report's user properties, so they reach the summary from xdist workers too."""
+
+    def __init__(self, node):
+        self.node = node
 
     def record(self, name: str, **values) -> None:
-        self.rows.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
-
-
-_FIGURES = Figures()
+        self.node.user_properties.append(("figure", f"{name}: " + ", ".join(f"{k}={v}" for k, v in values.items())))
 
 
 @pytest.fixture
-def figures() -> Figures:
-    return _FIGURES
+def figures(request) -> Figures:
+    return Figures(request.node)
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _FIGURES.rows:
+    rows = [value for reports in terminalreporter.stats.values() for report in reports
+            if getattr(report, "when", None) == "call"
+            for key, value in getattr(report, "user_properties", ()) if key == "figure"]
+    if rows:
         terminalreporter.section("measured figures")
-        for row in _FIGURES.rows:
+        for row in rows:
             terminalreporter.write_line(row)

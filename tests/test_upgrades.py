@@ -7,6 +7,7 @@ accepts); nothing about the verdict is simulated.  Exactly-once is checked acros
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -157,10 +158,14 @@ def test_damaged_checkpoints_are_reset(stream, broker, figures):
     figures.record("upgrade: damaged checkpoints (future log version, truncated offsets)", **counts)
 
 
-# -- compatible upgrades ------------------------------------------------------------------------------------
-def test_compatible_upgrades_keep_the_checkpoint(stream, broker, figures):
+# -- compatible upgrades, then a broken one ------------------------------------------------------------
+def test_compatible_upgrades_keep_the_checkpoint_and_a_broken_one_is_rolled_back(stream, broker, figures):
+    """A filter added, a projection changed, maxOffsetsPerTrigger changed: each reuses generation 1.
+    Then a version that passes its preflight (which writes nothing) but fails its first commit: the
+    upgrade rolls back to the version before it on the untouched generation, which keeps processing."""
     producer = EventProducer(broker, stream["topic"])
     params = _deploy(stream, producer)
+    state, job_id = stream["state"], stream["job_id"]
     seconds = []
     for application, version, kafka in [
         ("filter_added.py", "1.1", {}),
@@ -174,21 +179,8 @@ def test_compatible_upgrades_keep_the_checkpoint(stream, broker, figures):
         assert outcome["decision"] == "reuse" and outcome["action"] == "reuse", outcome
         assert outcome["generation"] == 1 and outcome["stopped"]["outcome"] == "stopped", outcome
         seconds.append(outcome["preflight"]["seconds"])
-    counts = _finish(stream, params, producer)
-    root = Path(params["spec"]["checkpoint_root"]) / stream["job_id"]
-    assert not (root / "archive").exists() and (root / "gen-1").is_dir() and not (root / "gen-2").exists()
-    assert stream["state"].current_generation(stream["job_id"]) == 1
-    _no_preflight_left(stream)
-    figures.record("upgrade: 3 compatible versions on one checkpoint", preflight_s=seconds, **counts)
-
-
-# -- rollback -----------------------------------------------------------------------------------------------
-def test_failing_new_version_is_rolled_back(stream, broker, figures):
-    """Version 2 passes its preflight (which writes nothing) but its first commit fails: the upgrade rolls
-    back to version 1 on the untouched generation, and version 1 keeps processing exactly once."""
-    producer = EventProducer(broker, stream["topic"])
-    params = _deploy(stream, producer)
-    state, job_id = stream["state"], stream["job_id"]
+    root = Path(params["spec"]["checkpoint_root"]) / job_id
+    assert not (root / "archive").exists() and not (root / "gen-2").exists()
 
     with Trickle(producer):
         status, tasks = run_dag(dags.upgrade, _version(params, "new_result_column.py", "2.0"))
@@ -197,9 +189,13 @@ def test_failing_new_version_is_rolled_back(stream, broker, figures):
     assert [r["dry_run"] for r in tried] == [True, False], tried
     assert tried[0]["status"] == "STOPPED" and tried[1]["status"] == "FAILED", tried
     current = state.latest_run(job_id)
-    assert current["version"] == "1.0" and current["status"] == "RUNNING", current
-    assert current["generation"] == 1 and current["application"] == EVENTS_JOB
+    assert current["version"] == "1.3" and current["status"] == "RUNNING", current
+    assert current["generation"] == 1 and current["application"] == params["application"]
+    assert json.loads(current["spec"])["kafka"]["max_offsets_per_trigger"] == 400, "the spec that ran, too"
     assert [r["action"] for r in state.restarts_since(job_id, 0)] == ["rollback"]
 
     counts = _finish(stream, params, producer)
-    figures.record("upgrade rolled back (new version fails its first commit)", **counts)
+    assert state.current_generation(job_id) == 1 and not (root / "gen-2").exists()
+    _no_preflight_left(stream)
+    figures.record("upgrade: 3 compatible versions on one checkpoint, then a rollback", preflight_s=seconds,
+                   **counts)
