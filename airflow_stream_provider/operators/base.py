@@ -8,6 +8,7 @@ driver through its environment), the Kafka connection the brokers, the Spark con
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException
 
 from airflow_stream_provider import diagnosis, failures, kafka_offsets, local_driver
 from airflow_stream_provider.diagnosis import Diagnosis, Health, Thresholds
@@ -84,12 +85,44 @@ class StreamJobOperator(BaseOperator):
     def job(self) -> StreamJobSpec:
         """The validated spec; a bad one fails the task before anything starts (no retry can fix it)."""
         data = dict(self.spec)
-        data["kafka"] = {**data.get("kafka", {}), "bootstrap_servers": self.kafka.bootstrap_servers}
-        data["database_url"] = self.state.database_url
+        try:
+            data["kafka"] = {**data.get("kafka", {}), "bootstrap_servers": self.kafka.bootstrap_servers}
+            data["database_url"] = self.state.database_url
+        except AirflowNotFoundException as err:
+            raise AirflowFailException(
+                f"{err}. Create it: {self.state_conn_id!r} (type stream_state: extra.url, or PostgreSQL "
+                f"host/schema/login/password) and {self.kafka_conn_id!r} (type stream_kafka: host/port or "
+                "extra.bootstrap_servers); or pass state_conn_id / kafka_conn_id") from None
         try:
             return StreamJobSpec.from_dict(data)
         except SpecError as err:
             raise AirflowFailException(f"invalid stream job spec: {err}") from None
+
+    def check_before_start(self, spec: StreamJobSpec) -> None:
+        """What would make a driver fail at once, checked from here before one is started: the brokers,
+        the topics, a local checkpoint root's permissions."""
+        try:
+            _, latest = self.kafka.watermarks(spec.kafka.topics)
+        except Exception as err:
+            raise StreamJobError(
+                f"job {spec.job_id}: cannot read the partitions of {list(spec.kafka.topics)} from "
+                f"{spec.kafka.bootstrap_servers} (connection {self.kafka_conn_id!r}): {err!r}. Check the "
+                "connection's brokers and that they are up; nothing was started") from None
+        missing = sorted(set(spec.kafka.topics) - {topic for topic, _ in latest})
+        if missing:
+            raise AirflowFailException(
+                f"job spec field 'kafka.topics': topics {missing} do not exist on {spec.kafka.bootstrap_servers}. "
+                "Create them (the job does not create topics) or fix the spec; nothing was started")
+        root = spec.checkpoint_root.removeprefix("file://")
+        if "://" not in root:
+            existing = Path(root)
+            while not existing.exists() and existing != existing.parent:
+                existing = existing.parent
+            if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+                raise AirflowFailException(
+                    f"job spec field 'checkpoint_root': {spec.checkpoint_root} is not writable here ({existing} "
+                    "is not a writable directory). Give the Airflow and Spark users write access, or choose another root; "
+                    "nothing was started")
 
     @cached_property
     def checkpoints(self) -> CheckpointHook:
@@ -130,6 +163,7 @@ class StreamJobOperator(BaseOperator):
         spec = spec or self.job
         generation = generation or self.state.current_generation(spec.job_id)
         spec = spec.with_generation(generation, starting_offsets)
+        self.check_before_start(spec)
         run_id = uuid.uuid4().hex
         submitted = self.driver.submit(application, spec, run_id, self.state.password)
         run = self._wait_ready(spec, submitted)
