@@ -28,7 +28,7 @@ $(SPARK_VENV)/.installed: pyproject.toml
 # The fixtures start the broker and a fresh PostgreSQL database themselves.  Two pytest workers: most
 # of a driver scenario is waiting (start-up, triggers, polling), so two share the 2 cores well.
 test: install
-	$(VENV)/bin/python -m pytest -m "not soak" -n 2 --durations=15 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not soak" -n 2 --dist worksteal --durations=15 $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -38,7 +38,7 @@ def test_kill9_is_detected_by_a_deferred_sensor_and_recovered(stream, broker, fi
     def kill_when_watched():
         if observed.TRIGGER_STARTED.wait(300):
             killed_at.append(time.time())
-            StreamDriverHook._signal(state.store.getrun_dag(first["run_id"]), signal.SIGKILL)
+            StreamDriverHook._signal(state.store.get_run(first["run_id"]), signal.SIGKILL)
 
     killer = threading.Thread(target=kill_when_watched, daemon=True)
     killer.start()
@@ -50,7 +50,7 @@ def test_kill9_is_detected_by_a_deferred_sensor_and_recovered(stream, broker, fi
     diagnosis, recovered = tasks["health"][1], tasks["recover"][1]
     assert diagnosis["health"] == "DEAD" and diagnosis["run_id"] == first["run_id"], diagnosis
     assert recovered["action"] == "restart" and recovered["generation"] == 1, recovered
-    recovered_at = state.store.getrun_dag(recovered["run_id"])["query_started_at"]
+    recovered_at = state.store.get_run(recovered["run_id"])["query_started_at"]
 
     producer.send(800)
     caught_up(state, job_id, producer)
