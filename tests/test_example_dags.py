@@ -57,7 +57,8 @@ def test_demo_tells_the_whole_story_exactly_once(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     output = done.stdout + done.stderr[-5000:]
     assert done.returncode == 0, output[-8000:]
-    result = dict(pair.split("=") for pair in done.stdout.strip().splitlines()[-1].removeprefix("RESULT ").split())
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    result = dict(pair.split("=") for pair in line.removeprefix("RESULT ").split())
     malformed = int(re.search(r"malformed records produced\s+(\d+)", done.stdout).group(1))
     assert result["duplicates"] == "0" and result["lost"] == "0", done.stdout[-3000:]
     assert int(result["produced"]) >= 4000 and int(result["dead_letters"]) == malformed > 0, result

@@ -196,7 +196,18 @@ class _LocalFileSystem:
 
     def copy_tree(self, src: str, dst: str) -> None:
         # Links are copied as links; the hook has already refused any that lead out of the root.
-        shutil.copytree(src, dst, symlinks=True)
+        os.makedirs(dst, exist_ok=True)
+        for name in _copy_order(os.listdir(src)):
+            source, target = os.path.join(src, name), os.path.join(dst, name)
+            try:
+                if os.path.islink(source):
+                    os.symlink(os.readlink(source), target)
+                elif os.path.isdir(source):
+                    self.copy_tree(source, target)
+                else:
+                    shutil.copy2(source, target)
+            except FileNotFoundError:  # removed by the live query while we copied (retention, a .tmp renamed)
+                continue
 
 
 class _WebHdfsFileSystem:
@@ -266,20 +277,35 @@ class _WebHdfsFileSystem:
     def copy_tree(self, src: str, dst: str) -> None:
         # A walk, not download()/upload(): those skip empty directories, and a checkpoint's empty
         # commits/ or state/ folders are part of what the copy must reproduce.
+        from hdfs.util import HdfsError
+
         self._client.makedirs(dst)
-        for directory, subdirs, files in self._client.walk(src):
-            relative = posixpath.relpath(directory, src)
-            target_dir = dst if relative == "." else posixpath.join(dst, relative)
-            for name in subdirs:
-                self._client.makedirs(posixpath.join(target_dir, name))
-            for name in files:
-                # Spool through a local temporary file: state-store files can be large, and a real file
-                # gives requests a Content-Length for the datanode upload.
-                with tempfile.TemporaryFile() as spool:
-                    with self._client.read(posixpath.join(directory, name)) as reader:
+        for entry in sorted(self.list(src), key=lambda e: (_COPY_FIRST.get(e.name, 2), e.name)):
+            source, target = posixpath.join(src, entry.name), posixpath.join(dst, entry.name)
+            if entry.is_dir:
+                self.copy_tree(source, target)
+                continue
+            # Spool through a local temporary file: state-store files can be large, and a real file
+            # gives requests a Content-Length for the datanode upload.
+            with tempfile.TemporaryFile() as spool:
+                try:
+                    with self._client.read(source) as reader:
                         shutil.copyfileobj(reader, spool, 1 << 20)
-                    spool.seek(0)
-                    self._client.write(posixpath.join(target_dir, name), data=spool, overwrite=False)
+                except HdfsError as err:
+                    if "FileNotFoundException" in str(err) or "does not exist" in str(err):
+                        continue  # removed by the live query while we copied
+                    raise
+                spool.seek(0)
+                self._client.write(target, data=spool, overwrite=False)
+
+
+#: A live checkpoint is copied commits first, then offsets: Spark writes offsets/N before commits/N,
+#: so every commit in the copy has its offsets (newer offsets without a commit are replayed).
+_COPY_FIRST = {"commits": 0, "offsets": 1}
+
+
+def _copy_order(names: list[str]) -> list[str]:
+    return sorted(names, key=lambda name: (_COPY_FIRST.get(name, 2), name))
 
 
 def _hdfs_time(status: dict) -> float | None:
@@ -296,8 +322,10 @@ class CheckpointHook(BaseHook):
     NameNode's RPC address Spark uses, which is not where WebHDFS listens.  Local roots need no
     connection.
 
-    Nothing here knows whether a driver is running: archive or copy a generation only after the job
-    stopped (the operators do that), or Spark may write into a directory while it moves.
+    Nothing here knows whether a driver is running: archive a generation only after the job stopped
+    (the operators do that), or Spark may write into a directory while it moves.  A copy may be taken
+    of a live generation (the upgrade preflight does): files Spark removes meanwhile are skipped, and
+    commits are copied before offsets so that the copy is a checkpoint Spark can restart from.
     """
 
     conn_name_attr = "checkpoint_conn_id"

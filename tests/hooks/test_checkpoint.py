@@ -339,6 +339,29 @@ def test_archive_refuses_an_existing_target(hook, tree, root):
 
 
 # -- copy and drop_latest_commit -------------------------------------------------------------------------
+def test_copy_of_a_live_generation_skips_files_removed_meanwhile(hook, tree, root, monkeypatch):
+    """Spark purges old batches and renames temp files while a preflight copies: those are skipped, and
+    commits are copied before offsets so no commit in the copy lacks its offsets."""
+    import shutil
+
+    from airflow_stream_provider.hooks import checkpoint
+
+    copied, real_copy = [], shutil.copy2
+
+    def racing_copy(source, target):
+        if source.endswith(os.path.join("offsets", "0")):
+            os.remove(source)  # the live query's retention got there first
+        copied.append(os.path.relpath(source, root / JOB / "gen-1"))
+        return real_copy(source, target)
+
+    monkeypatch.setattr(checkpoint.shutil, "copy2", racing_copy)
+    copy = Path(hook.copy_generation(JOB, 1, f"{root}/{JOB}/preflight/live"))
+    assert not (copy / "offsets" / "0").exists() and (copy / "offsets" / "2").exists()
+    assert (copy / "commits" / "1").exists()
+    first_offset = min(i for i, name in enumerate(copied) if name.startswith("offsets"))
+    assert all(name.startswith("commits") for name in copied[:first_offset]) and first_offset > 0
+
+
 def test_preflight_copy_is_made_and_removed_inside_its_own_directory(hook, tree, root):
     preflight = hook.new_preflight_root(JOB)
     assert preflight.startswith(f"{root}/{JOB}/preflight/") and preflight != hook.new_preflight_root(JOB)
