@@ -292,6 +292,11 @@ class StreamJobOperator(BaseOperator):
                 self.log.warning("Run %s ignored SIGTERM: %s", run["run_id"], self.driver.kill(run))
                 self._wait_ended(run, self.kill_grace)
         final = self.state.store.get_run(run["run_id"]) or run
+        if final["status"] in ACTIVE_STATUSES and self.driver.is_alive(final) is False:
+            # Gone without recording an end: it died during the stop (or was killed above).
+            outcome = "died" if outcome == "stopped" else outcome
+            self.state.store.mark_dead(run["run_id"], f"driver gone during a graceful stop ({outcome})")
+            final = self.state.store.get_run(run["run_id"]) or final
         return {"job_id": run["job_id"], "run_id": run["run_id"], "outcome": outcome,
                 "exit_code": final["exit_code"], "status": final["status"],
                 "seconds": round(time.monotonic() - started, 1)}

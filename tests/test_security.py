@@ -1,0 +1,55 @@
+"""The state database's password travels only in the driver's environment: never in process arguments
+(``ps``), task logs, driver logs, XCom or the recorded spec.
+
+A real PostgreSQL database, a real Airflow connection holding a password, a real driver started
+through the deploy DAG.  The local server trusts loopback connections, so the password is not what
+lets the driver in; it travels the same way it does in production, and what is checked is where it
+shows up.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import psutil
+from sqlalchemy import select
+
+from airflow_stream_provider.state import schema
+from tests.dags import provider_scenarios as dags
+from tests.stack import airflow as airflow_stack
+from tests.stack.dagruns import caught_up, run_dag
+from tests.stack.events import EventProducer
+
+
+def test_database_password_never_leaks(stream, broker, postgres_url, monkeypatch, capfd):
+    secret = f"S3cret-{uuid.uuid4().hex}"
+    database = postgres_url.rsplit("/", 1)[1]
+    monkeypatch.setenv(*airflow_stack.connection_env(
+        "stream_state_default", conn_type="stream_state", host="127.0.0.1", port=5432, schema=database,
+        login="postgres", password=secret))
+    state, job_id, params = stream["state"], stream["job_id"], stream["params"]
+    state.__dict__.pop("credentials", None)
+    state.__dict__.pop("store", None)
+    producer = EventProducer(broker, stream["topic"])
+    producer.send(500)
+
+    status, tasks = run_dag(dags.deploy, params)
+    assert status == "success", tasks
+    caught_up(state, job_id, producer)
+    arguments = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
+    driver = [a for a in arguments if job_id in a and "--spec" in a]
+    assert driver, "the driver's command line should be visible to ps"
+    assert not [a for a in arguments if secret in a], "the password is in a process's arguments"
+    status, stopped = run_dag(dags.stop, params)
+    assert status == "success", stopped
+
+    assert secret not in json.dumps([tasks, stopped], default=str), "the password is in an XCom"
+    logs = capfd.readouterr()
+    assert database in logs.out + logs.err, "the task logs were not captured"
+    assert secret not in logs.out + logs.err, "the password is in a task log"
+    for path in (stream["tmp"] / "driver-logs").rglob("*.log"):
+        assert secret not in path.read_text(errors="replace"), f"the password is in {path}"
+    with state.store.engine.connect() as conn:
+        recorded = conn.execute(select(schema.runs.c.spec, schema.runs.c.termination_message)).all()
+    assert recorded and all(secret not in (row.spec or "") + (row.termination_message or "") for row in recorded)
