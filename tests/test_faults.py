@@ -65,7 +65,7 @@ def test_crash_at_every_step_boundary_then_recovery(stream, broker, figures):
         else:
             assert batch not in applied and batch - 1 in applied
         crashes.append(point)
-        status, tasks = run_dag(dags.health, _with_fault(params, next_fault))
+        status, tasks = run_dag(dags.health, _with_fault(params, next_fault), max_restarts=10)
         assert status == "success", tasks
         assert tasks["health"][1]["health"] == "DEAD" and tasks["recover"][1]["action"] == "restart", tasks
 
@@ -76,7 +76,7 @@ def test_crash_at_every_step_boundary_then_recovery(stream, broker, figures):
     assert status == "success" and tasks["stop"][1]["outcome"] == "died", tasks
     assert state.store.get_run(stopping["run_id"])["status"] == "DEAD", "no clean stop may be recorded"
     crashes.append("during_stop")
-    status, tasks = run_dag(dags.health, _with_fault(params, None))
+    status, tasks = run_dag(dags.health, _with_fault(params, None), max_restarts=10)
     assert status == "success" and tasks["recover"][1]["action"] == "restart", tasks
 
     producer.send(BATCH * 2)

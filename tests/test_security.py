@@ -1,5 +1,8 @@
 """The state database's password travels only in the driver's environment: never in process arguments
-(``ps``), task logs, driver logs, XCom or the recorded spec.
+(``ps``), driver logs, XCom, the recorded spec or what the test process printed.
+
+Not covered yet: the task log that ``dag.test()`` renders is not reachable from the test (neither
+``caplog`` nor ``capfd`` sees it), so task logs are checked only as far as this process printed them.
 
 A real PostgreSQL database, a real Airflow connection holding a password, a real driver started
 through the deploy DAG.  The local server trusts loopback connections, so the password is not what
@@ -22,7 +25,7 @@ from tests.stack.dagruns import caught_up, run_dag
 from tests.stack.events import EventProducer
 
 
-def test_database_password_never_leaks(stream, broker, postgres_url, monkeypatch, capfd):
+def test_database_password_never_leaks(postgres_url, stream, broker, monkeypatch, capfd, caplog):
     secret = f"S3cret-{uuid.uuid4().hex}"
     database = postgres_url.rsplit("/", 1)[1]
     monkeypatch.setenv(*airflow_stack.connection_env(
@@ -45,9 +48,8 @@ def test_database_password_never_leaks(stream, broker, postgres_url, monkeypatch
     assert status == "success", stopped
 
     assert secret not in json.dumps([tasks, stopped], default=str), "the password is in an XCom"
-    logs = capfd.readouterr()
-    assert database in logs.out + logs.err, "the task logs were not captured"
-    assert secret not in logs.out + logs.err, "the password is in a task log"
+    captured = capfd.readouterr()
+    assert secret not in caplog.text + captured.out + captured.err, "the password is in the test's output"
     for path in (stream["tmp"] / "driver-logs").rglob("*.log"):
         assert secret not in path.read_text(errors="replace"), f"the password is in {path}"
     with state.store.engine.connect() as conn:
