@@ -98,3 +98,15 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("measured figures")
         for row in rows:
             terminalreporter.write_line(row)
+
+
+#: Files whose tests each run several Spark drivers: started first, so that the two workers do not end
+#: the run waiting on one long scenario each.
+_HEAVY = ("test_upgrades.py", "test_runtime_e2e.py", "test_example_dags.py", "test_faults.py",
+          "test_provider_dags.py", "test_standalone_cluster.py", "test_security.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: next((i for i, name in enumerate(_HEAVY) if item.fspath.basename == name),
+                                     len(_HEAVY)))
+

@@ -108,7 +108,7 @@ def test_crash_loop_ends_at_the_restart_budget(stream, broker):
             break
     assert outcomes == ["success", "success", "failed"], outcomes
     assert len(state.restarts_since(job_id, 0)) == 2
-    last = state.latestrun_dag(job_id)
+    last = state.latest_run(job_id)
     assert last["failure_kind"] == "USER_CODE" and "simulated bug" in last["termination_message"]
 
 
@@ -121,5 +121,5 @@ def test_stuck_query_is_reported_stuck(stream, broker):
     assert status == "success", tasks
     found = tasks["health"][1]
     assert found["health"] == "STUCK" and found["lag"] == 300, found
-    run = state.latestrun_dag(job_id)
+    run = state.latest_run(job_id)
     assert run["status"] == "RUNNING" and run["last_batch_id"] is None

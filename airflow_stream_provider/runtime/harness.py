@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from pyspark import SparkConf, SparkContext
+from pyspark import SparkConf
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
@@ -143,6 +143,8 @@ class StreamHarness:
         builder = SparkSession.builder.appName(f"stream-{self.spec.job_id}-{self.spec.version}")
         # The JVM holds spark-submit's settings; a SparkConf made before it is up would not see them and
         # the default below would turn a cluster master into local mode.
+        from pyspark import SparkContext  # the driver's full pyspark; not in pyspark-client installs
+
         SparkContext._ensure_initialized()
         master = SparkConf().get("spark.master", "local[2]")
         match = _LOCAL_MASTER.match(master)

@@ -35,7 +35,7 @@ def stream_job(broker, topic: str, job_id: str, tmp_path, monkeypatch):
 
     observed.reset()
     spec = {"job_id": job_id, "version": "1.0", "checkpoint_root": str(tmp_path / "checkpoints"),
-            "trigger_interval": "500 milliseconds", "heartbeat_seconds": 1.0,
+            "trigger_interval": "2 seconds", "heartbeat_seconds": 1.0,
             "kafka": {"topics": [topic], "source": "python", "max_offsets_per_trigger": 1500}}
     params = {"spec": spec, "application": EVENTS_JOB, "conf": TEST_SPARK_CONF, "ready_timeout": 240,
               "env_vars": {k: env[k] for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_LOCAL_IP")},
