@@ -48,6 +48,8 @@ class Diagnosis:
     lag: int | None = None
     evidence: list[str] = field(default_factory=list)
     advice: str = ""
+    #: when the conclusion was drawn (epoch seconds): detection latency is measured against it
+    diagnosed_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -77,8 +79,9 @@ def diagnose(job_id: str, run: dict[str, Any] | None, *, driver_alive: bool | No
     now = time.time() if now is None else now
     if run is None:
         return Diagnosis(job_id, Health.STOPPED, lag=lag, evidence=["no run recorded for this job"],
-                         advice="Submit the job.")
-    base = {"run_id": run["run_id"], "generation": run["generation"], "epoch": run["epoch"], "lag": lag}
+                         advice="Submit the job.", diagnosed_at=now)
+    base = {"run_id": run["run_id"], "generation": run["generation"], "epoch": run["epoch"], "lag": lag,
+            "diagnosed_at": now}
     heartbeat_age = now - (run["heartbeat_at"] or run["started_at"] or now)
     status = run["status"]
     if status == STOPPED:
