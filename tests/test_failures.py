@@ -180,6 +180,16 @@ SAMPLES: dict[str, tuple[str, ...]] = {
         "kafka.errors.KafkaTimeoutError: KafkaTimeoutError: Failed to update metadata after 60.0 secs.",
         "kafka.errors.KafkaConnectionError: KafkaConnectionError: Connection at 127.0.0.1:9092 closed",
         "org.apache.kafka.common.errors.TimeoutException: Timeout expired while fetching topic metadata",
+        (  # the Python source's read, after the broker stayed away longer than the read timeout
+            "org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage 7.0 failed 4 "
+            "times, most recent failure: Lost task 0.3 in stage 7.0 (TID 31) (localhost executor driver): "
+            "org.apache.spark.api.python.PythonException: [PYTHON_EXCEPTION] An exception was thrown from the "
+            "Python worker: Traceback (most recent call last):\n"
+            '  File "/opt/job/airflow_stream_provider/kafka_client.py", line 108, in read_range\n'
+            "    raise KafkaReadError(\n"
+            "airflow_stream_provider.kafka_client.KafkaReadError: timed out reading events-0 [1500, 3000): "
+            "stopped at 1500; is the broker reachable?"
+        ),
     ),
     "database-unreachable": (
         (
@@ -395,6 +405,12 @@ PYTHON_PROXY = (
         ),
         ("sqlite3.OperationalError: database is locked", FailureKind.TRANSIENT, "database-unreachable"),
         ("kafka.errors.NoBrokersAvailable: NoBrokersAvailable", FailureKind.TRANSIENT, "kafka-unreachable"),
+        (
+            "airflow_stream_provider.kafka_client.KafkaReadError: timed out reading events-2 [0, 40): stopped "
+            "at 12; is the broker reachable?",
+            FailureKind.TRANSIENT,
+            "kafka-unreachable",
+        ),
         ("MemoryError", FailureKind.RESOURCE, "python-out-of-memory"),
         ("ValueError: bad row", FailureKind.USER_CODE, "python-user-code"),
     ],
