@@ -8,16 +8,22 @@ the job; the recovering driver carries the next fault.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from sqlalchemy import select
 
-from airflow_stream_provider import local_driver
+from airflow_stream_provider import kafka_offsets, local_driver
 from airflow_stream_provider.state import schema
 from tests.dags import provider_scenarios as dags
-from tests.stack.dagruns import caught_up, run_dag
+from tests.dags import reset_scenario
+from tests.stack.dagruns import caught_up, run_dag, runs
 from tests.stack.events import EventProducer
-from tests.stack.jobs import check_exactly_once, wait_until
+from tests.stack.jobs import REPO, check_exactly_once, wait_until
 
 BATCH = 300
 
@@ -86,3 +92,59 @@ def test_crash_at_every_step_boundary_then_recovery(stream, broker, figures):
     counts = check_exactly_once(state.store, job_id, producer.produced)
     assert len(state.restarts_since(job_id, 0)) == 4
     figures.record("crash at every step boundary", crashes=crashes, **counts)
+
+
+# The reset task runs in a process of its own, as a worker runs it: ``dag.test()`` runs tasks in the calling
+# process, and the fault kills the process it fires in with a real SIGKILL.
+_RESET_IN_A_CHILD = (
+    "import json, sys\n"
+    "from tests.dags.reset_scenario import reset\n"
+    "from tests.stack.dagruns import run_dag\n"
+    "print(run_dag(reset, json.loads(sys.argv[1])))\n"
+)
+
+
+def test_reset_killed_between_archive_and_start_is_completed_by_the_next_attempt(stream, broker, figures):
+    """``STREAM_FAULT=reset_after_archive`` in the Airflow task's environment: the reset task is SIGKILLed
+    after archiving generation 1 and before starting generation 2.  The archive stays, nothing starts; the
+    next attempt of the reset (what Airflow's retry of the killed task runs) starts generation 2 from the
+    stored offsets without archiving anything again."""
+    state, job_id, params = stream["state"], stream["job_id"], stream["params"]
+    root = Path(params["spec"]["checkpoint_root"]) / job_id
+    producer = EventProducer(broker, stream["topic"])
+    producer.send(1500)
+    status, tasks = run_dag(dags.deploy, params)
+    assert status == "success", tasks
+    first = tasks["submit"][1]
+    caught_up(state, job_id, producer)
+
+    with open(stream["tmp"] / "killed-reset.log", "wb") as output:
+        child = subprocess.run([sys.executable, "-c", _RESET_IN_A_CHILD, json.dumps({**params, "reason": "test"})],
+                               env={**os.environ, "STREAM_FAULT": "reset_after_archive"}, cwd=REPO,
+                               stdout=output, stderr=subprocess.STDOUT, timeout=600)
+    assert child.returncode == -signal.SIGKILL, (stream["tmp"] / "killed-reset.log").read_text()[-3000:]
+    stopped = state.store.get_run(first["run_id"])
+    assert stopped["status"] == "STOPPED", "the reset stops the live run gracefully before it archives"
+    archived = state.store.get_generation(job_id, 1)
+    archive = Path(archived["archive_path"])
+    assert archived["archived_at"] and (archive / "offsets").is_dir() and (archive / "commits").is_dir()
+    assert not (root / "gen-1").exists() and not (root / "gen-2").exists()
+    assert state.store.get_generation(job_id, 2) is None and len(runs(state, job_id)) == 1
+    assert state.restarts_since(job_id, 0) == [], "the killed reset recorded nothing after the archive"
+    stored = state.stored_offsets(job_id)
+
+    producer.send(700)  # arrives while no driver runs
+    status, tasks = run_dag(reset_scenario.reset, params, reason="retry of the killed reset")
+    assert status == "success", tasks
+    done = tasks["reset"][1]
+    assert (done["generation"], done["archived_generation"], done["archive_path"]) == (2, 1, str(archive)), done
+    assert kafka_offsets.from_spark_json(done["starting_offsets"]) == stored
+    assert sorted(p.name for p in (root / "archive").iterdir()) == [archive.name], "archived once, kept"
+    assert kafka_offsets.from_spark_json(state.store.get_generation(job_id, 2)["starting_offsets"]) == stored
+    producer.send(300)
+    caught_up(state, job_id, producer)
+    status, tasks = run_dag(dags.stop, params)
+    assert status == "success" and tasks["stop"][1]["outcome"] == "stopped", tasks
+    counts = check_exactly_once(state.store, job_id, producer.produced)
+    assert counts["read"] == 2500
+    figures.record("reset killed between archive and start", archive=archive.name, **counts)
