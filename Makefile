@@ -6,9 +6,10 @@ VENV ?= .venv
 SPARK_VENV ?= .venv-spark
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+BENCH_ARGS ?=
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 
-.PHONY: install test lint demo soak clean
+.PHONY: install test lint demo soak bench clean
 
 install: $(VENV)/.installed $(SPARK_VENV)/.installed
 
@@ -37,8 +38,17 @@ lint: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/python -m demo $(DEMO_ARGS)
 
+# Recovery time, throughput and scaling against the baseline; writes benchmarks/results/ (about 25 min on
+# 2 cores; BENCH_ARGS="--profile quick" checks the whole path in a few minutes).
+bench: install $(VENV)/.bench-installed
+	$(VENV)/bin/python -m benchmarks $(BENCH_ARGS)
+
+$(VENV)/.bench-installed: pyproject.toml $(VENV)/.installed
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[airflow,test,bench]'
+	@touch $@
+
 soak: install
 	$(VENV)/bin/python -m pytest -m soak $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(SPARK_VENV) .pytest_cache .ruff_cache .demo
+	rm -rf $(VENV) $(SPARK_VENV) .pytest_cache .ruff_cache .demo .bench

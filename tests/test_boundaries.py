@@ -28,14 +28,17 @@ def _sources(root: Path):
     return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
 
 
-@pytest.mark.parametrize("path", _sources(PACKAGE / "runtime") + _sources(REPO / "spark_jobs"),
+@pytest.mark.parametrize("path", _sources(PACKAGE / "runtime") + _sources(REPO / "spark_jobs")
+                         + _sources(REPO / "benchmarks" / "jobs"),
                          ids=lambda p: str(p.relative_to(REPO)))
 def test_runtime_side_never_imports_airflow(path):
     assert "airflow" not in _imports(path)
 
 
 @pytest.mark.parametrize("path", [p for p in _sources(PACKAGE) if "runtime" not in p.parts]
-                         + _sources(REPO / "dags"), ids=lambda p: str(p.relative_to(REPO)))
+                         + _sources(REPO / "dags")
+                         + [p for p in _sources(REPO / "benchmarks") if "jobs" not in p.parts],
+                         ids=lambda p: str(p.relative_to(REPO)))
 def test_airflow_side_never_imports_pyspark(path):
     assert "pyspark" not in _imports(path)
 

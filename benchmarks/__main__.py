@@ -1,0 +1,122 @@
+"""``make bench``: recovery time, throughput and scaling, side by side with the baseline.
+
+    python -m benchmarks [--profile default|quick] [--only SECTION ...] [--out DIR] [--workdir DIR]
+
+Sections run one after the other on one stack (Tansu, PostgreSQL, local Spark, Airflow with the example
+DAGs), print what they are doing, and end in ``<out>/latest.json``, ``latest.md`` and PNG plots.  The
+default profile takes about 25 minutes on a 2-core machine; ``quick`` checks the whole path in a few.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import recovery, report, throughput
+from benchmarks.audit import Audit
+from benchmarks.stack import REPO, Stack, say
+
+PROFILES = {
+    "default": {"cold": 3, "mttr": 3, "baseline": 3, "upgrade": 2, "throughput_repeats": 2, "backlog": 60_000,
+                "max_offsets": 20_000, "raw_repeats": 3, "rss_backlogs": [20_000, 80_000, 240_000],
+                "rss_max_offsets": 10_000, "history": [10, 100, 1000], "partitions": [1, 8, 32]},
+    "quick": {"cold": 1, "mttr": 1, "baseline": 1, "upgrade": 1, "throughput_repeats": 1, "backlog": 6_000,
+              "max_offsets": 2_000, "raw_repeats": 1, "rss_backlogs": [2_000, 8_000], "rss_max_offsets": 1_000,
+              "history": [5, 20], "partitions": [1, 4]},
+}
+SECTIONS = ("cold", "mttr", "baseline", "upgrade", "throughput", "rss", "history", "partitions")
+
+
+def run(stack: Stack, profile: dict, sections: list[str]) -> dict:
+    samples: dict = {"scaling": {}}
+    total = Audit(0, 0, 0)
+
+    def section(name: str, what: str) -> bool:
+        if name in sections:
+            say(f"== {name}: {what}")
+        return name in sections
+
+    if section("cold", f"driver spawn -> first committed batch, {profile['cold']} runs"):
+        samples["cold_start_s"] = recovery.cold_start(stack, profile["cold"], total)
+    if section("mttr", f"kill -9 under stream_health + recover, {profile['mttr']} runs"):
+        samples["detect_kill9_s"], samples["mttr_kill9_s"] = recovery.mttr_provider(stack, profile["mttr"], total)
+    if section("baseline", f"kill -9 under SparkSubmitOperator + retries, {profile['baseline']} runs"):
+        samples["baseline_mttr_kill9_s"] = recovery.mttr_baseline(stack, profile["baseline"], total)
+    if section("upgrade", f"incompatible upgrade with stream_upgrade, {profile['upgrade']} runs"):
+        samples["upgrade_incompatible_s"], samples["baseline_upgrade_incompatible"] = \
+            recovery.upgrade_incompatible(stack, profile["upgrade"], total)
+    if section("throughput", f"{profile['backlog']:,}-event backlog: exactly-once vs at-least-once vs raw"):
+        topic = None
+        for _ in range(profile["throughput_repeats"]):
+            for database in ("postgresql", "sqlite"):
+                for exactly_once in (True, False):
+                    drained = throughput.drain(stack, exactly_once=exactly_once, database=database,
+                                               backlog=profile["backlog"], max_offsets=profile["max_offsets"],
+                                               total=total)
+                    key = f"{'eos' if exactly_once else 'alo'}_msgs_s/{database}"
+                    samples.setdefault(key, []).append(drained["msgs_s"])
+                    topic = drained["topic"]
+        samples["raw_consume_msgs_s"] = []
+        for _ in range(profile["raw_repeats"]):
+            samples["raw_consume_msgs_s"].append(throughput.raw_consume(stack, topic, profile["backlog"]))
+            say(f"  raw kafka-python: {samples['raw_consume_msgs_s'][-1]:.0f} msgs/s")
+    if section("rss", f"peak driver RSS for backlogs {profile['rss_backlogs']}"):
+        rss = {"backlog": [], "peak_rss_mb": [], "msgs_s": [], "max_offsets_per_trigger": profile["rss_max_offsets"]}
+        for backlog in profile["rss_backlogs"]:
+            drained = throughput.drain(stack, exactly_once=True, database="sqlite", backlog=backlog,
+                                       max_offsets=profile["rss_max_offsets"], total=total)
+            rss["backlog"].append(backlog)
+            rss["peak_rss_mb"].append(round(drained["peak_rss_mb"], 1))
+            rss["msgs_s"].append(drained["msgs_s"])
+        samples["scaling"]["rss_vs_backlog"] = rss
+    if section("history", f"recovery and reset with {profile['history']} committed batches"):
+        samples["scaling"]["history"] = recovery.by_history(stack, profile["history"], total)
+    if section("partitions", f"recovery and reset with {profile['partitions']} partitions"):
+        samples["scaling"]["partitions"] = recovery.by_partitions(stack, profile["partitions"], total)
+    samples.update(lost=total.lost, duplicated=total.duplicated, audited_records=total.produced)
+    return samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="default")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, help="run these sections only")
+    parser.add_argument("--out", type=Path, help="results directory (default benchmarks/results; quick: "
+                                                 "<workdir>/results)")
+    parser.add_argument("--workdir", type=Path, default=REPO / ".bench", help="scratch directory (emptied)")
+    args = parser.parse_args(argv)
+    workdir = args.workdir.resolve()
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    out = args.out or (REPO / "benchmarks" / "results" if args.profile == "default" and not args.only
+                       else workdir / "results")
+    sections = list(args.only or SECTIONS)
+    started = time.monotonic()
+    stack = Stack(workdir)
+    try:
+        stack.start()
+        samples = run(stack, PROFILES[args.profile], sections)
+    finally:
+        stack.stop()
+    meta = {"profile": args.profile, "sections": sections, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "minutes": round((time.monotonic() - started) / 60, 1),
+            "machine": f"{platform.machine()}, {_cores()} cores, Python {platform.python_version()}"}
+    result = report.summarise(samples, meta)
+    for path in report.write(result, out):
+        say(f"wrote {path}")
+    print(report.markdown(result))
+    return 0 if result["lost"] == 0 and result["duplicated"] == 0 else 1
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

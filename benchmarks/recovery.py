@@ -1,0 +1,290 @@
+"""How long a job is down: cold start, kill -9 recovery (this provider and the baseline), an incompatible
+upgrade, and how recovery and reset scale with checkpoint history and partitions.
+
+Every time is read from the ledger the sink writes in its commit transaction ("first batch committed")
+against wall-clock moments taken here (the kill, the trigger); a live trickle of events keeps the job
+busy, so a recovered driver commits as soon as it can.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+
+from benchmarks.audit import Audit, audit
+from benchmarks.stack import EVENTS_JOB, EVENTS_JOB_V2, Job, Stack, kill_driver_tree, say
+from tests.stack.events import Trickle
+
+#: The example health DAG polls every 5 s; a kill lands anywhere in that interval.
+POLL_INTERVAL_S = 5.0
+
+
+def _wait(condition: Callable[[], object], timeout: float, what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _processing(job: Job) -> dict:
+    """The live run, once it has committed a batch."""
+    def ready():
+        run = job.latest_run()
+        if run and run["status"] == "RUNNING" and run["pid"] and job.first_commit(run_id=run["run_id"]):
+            return run
+        return None
+
+    return _wait(ready, 300, f"job {job.job_id} to process")
+
+
+class _Watching:
+    """Set when ``stream_health``'s deferred sensor starts polling.  ``dag.test()`` runs the trigger in
+    this process, so wrapping the trigger class's ``run`` observes it without changing what it does."""
+
+    event = threading.Event()
+
+    @classmethod
+    def install(cls) -> None:
+        from airflow_stream_provider.triggers.health import StreamHealthTrigger
+
+        if getattr(StreamHealthTrigger.run, "_observed", False):
+            return
+        original = StreamHealthTrigger.run
+
+        async def run(self):
+            cls.event.set()
+            async for event in original(self):
+                yield event
+
+        run._observed = True
+        StreamHealthTrigger.run = run
+
+
+def _audit(job: Job, producer, total: Audit) -> None:
+    found = audit(job.store, job.job_id, producer.produced)
+    say(f"  {job.job_id}: {found.produced} records produced, {found.lost} lost, {found.duplicated} duplicated")
+    total += found
+
+
+def _finish(stack: Stack, job: Job, producer, total: Audit) -> None:
+    stack.trigger_ok("stream_stop")
+    producer.close()
+    _audit(job, producer, total)
+
+
+# -- the floor ---------------------------------------------------------------------------------------
+def cold_start(stack: Stack, repeats: int, total: Audit) -> list[float]:
+    """Spawn of a driver on an existing checkpoint with records waiting -> its first committed batch."""
+    from tests.stack.jobs import JobRunner, make_spec
+
+    job = stack.new_job("cold-start")
+    spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url,
+                     stack.workdir / "checkpoints", trigger_interval="1 second", max_offsets_per_trigger=2000)
+    runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id)
+    producer = stack.producer(job)
+    producer.send(600)
+    runner.process_backlog(dict(producer.produced.end_offsets))  # creates the checkpoint; not timed
+    seconds = []
+    for attempt in range(repeats):
+        producer.send(300)
+        spawned = time.time()
+        driver = runner.start()
+        seconds.append(job.wait_first_commit(run_id=driver.run_id, after=spawned) - spawned)
+        say(f"  cold start {attempt + 1}/{repeats}: {seconds[-1]:.1f}s")
+        runner.wait_caught_up(dict(producer.produced.end_offsets), driver)
+        runner.stop(driver)
+    runner.store.dispose()
+    producer.close()
+    _audit(job, producer, total)
+    return seconds
+
+
+# -- kill -9 with this provider ----------------------------------------------------------------------
+def kill_and_recover(stack: Stack, job: Job) -> tuple[float, float]:
+    """While ``stream_health``'s sensor is deferred, SIGKILL the driver at a random moment of the poll
+    interval; return (kill -> diagnosis DEAD, kill -> first batch committed by the recovered run)."""
+    victim = _processing(job)
+    killed_at: list[float] = []
+    _Watching.install()
+    _Watching.event.clear()
+
+    def kill_when_watched():
+        if not _Watching.event.wait(120):
+            return
+        time.sleep(random.uniform(0, POLL_INTERVAL_S))
+        killed_at.append(time.time())
+        kill_driver_tree(victim["pid"])
+
+    killer = threading.Thread(target=kill_when_watched, daemon=True)
+    killer.start()
+    tasks = stack.trigger_ok("stream_health")
+    killer.join(30)
+    diagnosis, recovered = tasks["health"], tasks["recover"]
+    if not killed_at or diagnosis["health"] != "DEAD" or diagnosis["run_id"] != victim["run_id"]:
+        raise RuntimeError(f"stream_health did not see the killed run DEAD: {diagnosis}")
+    first = job.wait_first_commit(run_id=recovered["run_id"])
+    return diagnosis["diagnosed_at"] - killed_at[0], first - killed_at[0]
+
+
+def mttr_provider(stack: Stack, repeats: int, total: Audit) -> tuple[list[float], list[float]]:
+    job = stack.new_job("mttr")
+    producer = stack.producer(job)
+    producer.send(1000)
+    stack.trigger_ok("stream_deploy")
+    detect, mttr = [], []
+    with Trickle(producer, chunk=30, pause_s=0.3):
+        for attempt in range(repeats):
+            seen, recovered = kill_and_recover(stack, job)
+            detect.append(seen)
+            mttr.append(recovered)
+            say(f"  provider kill -9 {attempt + 1}/{repeats}: DEAD after {seen:.2f}s, processing again after "
+                f"{recovered:.1f}s")
+    job.wait_caught_up(producer.produced)
+    _finish(stack, job, producer, total)
+    return detect, mttr
+
+
+# -- kill -9 with the baseline -----------------------------------------------------------------------
+def mttr_baseline(stack: Stack, repeats: int, total: Audit) -> list[float]:
+    """The job attached under SparkSubmitOperator with retries (retry_delay 5 s); the same kills."""
+    from airflow_stream_provider.spec import StreamJobSpec
+
+    job = stack.new_job("baseline")
+    spec = StreamJobSpec.from_dict({**job.spec, "database_url": job.database_url,
+                                    "kafka": {**job.spec["kafka"], "bootstrap_servers": stack.broker.bootstrap}})
+    producer = stack.producer(job)
+    producer.send(1000)
+    seconds: list[float] = []
+    failure: list[BaseException] = []
+    trickle = Trickle(producer, chunk=30, pause_s=0.3)
+
+    def kill_repeatedly():
+        try:
+            for attempt in range(repeats):
+                victim = _processing(job)
+                time.sleep(random.uniform(0, POLL_INTERVAL_S))
+                killed_at = time.time()
+                kill_driver_tree(victim["pid"])
+                seconds.append(job.wait_first_commit(after=killed_at + 0.001) - killed_at)
+                say(f"  baseline kill -9 {attempt + 1}/{repeats}: processing again after {seconds[-1]:.1f}s")
+            trickle.__exit__(None, None, None)
+            job.wait_caught_up(producer.produced)
+        except BaseException as err:  # reported by the main thread
+            failure.append(err)
+        finally:  # end the attached run cleanly so the DAG run finishes
+            run = job.latest_run()
+            if run and run["status"] in ("STARTING", "RUNNING"):
+                job.store.request_stop(run["run_id"])
+
+    killer = threading.Thread(target=kill_repeatedly, daemon=True)
+    trickle.__enter__()
+    killer.start()
+    try:
+        stack.trigger_ok("bench_baseline", application=EVENTS_JOB, spec=spec.to_json(), conf=stack.spark_conf,
+                         env_vars={k: stack.spark_env[k] for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON",
+                                                                   "SPARK_LOCAL_IP")})
+    finally:
+        killer.join(60)
+        trickle.background.done.set()
+    if failure:
+        raise failure[0]
+    producer.close()
+    _audit(job, producer, total)
+    return seconds
+
+
+# -- an upgrade the checkpoint cannot take -------------------------------------------------------------
+def upgrade_incompatible(stack: Stack, repeats: int, total: Audit) -> tuple[list[float], str]:
+    """``stream_upgrade`` to a version with a new stateful operator -> its first committed batch."""
+    seconds, error_class = [], ""
+    for attempt in range(repeats):
+        job = stack.new_job("upgrade")
+        producer = stack.producer(job)
+        producer.send(2000)
+        stack.trigger_ok("stream_deploy")
+        job.wait_caught_up(producer.produced)
+        with Trickle(producer, chunk=30, pause_s=0.3):
+            started = time.time()
+            upgraded = stack.trigger_ok("stream_upgrade", application=EVENTS_JOB_V2, version="2.0")["upgrade"]
+            seconds.append(job.wait_first_commit(generation=2, after=started) - started)
+        error_class = upgraded["preflight"]["error_class"]
+        say(f"  incompatible upgrade {attempt + 1}/{repeats}: {upgraded['action']} after preflight "
+            f"{upgraded['preflight']['verdict']} ({error_class}, {upgraded['preflight']['seconds']}s); "
+            f"v2 processing after {seconds[-1]:.1f}s")
+        job.wait_caught_up(producer.produced)
+        _finish(stack, job, producer, total)
+        from airflow.models.variable import Variable
+
+        Variable.set("stream_job_application", EVENTS_JOB)  # the next repetition starts from version 1
+    baseline = (f"no automatic recovery: every retry starts the new version on the old checkpoint and fails "
+                f"again ({error_class}); a person must move the checkpoint aside and pass startingOffsets")
+    return seconds, baseline
+
+
+# -- scaling -------------------------------------------------------------------------------------------
+def _reset(stack: Stack, job: Job) -> float:
+    """``bench_reset`` on a healthy, busy job -> the new generation's first committed batch."""
+    started = time.time()
+    reset = stack.trigger_ok("bench_reset")["reset"]
+    return job.wait_first_commit(generation=reset["generation"], after=started) - started
+
+
+def _committed_batches(job: Job, generation: int) -> int:
+    from sqlalchemy import func, select
+
+    from airflow_stream_provider.state import schema
+
+    ledger = schema.batches
+    with job.store.engine.connect() as conn:
+        return conn.execute(select(func.count(func.distinct(ledger.c.batch_id))).where(
+            ledger.c.job_id == job.job_id, ledger.c.generation == generation)).scalar() or 0
+
+
+def by_history(stack: Stack, levels: list[int], total: Audit) -> dict[str, list]:
+    """Recovery and reset with 10 / 100 / 1000 committed batches in the checkpoint: tiny batches (one
+    record per partition) build the history; each level is reached in a generation of its own."""
+    job = stack.new_job("history", max_offsets=3, trigger_interval="100 milliseconds")
+    producer = stack.producer(job)
+    producer.send(3 * sum(levels) + 600)
+    stack.trigger_ok("stream_deploy")
+    series = {"batches": [], "recovery_s": [], "reset_s": []}
+    generation = 1
+    with Trickle(producer, chunk=3, pause_s=0.5):
+        for level in levels:
+            started = time.monotonic()
+            _wait(lambda g=generation, n=level: _committed_batches(job, g) >= n, 60 + level * 3,
+                  f"{level} committed batches")
+            say(f"  generation {generation} reached {level} committed batches in {time.monotonic() - started:.0f}s")
+            _, recovered = kill_and_recover(stack, job)
+            reset = _reset(stack, job)
+            generation += 1
+            series["batches"].append(level)
+            series["recovery_s"].append(recovered)
+            series["reset_s"].append(reset)
+            say(f"  history {level} batches: recovery {recovered:.1f}s, reset {reset:.1f}s")
+    _finish(stack, job, producer, total)
+    return series
+
+
+def by_partitions(stack: Stack, levels: list[int], total: Audit) -> dict[str, list]:
+    series = {"partitions": [], "recovery_s": [], "reset_s": []}
+    for partitions in levels:
+        job = stack.new_job(f"partitions-{partitions}", partitions=partitions, max_offsets=2000)
+        producer = stack.producer(job)
+        producer.send(max(1000, 30 * partitions))
+        stack.trigger_ok("stream_deploy")
+        with Trickle(producer, chunk=max(30, partitions), pause_s=0.3):
+            _, recovered = kill_and_recover(stack, job)
+            reset = _reset(stack, job)
+        job.wait_caught_up(producer.produced)
+        _finish(stack, job, producer, total)
+        series["partitions"].append(partitions)
+        series["recovery_s"].append(recovered)
+        series["reset_s"].append(reset)
+        say(f"  {partitions} partitions: recovery {recovered:.1f}s, reset {reset:.1f}s")
+    return series

@@ -1,0 +1,232 @@
+"""The benchmark's outputs: ``latest.json`` (medians with their run counts and every sample), a Markdown
+table with the targets, and PNG plots.  Pure: takes the collected samples, touches no stack."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def median(samples: list[float]) -> float | None:
+    return round(statistics.median(samples), 3) if samples else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def summarise(samples: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """Samples in, the JSON document out: medians under the issue's key names, ``runs`` with counts."""
+    times = {key: samples.get(key, []) for key in
+             ("mttr_kill9_s", "detect_kill9_s", "baseline_mttr_kill9_s", "cold_start_s", "upgrade_incompatible_s")}
+    result: dict[str, Any] = {key: median(values) for key, values in times.items()}
+    runs = {key: len(values) for key, values in times.items()}
+    raw = median(samples.get("raw_consume_msgs_s", []))
+    result["raw_consume_msgs_s"] = raw
+    runs["raw_consume_msgs_s"] = len(samples.get("raw_consume_msgs_s", []))
+    by_database = {}
+    for database in ("postgresql", "sqlite"):
+        eos = median(samples.get(f"eos_msgs_s/{database}", []))
+        alo = median(samples.get(f"alo_msgs_s/{database}", []))
+        by_database[database] = {"eos_msgs_s": eos, "alo_msgs_s": alo, "eos_vs_raw": ratio(eos, raw),
+                                 "eos_vs_alo": ratio(eos, alo)}
+        suffix = "" if database == "postgresql" else "_sqlite"
+        for key, value in by_database[database].items():
+            result[f"{key}{suffix}"] = value
+        runs[f"eos_msgs_s/{database}"] = len(samples.get(f"eos_msgs_s/{database}", []))
+        runs[f"alo_msgs_s/{database}"] = len(samples.get(f"alo_msgs_s/{database}", []))
+    result["by_database"] = by_database
+    result["baseline_upgrade_incompatible"] = samples.get("baseline_upgrade_incompatible", "not measured")
+    result["lost"] = samples.get("lost", 0)
+    result["duplicated"] = samples.get("duplicated", 0)
+    result["audited_records"] = samples.get("audited_records", 0)
+    result["scaling"] = samples.get("scaling", {})
+    result["runs"] = runs
+    result["samples"] = {k: v for k, v in samples.items() if isinstance(v, list)}
+    result["targets"] = targets(result)
+    result["meta"] = meta
+    return result
+
+
+def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    def check(name: str, value, limit, met) -> dict[str, Any]:
+        return {"target": name, "value": value, "limit": limit, "met": bool(met) if value is not None else None}
+
+    found = []
+    if r["mttr_kill9_s"] is not None and r["cold_start_s"] is not None:
+        limit = round(r["cold_start_s"] + 10, 3)
+        found.append(check("mttr_kill9_s <= cold_start_s + 10", r["mttr_kill9_s"], limit, r["mttr_kill9_s"] <= limit))
+    if r["mttr_kill9_s"] is not None and r["baseline_mttr_kill9_s"] is not None:
+        found.append(check("mttr_kill9_s < baseline_mttr_kill9_s", r["mttr_kill9_s"], r["baseline_mttr_kill9_s"],
+                           r["mttr_kill9_s"] < r["baseline_mttr_kill9_s"]))
+    if r["eos_vs_raw"] is not None:
+        found.append(check("eos_vs_raw >= 0.5 (PostgreSQL)", r["eos_vs_raw"], 0.5, r["eos_vs_raw"] >= 0.5))
+    if r["eos_vs_alo"] is not None:
+        found.append(check("eos_vs_alo >= 0.85 (PostgreSQL)", r["eos_vs_alo"], 0.85, r["eos_vs_alo"] >= 0.85))
+    for series, column in (("history", "recovery_s"), ("history", "reset_s")):
+        values = r["scaling"].get(series, {}).get(column) or []
+        if len(values) >= 2:
+            spread = flatness(values)
+            found.append(check(f"{column} flat across checkpoint history (largest / smallest)", spread, 1.5,
+                               spread <= 1.5))
+    rss = r["scaling"].get("rss_vs_backlog", {}).get("peak_rss_mb") or []
+    if len(rss) >= 2:
+        spread = flatness(rss)
+        found.append(check("peak driver RSS flat across backlog sizes (largest / smallest)", spread, 1.25,
+                           spread <= 1.25))
+    found.append(check("lost == 0 and duplicated == 0", r["lost"] + r["duplicated"], 0,
+                       r["lost"] == 0 and r["duplicated"] == 0))
+    return found
+
+
+def flatness(values: list[float]) -> float:
+    return round(max(values) / min(values), 3) if min(values) > 0 else float("inf")
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+def markdown(r: dict[str, Any]) -> str:
+    runs = r["runs"]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"{r['meta'].get('finished', '')} · {r['meta'].get('machine', '')} · profile `{r['meta'].get('profile')}` "
+        f"· {r['meta'].get('minutes', '?')} min",
+        "",
+        "## Recovery (medians)",
+        "",
+        "| measure | seconds | runs | what it is |",
+        "|---|---:|---:|---|",
+        f"| `cold_start_s` | {_fmt(r['cold_start_s'])} | {runs['cold_start_s']} | spawn of a driver on an existing "
+        "checkpoint -> first committed batch: the floor for any restart |",
+        f"| `detect_kill9_s` | {_fmt(r['detect_kill9_s'])} | {runs['detect_kill9_s']} | SIGKILL -> `stream_health`'s "
+        "deferred sensor diagnoses DEAD (polls every 5 s) |",
+        f"| `mttr_kill9_s` | {_fmt(r['mttr_kill9_s'])} | {runs['mttr_kill9_s']} | SIGKILL -> first batch committed by "
+        "the run `RecoverStreamingJobOperator` started |",
+        f"| `baseline_mttr_kill9_s` | {_fmt(r['baseline_mttr_kill9_s'])} | {runs['baseline_mttr_kill9_s']} | the "
+        "same with `SparkSubmitOperator` + task retries, `retry_delay` 5 s (Airflow's default is 300 s, which "
+        "adds about 295 s) |",
+        f"| `upgrade_incompatible_s` | {_fmt(r['upgrade_incompatible_s'])} | {runs['upgrade_incompatible_s']} | "
+        "`stream_upgrade` to a version with a new stateful operator -> its first committed batch (preflight, "
+        "stop, archive, new generation from stored offsets) |",
+        f"| `baseline_upgrade_incompatible` | – | – | {r['baseline_upgrade_incompatible']} |",
+        "",
+        "## Throughput (steady state, messages/s)",
+        "",
+        "| database | exactly-once | at-least-once | raw kafka-python | eos / raw | eos / alo |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for database, values in r["by_database"].items():
+        lines.append(f"| {database} | {_fmt(values['eos_msgs_s'])} | {_fmt(values['alo_msgs_s'])} | "
+                     f"{_fmt(r['raw_consume_msgs_s'])} | {_fmt(values['eos_vs_raw'])} | {_fmt(values['eos_vs_alo'])} |")
+    lines += ["", f"Runs: {', '.join(f'{k} {v}' for k, v in runs.items() if '/' in k or k.startswith('raw'))}.", ""]
+    scaling = r["scaling"]
+    for name, axis in (("history", "batches"), ("partitions", "partitions")):
+        series = scaling.get(name)
+        if series:
+            lines += [f"## Recovery and reset against {axis}", "", f"| {axis} | recovery s | reset s |",
+                      "|---:|---:|---:|"]
+            lines += [f"| {x} | {_fmt(a)} | {_fmt(b)} |"
+                      for x, a, b in zip(series[axis], series["recovery_s"], series["reset_s"], strict=True)]
+            lines.append("")
+    rss = scaling.get("rss_vs_backlog")
+    if rss:
+        lines += ["## Peak driver RSS against backlog (maxOffsetsPerTrigger fixed)", "",
+                  "| backlog | peak RSS MB | msgs/s |", "|---:|---:|---:|"]
+        lines += [f"| {b:,} | {_fmt(m)} | {_fmt(s)} |"
+                  for b, m, s in zip(rss["backlog"], rss["peak_rss_mb"], rss["msgs_s"], strict=True)]
+        lines.append("")
+    lines += ["## Exactly-once over every run", "",
+              f"{r['audited_records']:,} records audited: lost **{r['lost']}**, duplicated **{r['duplicated']}**.", "",
+              "## Targets", "", "| target | value | limit | met |", "|---|---:|---:|:-:|"]
+    lines += [f"| {t['target']} | {_fmt(t['value'])} | {_fmt(t['limit'])} | "
+              f"{'yes' if t['met'] else ('no' if t['met'] is False else '–')} |" for t in r["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def plots(r: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig, name: str) -> None:
+        path = out / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = ["cold start", "provider kill -9", "baseline kill -9", "incompatible upgrade"]
+    keys = ["cold_start_s", "mttr_kill9_s", "baseline_mttr_kill9_s", "upgrade_incompatible_s"]
+    samples = r["samples"]
+    for i, key in enumerate(keys):
+        values = samples.get(key, [])
+        ax.scatter([i] * len(values), values, color="grey", s=12, zorder=3)
+        if r[key] is not None:
+            ax.bar(i, r[key], color=["#9ecae1", "#3182bd", "#e6550d", "#31a354"][i], alpha=0.8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("seconds until a batch commits")
+    ax.set_title("Time to processing again (median bars, runs as dots)")
+    save(fig, "recovery.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    databases = list(r["by_database"])
+    width = 0.25
+    for j, (label, key) in enumerate((("exactly-once", "eos_msgs_s"), ("at-least-once", "alo_msgs_s"))):
+        ax.bar([i + j * width for i in range(len(databases))],
+               [r["by_database"][d][key] or 0 for d in databases], width, label=label)
+    if r["raw_consume_msgs_s"]:
+        ax.axhline(r["raw_consume_msgs_s"], color="black", linestyle="--", label="raw kafka-python")
+    ax.set_xticks([i + width / 2 for i in range(len(databases))], databases)
+    ax.set_ylabel("messages / s")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title("Steady-state throughput on a backlog")
+    save(fig, "throughput.png")
+
+    for name, axis, log_x in (("history", "batches", True), ("partitions", "partitions", True)):
+        series = r["scaling"].get(name)
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(series[axis], series["recovery_s"], marker="o", label="kill -9 -> processing")
+        ax.plot(series[axis], series["reset_s"], marker="s", label="reset -> processing")
+        if log_x:
+            ax.set_xscale("log")
+        ax.set_xlabel("committed batches in the checkpoint" if name == "history" else "partitions")
+        ax.set_ylabel("seconds")
+        ax.set_ylim(bottom=0)
+        ax.legend()
+        ax.set_title(f"Recovery and reset against {axis}")
+        save(fig, f"scaling_{name}.png")
+
+    rss = r["scaling"].get("rss_vs_backlog")
+    if rss:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(rss["backlog"], rss["peak_rss_mb"], marker="o")
+        ax.set_xscale("log")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("backlog (events)")
+        ax.set_ylabel("peak driver RSS (MB)")
+        ax.set_title("Driver memory against backlog (batches bounded)")
+        save(fig, "rss_vs_backlog.png")
+    return written
+
+
+def write(r: dict[str, Any], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "latest.json").write_text(json.dumps(r, indent=2, sort_keys=False) + "\n")
+    (out / "latest.md").write_text(markdown(r))
+    return [out / "latest.json", out / "latest.md", *plots(r, out)]

@@ -1,0 +1,253 @@
+"""The real stack every benchmark runs on: Tansu, PostgreSQL, local Spark drivers, and Airflow running
+the example DAGs of ``dags/`` (what on-call engineers run) next to the baseline DAG.
+
+Airflow reads its configuration when first imported, so ``Stack.start`` configures it before any
+Airflow import; each benchmark then points the DAGs' connections and Variables at its own job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from sqlalchemy import func, select
+
+REPO = Path(__file__).resolve().parents[1]
+EVENTS_JOB = str(REPO / "spark_jobs" / "events_job.py")
+EVENTS_JOB_V2 = str(REPO / "spark_jobs" / "events_job_v2.py")
+AT_LEAST_ONCE_JOB = str(REPO / "benchmarks" / "jobs" / "events_at_least_once.py")
+
+
+def say(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def kill_driver_tree(pid: int) -> None:
+    """SIGKILL the driver as a dying machine would: the spark-submit JVM it runs under, the Python driver
+    and every worker.  Works for the provider's detached drivers and for the baseline's attached ones
+    (which share the Airflow worker's process group, so killing the group is not an option)."""
+    try:
+        driver = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    parent = driver.parent()
+    root = parent if parent is not None and "java" in (parent.name() or "") else driver
+    victims = [root, *root.children(recursive=True)]
+    for process in victims:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=10)
+
+
+def tree_rss(pid: int) -> int:
+    """Resident memory of a driver: its JVM, the Python driver and the Python workers, in bytes."""
+    try:
+        driver = psutil.Process(pid)
+        parent = driver.parent()
+        root = parent if parent is not None and "java" in (parent.name() or "") else driver
+        total = 0
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                total += process.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+    except psutil.NoSuchProcess:
+        return 0
+
+
+@dataclass
+class Job:
+    """One stream job of a benchmark: its topic, database, spec and state hook."""
+
+    job_id: str
+    topic: str
+    partitions: int
+    database_url: str
+    spec: dict
+    state: object  # StreamStateHook (imported after Airflow is configured)
+
+    @property
+    def store(self):
+        return self.state.store
+
+    def latest_run(self) -> dict | None:
+        return self.state.latest_run(self.job_id)
+
+    def first_commit(self, *, run_id: str | None = None, generation: int | None = None,
+                     after: float = 0.0) -> float | None:
+        """When the first batch of ``run_id`` (or ``generation``) committed after ``after``: the moment a
+        recovered job is processing again, read from the ledger the sink writes in its transaction."""
+        from airflow_stream_provider.state import schema
+
+        ledger = schema.batches
+        query = select(func.min(ledger.c.committed_at)).where(ledger.c.job_id == self.job_id,
+                                                               ledger.c.committed_at > after)
+        if run_id is not None:
+            query = query.where(ledger.c.run_id == run_id)
+        if generation is not None:
+            query = query.where(ledger.c.generation == generation)
+        with self.store.engine.connect() as conn:
+            return conn.execute(query).scalar()
+
+    def wait_first_commit(self, timeout: float = 300, **where) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.first_commit(**where)
+            if found is not None:
+                return found
+            time.sleep(0.1)
+        raise RuntimeError(f"job {self.job_id}: no batch committed within {timeout:.0f}s ({where})")
+
+    def wait_caught_up(self, produced, timeout: float = 600, alive_pid: int | None = None) -> None:
+        end = {(self.topic, p): o for p, o in produced.end_offsets.items()}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stored = self.state.stored_offsets(self.job_id)
+            if all(stored.get(tp, 0) >= o for tp, o in end.items()):
+                return
+            if alive_pid is not None and not psutil.pid_exists(alive_pid):
+                raise RuntimeError(f"job {self.job_id}: the driver {alive_pid} died while catching up")
+            time.sleep(0.2)
+        raise RuntimeError(f"job {self.job_id} did not catch up within {timeout:.0f}s: "
+                           f"stored {self.state.stored_offsets(self.job_id)} vs {end}")
+
+
+class Stack:
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.pg_databases: list[str] = []
+        self.jobs: list[Job] = []
+
+    # -- life ---------------------------------------------------------------------------------------
+    def start(self) -> Stack:
+        sys.path.insert(0, str(REPO))
+        from tests.stack import postgres
+        from tests.stack.broker import Broker
+        from tests.stack.jobs import TEST_SPARK_CONF, spark_env
+
+        say(f"starting Tansu; work directory {self.workdir}")
+        self.broker = Broker(self.workdir / "tansu.log").start()
+        postgres.ensure_server()
+        self.spark_env = spark_env()
+        self.spark_conf = TEST_SPARK_CONF
+        dags = self.workdir / "dags"  # the example DAGs and the baseline DAG, as one bundle
+        dags.mkdir()
+        for source in [*sorted((REPO / "dags").glob("*.py")), *sorted((REPO / "benchmarks" / "dags").glob("bench_*.py"))]:
+            (dags / source.name).symlink_to(source)
+        os.environ.update(
+            AIRFLOW_HOME=str(self.workdir / "airflow"),
+            AIRFLOW__CORE__DAGS_FOLDER=str(dags),
+            AIRFLOW__CORE__LOAD_EXAMPLES="False",
+            AIRFLOW__LOGGING__LOGGING_LEVEL="WARNING",
+            PATH=self.spark_env["PATH"],  # spark-submit of the driver environment
+        )
+        self._connection("stream_kafka_default", conn_type="stream_kafka", host="127.0.0.1", port=self.broker.port)
+        self._connection("spark_default", conn_type="spark", host="local[2]",
+                         extra={"deploy-mode": "client", "spark-binary": "spark-submit"})
+        say("migrating Airflow's metadata database (SQLite)")
+        airflow = Path(sys.executable).parent / "airflow"
+        subprocess.run([str(airflow), "db", "migrate"], check=True, capture_output=True, timeout=600)
+        sys.path.append(str(dags))  # as Airflow's BundleDagBag does for the DAGs' shared module
+        from airflow.dag_processing.dagbag import DagBag
+
+        bag = DagBag(str(dags))
+        if bag.import_errors:
+            raise RuntimeError(f"DAG import errors: {bag.import_errors}")
+        self.dags = bag.dags
+        return self
+
+    def stop(self) -> None:
+        from tests.stack import postgres
+
+        for job in self.jobs:
+            self.kill_live_drivers(job)
+            job.store.dispose()
+        for name in self.pg_databases:
+            postgres.drop_database(name)
+        if getattr(self, "broker", None) is not None:
+            self.broker.stop()
+
+    def kill_live_drivers(self, job: Job) -> None:
+        from airflow_stream_provider.state import schema
+
+        with job.store.engine.connect() as conn:
+            rows = conn.execute(select(schema.runs.c.pid).where(
+                schema.runs.c.job_id == job.job_id,
+                schema.runs.c.status.in_(("STARTING", "RUNNING", "STOPPING")))).all()
+        for (pid,) in rows:
+            if pid:
+                kill_driver_tree(pid)
+
+    @staticmethod
+    def _connection(conn_id: str, **fields) -> None:
+        os.environ[f"AIRFLOW_CONN_{conn_id.upper()}"] = json.dumps(fields)
+
+    # -- jobs ---------------------------------------------------------------------------------------
+    def database(self, kind: str) -> str:
+        if kind == "sqlite":
+            return f"sqlite:///{self.workdir / f'state-{uuid.uuid4().hex[:8]}.db'}"
+        from tests.stack import postgres
+
+        name, url = postgres.create_database()
+        self.pg_databases.append(name)
+        return url
+
+    def new_job(self, name: str, *, partitions: int = 3, database: str = "sqlite", max_offsets: int = 2000,
+                trigger_interval: str = "1 second", application: str = EVENTS_JOB) -> Job:
+        """A fresh topic and database for ``name``, and the DAGs' connections and Variables set to it."""
+        from airflow.models.variable import Variable
+
+        from airflow_stream_provider.hooks.state import StreamStateHook
+
+        job_id = f"{name}-{uuid.uuid4().hex[:6]}"
+        self.broker.create_topic(job_id, partitions)
+        url = self.database(database)
+        self._connection("stream_state_default", conn_type="stream_state", extra={"url": url})
+        spec = {"job_id": job_id, "version": "1.0", "checkpoint_root": str(self.workdir / "checkpoints"),
+                "trigger_interval": trigger_interval, "heartbeat_seconds": 1.0,
+                "kafka": {"topics": [job_id], "source": "python", "max_offsets_per_trigger": max_offsets}}
+        variables = {
+            "stream_job_spec": spec,
+            "stream_job_application": application,
+            "stream_spark_conf": self.spark_conf,
+            "stream_driver_env": {k: self.spark_env[k] for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON",
+                                                                 "SPARK_LOCAL_IP")},
+            "stream_driver_log_dir": str(self.workdir / "driver-logs" / job_id),
+            "stream_reset_policy": "after_preflight",
+        }
+        for key, value in variables.items():
+            Variable.set(key, value, serialize_json=not isinstance(value, str))
+        state = StreamStateHook()
+        state.store.ensure_schema()
+        job = Job(job_id, job_id, partitions, url, spec, state)
+        self.jobs.append(job)
+        return job
+
+    def producer(self, job: Job, **kwargs):
+        from benchmarks.load import BacklogProducer
+
+        return BacklogProducer(self.broker, job.topic, partitions=job.partitions, **kwargs)
+
+    # -- Airflow ------------------------------------------------------------------------------------
+    def trigger(self, dag_id: str, **conf) -> dict:
+        """Run one DAG with ``dag.test()``; return {task_id: (state, XCom return value)}."""
+        dag_run = self.dags[dag_id].test(run_conf=conf or None)
+        return {ti.task_id: (ti.state, ti.xcom_pull(task_ids=ti.task_id)) for ti in dag_run.get_task_instances()}
+
+    def trigger_ok(self, dag_id: str, **conf) -> dict:
+        tasks = self.trigger(dag_id, **conf)
+        failed = {t: s for t, (s, _) in tasks.items() if s not in ("success", "skipped")}
+        if failed:
+            raise RuntimeError(f"{dag_id} failed: {failed}")
+        return {task: value for task, (_, value) in tasks.items()}

@@ -1,0 +1,119 @@
+"""What exactly-once costs: the example job draining a backlog through the transactional sink, the same
+pipeline through a plain append sink (at-least-once), and kafka-python reading the same backlog with no
+Spark at all; plus the driver's peak memory as the backlog grows (batches are bounded, so it must not).
+
+Rates are steady-state: records of every batch after the first, over the time from the first batch's
+commit to the last one's.  The first batch also pays for starting Python workers; that cost is the cold
+start, measured on its own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from sqlalchemy import func, select, text
+
+from benchmarks.audit import Audit, audit
+from benchmarks.stack import AT_LEAST_ONCE_JOB, EVENTS_JOB, Job, Stack, say, tree_rss
+from tests.stack.jobs import JobRunner, make_spec
+
+
+class PeakRss(threading.Thread):
+    """Samples the driver's process tree every 0.25 s."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.done = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, tree_rss(self.pid))
+            self.done.wait(0.25)
+
+
+def _batches(job: Job, exactly_once: bool) -> list[tuple[int, float]]:
+    """(records, commit time) per batch, in batch order, from the ledger or the append sink's log."""
+    from airflow_stream_provider.state import schema
+
+    with job.store.engine.connect() as conn:
+        if exactly_once:
+            ledger = schema.batches
+            rows = conn.execute(
+                select(func.sum(ledger.c.rows_read), func.max(ledger.c.committed_at))
+                .where(ledger.c.job_id == job.job_id).group_by(ledger.c.batch_id).order_by(ledger.c.batch_id)).all()
+        else:
+            rows = conn.execute(text("SELECT rows_read, written_at FROM alo_batches ORDER BY batch_id")).all()
+    return [(int(n), float(at)) for n, at in rows if n]
+
+
+def steady_rate(batches: list[tuple[int, float]]) -> float | None:
+    if len(batches) < 2:
+        return None
+    records = sum(n for n, _ in batches[1:])
+    return records / max(batches[-1][1] - batches[0][1], 1e-6)
+
+
+def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_offsets: int,
+          total: Audit) -> dict:
+    """One driver drains a backlog of ``backlog`` events; returns its rate and peak memory."""
+    kind = "eos" if exactly_once else "alo"
+    job = stack.new_job(f"{kind}-{database}", database=database, max_offsets=max_offsets)
+    producer = stack.producer(job)
+    producer.send(backlog)
+    spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url, stack.workdir / "checkpoints",
+                     trigger_interval="100 milliseconds", max_offsets_per_trigger=max_offsets)
+    runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id,
+                       application=EVENTS_JOB if exactly_once else AT_LEAST_ONCE_JOB)
+    driver = runner.start()
+    memory = PeakRss(driver.pid)
+    memory.start()
+    try:
+        deadline = time.monotonic() + 600
+        while sum(n for n, _ in _batches(job, exactly_once)) < producer.produced.total:
+            if time.monotonic() > deadline or not driver.alive():
+                raise RuntimeError(f"{kind}/{database} did not drain {backlog} events\n{runner.log_tail(driver)}")
+            time.sleep(0.25)
+    finally:
+        memory.done.set()
+        memory.join(5)
+    code = runner.stop(driver)
+    if code != 0:
+        raise RuntimeError(f"{kind}/{database}: graceful stop ended with {code}\n{runner.log_tail(driver)}")
+    batches = _batches(job, exactly_once)
+    if exactly_once:
+        found = audit(job.store, job.job_id, producer.produced)
+        say(f"  audit: {found.produced} records produced, {found.lost} lost, {found.duplicated} duplicated")
+        total += found
+    producer.close()
+    runner.store.dispose()
+    result = {"msgs_s": steady_rate(batches), "batches": len(batches), "peak_rss_mb": memory.peak / 2**20,
+              "topic": job.topic}
+    say(f"  {kind} on {database}: {backlog} events in {len(batches)} batches, "
+        f"{result['msgs_s']:.0f} msgs/s, peak driver RSS {result['peak_rss_mb']:.0f} MB")
+    return result
+
+
+def raw_consume(stack: Stack, topic: str, expected: int) -> float:
+    """kafka-python alone reading the whole topic: the ceiling for a Python source."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=stack.broker.bootstrap, enable_auto_commit=False)
+    try:
+        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        consumer.assign(partitions)
+        consumer.seek_to_beginning(*partitions)
+        end = consumer.end_offsets(partitions)
+        position = {tp: 0 for tp in partitions}
+        read = 0
+        started = time.monotonic()
+        while any(position[tp] < end[tp] for tp in partitions):
+            for tp, records in consumer.poll(timeout_ms=500, max_records=10_000).items():
+                read += len(records)
+                position[tp] = records[-1].offset + 1
+        seconds = time.monotonic() - started
+    finally:
+        consumer.close()
+    if read < expected:
+        raise RuntimeError(f"raw consumer read {read} of {expected} records of {topic}")
+    return read / seconds

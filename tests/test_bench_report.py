@@ -1,0 +1,63 @@
+"""The benchmark report's arithmetic: medians, ratios, run counts and target verdicts (pure; the
+measurements themselves run with ``make bench``)."""
+
+from __future__ import annotations
+
+from benchmarks import report
+from benchmarks.throughput import steady_rate
+
+SAMPLES = {
+    "cold_start_s": [12.0, 14.0, 13.0],
+    "mttr_kill9_s": [20.0, 26.0, 22.0],
+    "detect_kill9_s": [0.5, 4.0, 2.0],
+    "baseline_mttr_kill9_s": [30.0, 31.0, 33.0],
+    "upgrade_incompatible_s": [60.0, 70.0],
+    "raw_consume_msgs_s": [40_000.0, 50_000.0, 45_000.0],
+    "eos_msgs_s/postgresql": [9_000.0, 11_000.0],
+    "alo_msgs_s/postgresql": [10_000.0, 12_000.0],
+    "eos_msgs_s/sqlite": [8_000.0],
+    "alo_msgs_s/sqlite": [8_800.0],
+    "baseline_upgrade_incompatible": "no automatic recovery",
+    "lost": 0,
+    "duplicated": 0,
+    "audited_records": 1000,
+    "scaling": {"history": {"batches": [10, 100, 1000], "recovery_s": [20.0, 21.0, 35.0], "reset_s": [30.0, 31.0, 32.0]},
+                "rss_vs_backlog": {"backlog": [1, 2], "peak_rss_mb": [900.0, 950.0], "msgs_s": [1.0, 1.0]}},
+}
+
+
+def test_medians_ratios_and_run_counts():
+    r = report.summarise(SAMPLES, {"profile": "test"})
+    assert r["mttr_kill9_s"] == 22.0 and r["runs"]["mttr_kill9_s"] == 3
+    assert r["upgrade_incompatible_s"] == 65.0 and r["runs"]["upgrade_incompatible_s"] == 2
+    assert r["raw_consume_msgs_s"] == 45_000.0
+    assert r["eos_msgs_s"] == 10_000.0 and r["alo_msgs_s"] == 11_000.0  # PostgreSQL under the plain names
+    assert r["eos_vs_raw"] == round(10_000 / 45_000, 3) and r["eos_vs_alo"] == round(10_000 / 11_000, 3)
+    assert r["eos_msgs_s_sqlite"] == 8_000.0 and r["eos_vs_alo_sqlite"] == round(8_000 / 8_800, 3)
+    assert r["baseline_upgrade_incompatible"] == "no automatic recovery"
+
+
+def test_targets_say_which_are_met():
+    verdicts = {t["target"]: t["met"] for t in report.summarise(SAMPLES, {})["targets"]}
+    assert verdicts["mttr_kill9_s <= cold_start_s + 10"] is True  # 22 <= 23
+    assert verdicts["mttr_kill9_s < baseline_mttr_kill9_s"] is True
+    assert verdicts["eos_vs_raw >= 0.5 (PostgreSQL)"] is False
+    assert verdicts["eos_vs_alo >= 0.85 (PostgreSQL)"] is True
+    assert verdicts["recovery_s flat across checkpoint history (largest / smallest)"] is False  # 35 / 20
+    assert verdicts["reset_s flat across checkpoint history (largest / smallest)"] is True
+    assert verdicts["peak driver RSS flat across backlog sizes (largest / smallest)"] is True
+    assert verdicts["lost == 0 and duplicated == 0"] is True
+    lossy = report.summarise({**SAMPLES, "duplicated": 2}, {})["targets"]
+    assert [t["met"] for t in lossy if t["target"].startswith("lost")] == [False]
+
+
+def test_missing_sections_give_no_number_and_no_verdict():
+    r = report.summarise({"lost": 0, "duplicated": 0}, {})
+    assert r["mttr_kill9_s"] is None and r["eos_vs_raw"] is None and r["runs"]["mttr_kill9_s"] == 0
+    assert [t["target"] for t in r["targets"]] == ["lost == 0 and duplicated == 0"]
+    assert "| `mttr_kill9_s` | – | 0 |" in report.markdown({**r, "meta": {}})
+
+
+def test_steady_rate_leaves_out_the_first_batch():
+    assert steady_rate([(500, 10.0), (1000, 11.0), (1000, 12.0)]) == 1000.0
+    assert steady_rate([(500, 10.0)]) is None
