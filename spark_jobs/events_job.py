@@ -1,7 +1,19 @@
 """Example stream job: JSON events from Kafka into per-event rows and per-minute KPIs, exactly once.
 
 Input records look like ``{"event_id": "e-1", "user_id": "u-7", "kind": "click", "amount": 12.5,
-"ts": "2026-11-22T10:15:03Z"}``.  Anything else lands in ``dead_letters`` with the reason.
+"ts": "2026-11-22T10:15:03Z"}``; the Kafka key is not used (it may be null).  Anything else lands in
+``dead_letters`` with a reason that says what is wrong with it:
+
+* no value (a tombstone), an empty value, a value over the size limit, bytes that are not UTF-8 text;
+* text that is not JSON, or JSON that is not an object;
+* a field missing, null or of the wrong JSON type (the ids and kind are strings, amount a number, ts
+  an ISO-8601 timestamp string);
+* an id or kind that is empty, holds a NUL character or is longer than ``MAX_TEXT_CHARS`` (they are
+  key columns of the result tables: PostgreSQL cannot index a key beyond about 2.7 kB, and its text
+  columns refuse NUL), an amount beyond ``MAX_AMOUNT`` (its sums in cents must fit a 64-bit integer).
+
+The size limit is ``DEFAULT_MAX_VALUE_BYTES``; a job spec can change it with the Spark setting
+``spark.stream.events.maxValueBytes`` in its ``spark_conf``.
 
     spark-submit spark_jobs/events_job.py --spec '<StreamJobSpec JSON>'
 """
@@ -10,38 +22,95 @@ from __future__ import annotations
 
 import sys
 
-from pyspark.sql import DataFrame
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from airflow_stream_provider.runtime import Result, StreamHarness
 
-EVENT_SCHEMA = (
-    "event_id STRING, user_id STRING, kind STRING, amount STRING, ts STRING, _corrupt_record STRING"
-)
+MAX_VALUE_BYTES_CONF = "spark.stream.events.maxValueBytes"
+DEFAULT_MAX_VALUE_BYTES = 64 * 1024
+MAX_TEXT_CHARS = 200
+MAX_AMOUNT = 1_000_000_000
+TEXT_FIELDS = ("event_id", "user_id", "kind")
 
 
 def parse(records: DataFrame) -> DataFrame:
     """Kafka records -> events; ``error`` says why a record is not a valid event (null when it is)."""
+    max_bytes = int(records.sparkSession.conf.get(MAX_VALUE_BYTES_CONF, str(DEFAULT_MAX_VALUE_BYTES)))
     text = F.col("value").cast("string")
-    event = F.from_json(text, EVENT_SCHEMA, {"columnNameOfCorruptRecord": "_corrupt_record"})
-    parsed = records.select("*", event.alias("e")).select(
+    # VARIANT keeps each field's JSON type, so a number where a string belongs is seen, not coerced.
+    doc = F.when(F.octet_length("value") <= max_bytes, F.expr("try_parse_json(CAST(value AS STRING))"))
+    checked = records.select("*", doc.alias("_doc")).select(
         "*",
-        F.col("e.event_id").alias("event_id"),
-        F.col("e.user_id").alias("user_id"),
-        F.col("e.kind").alias("kind"),
-        F.expr("try_cast(e.amount AS DOUBLE)").alias("amount"),
-        F.expr("try_to_timestamp(e.ts)").alias("ts"),
+        *[_json_type(f"$.{name}").alias(f"_type_{name}") for name in (*TEXT_FIELDS, "amount", "ts")],
+        F.expr("schema_of_variant(_doc)").alias("_type"),
     )
+    parsed = checked.select(
+        "*",
+        *[F.expr(f"try_variant_get(_doc, '$.{name}', 'string')").alias(name) for name in TEXT_FIELDS],
+        F.expr("try_variant_get(_doc, '$.amount', 'double')").alias("amount"),
+        F.expr("try_to_timestamp(try_variant_get(_doc, '$.ts', 'string'))").alias("ts"),
+        F.expr("try_variant_get(_doc, '$.ts', 'string')").alias("_ts_text"),
+    )
+    size = F.octet_length("value")
     error = (
-        F.when(F.col("value").isNull(), "empty value")
-        .when(F.col("e").isNull() | F.col("e._corrupt_record").isNotNull(), "malformed JSON")
-        .when(F.coalesce(F.length("event_id"), F.lit(0)) == 0, "missing event_id")
-        .when(F.coalesce(F.length("user_id"), F.lit(0)) == 0, "missing user_id")
-        .when(F.col("kind").isNull(), "missing kind")
-        .when(F.col("amount").isNull(), "amount missing or not a number")
-        .when(F.col("ts").isNull(), "ts missing or not an ISO-8601 timestamp")
+        F.when(F.col("value").isNull(), "null value (a tombstone): every record must hold a JSON event")
+        .when(size == 0, "empty value")
+        .when(size > max_bytes, F.format_string(
+            "value is %d bytes, over the limit of %d bytes (" + MAX_VALUE_BYTES_CONF + ")", size, F.lit(max_bytes)))
+        .when(~F.expr("is_valid_utf8(CAST(value AS STRING))"), "value is not UTF-8 text (binary data?)")
+        .when(F.col("_doc").isNull() & F.get_json_object(text, "$").isNotNull(),
+              "malformed JSON: a key appears twice")
+        .when(F.col("_doc").isNull(), "malformed JSON")
+        .when(~F.col("_type").startswith("OBJECT"),
+              F.format_string("JSON value is %s, not an object", _json_name("_type")))
     )
-    return parsed.withColumn("error", error).drop("e")
+    for name in TEXT_FIELDS:
+        error = _check_type(error, name, "string").when(
+            F.length(name) == 0, f"empty {name}"
+        ).when(
+            F.length(name) > MAX_TEXT_CHARS,
+            F.format_string(f"{name} is %d characters, over the limit of {MAX_TEXT_CHARS}", F.length(name)),
+        ).when(F.instr(name, "\u0000") > 0, f"{name} contains a NUL character")
+    error = _check_type(error, "amount", "number").when(
+        F.col("amount").isNull() | F.isnan("amount") | (F.abs("amount") > MAX_AMOUNT),
+        F.format_string(f"amount %s is out of range (at most {MAX_AMOUNT:,} either way)",
+                        F.expr("try_variant_get(_doc, '$.amount', 'string')")),
+    )
+    error = _check_type(error, "ts", "string").when(
+        F.col("ts").isNull(),
+        F.format_string("ts '%s' is not an ISO-8601 timestamp", F.substring("_ts_text", 1, 100)),
+    )
+    helpers = [c for c in parsed.columns if c.startswith("_")]
+    return parsed.withColumn("error", error).drop(*helpers)
+
+
+def _json_type(path: str) -> Column:
+    """Spark's name for the JSON type at ``path`` of the document (VOID for null), null when absent."""
+    return F.expr(f"schema_of_variant(variant_get(_doc, '{path}'))")
+
+
+def _json_name(type_column: str) -> Column:
+    """A Spark variant type name as the JSON type a person writes."""
+    t = F.col(type_column)
+    return (
+        F.when(t == "VOID", "null")
+        .when(t == "STRING", "a string")
+        .when(t == "BOOLEAN", "a boolean")
+        .when(t.startswith("OBJECT"), "an object")
+        .when(t.startswith("ARRAY"), "an array")
+        .otherwise("a number")
+    )
+
+
+def _check_type(error: Column, name: str, wanted: str) -> Column:
+    """Add the checks that field ``name`` is present, not null and of JSON type ``wanted``."""
+    t = F.col(f"_type_{name}")
+    is_wanted = (t == "STRING") if wanted == "string" else t.rlike("^(TINYINT|SMALLINT|INT|BIGINT|DECIMAL|FLOAT|DOUBLE)")
+    return (
+        error.when(t.isNull() | (t == "VOID"), f"missing {name}")
+        .when(~is_wanted, F.format_string(f"{name} must be a JSON {wanted}, got %s", _json_name(f"_type_{name}")))
+    )
 
 
 def results(events: DataFrame) -> list[Result]:

@@ -16,6 +16,7 @@ the driver ended (see ``failures``).
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import logging
 import os
 import re
@@ -33,7 +34,13 @@ from airflow_stream_provider import failures, kafka_client, kafka_offsets
 from airflow_stream_provider.runtime import faults, kafka_source, transaction
 from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
 from airflow_stream_provider.runtime.listener import StateListener
-from airflow_stream_provider.runtime.sink import DEAD_LETTER_COLUMNS, ResultsFn, TransactionalSink
+from airflow_stream_provider.runtime.sink import (
+    DEAD_LETTER_COLUMNS,
+    POISON_POLICIES,
+    ResultsFn,
+    TransactionalSink,
+    keeps_state,
+)
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state import store as state
 
@@ -43,6 +50,7 @@ JVM_KAFKA_PROVIDER = "org.apache.spark.sql.kafka010.KafkaSourceProvider"
 #: How long a graceful stop waits for the running batch to end before interrupting it (the sink makes
 #: an interrupted batch harmless; waiting just avoids redoing work).
 STOP_WAIT_S = 120.0
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)\])?$")
 
 
@@ -85,6 +93,10 @@ class StreamHarness:
         )
         self.spark: SparkSession | None = None
         self._generation_start: kafka_offsets.Offsets = {}
+        #: What the sink needs to isolate a poison record (see ``run`` and ``sink``).
+        self.on_poison = "dead_letter"
+        self._transform: Callable[[DataFrame], DataFrame] | None = None
+        self._stateful = True
 
     # -- entry points ------------------------------------------------------------------------------
     @classmethod
@@ -108,14 +120,30 @@ class StreamHarness:
             log.error("cannot reach the state database %s: %s", spec.database_url, err)
             sys.exit(failures.exit_code_for(classification.kind))
 
-    def run(self, transform: Callable[[DataFrame], DataFrame], results: ResultsFn) -> int:
+    def run(
+        self,
+        transform: Callable[[DataFrame], DataFrame],
+        results: ResultsFn,
+        *,
+        on_poison: str = "dead_letter",
+    ) -> int:
         """Start the query, keep it alive until it stops or fails, record why, return the exit code.
 
         ``transform`` turns the Kafka records (Spark's Kafka columns) into parsed records that keep
         topic/partition/offset/key/value and add an ``error`` column (null for a good record);
-        ``results`` turns the good ones into result tables.
+        ``results`` turns the good ones into result tables.  ``on_poison`` says what to do with a
+        record the job's code fails on: ``dead_letter`` it and go on, or ``fail`` the run as POISON
+        with the record's position (see ``sink``).
         """
         try:
+            if on_poison not in POISON_POLICIES:
+                raise StartupError(
+                    None,
+                    f"on_poison={on_poison!r} is not one of {', '.join(POISON_POLICIES)}: fix the "
+                    f"job's StreamHarness.run call",
+                    failures.EXIT_CONFIG,
+                )
+            self.on_poison = on_poison
             self._start_spark()
             self._generation_start = self._resolve_generation_start()
             records = transform(self._source())
@@ -128,6 +156,7 @@ class StreamHarness:
                     f"good record)",
                     failures.EXIT_CONFIG,
                 )
+            self._transform, self._stateful = transform, keeps_state(records)
             query = self._start_query(records, results)
             return self._watch(query)
         except StartupError as err:
@@ -260,15 +289,7 @@ class StreamHarness:
         checkpoint = spec.checkpoint_path
         self.listener = StateListener(self.store, self.run_id)
         self.spark.streams.addListener(self.listener)
-        self.sink = TransactionalSink(
-            store=self.store,
-            run=run,
-            offset_log=OffsetLog(self.spark, checkpoint),
-            generation_start=self._generation_start,
-            results=results,
-            dry_run=spec.dry_run,
-            after_commit=self._after_commit,
-        )
+        self.sink = self._new_sink(run, OffsetLog(self.spark, checkpoint), results)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         return (
             records.writeStream.queryName(f"{spec.job_id}-gen{spec.generation}")
@@ -277,6 +298,35 @@ class StreamHarness:
             .foreachBatch(self.sink)
             .start()
         )
+
+    def _new_sink(self, run: transaction.RunContext, offset_log: OffsetLog, results: ResultsFn):
+        """The ``foreachBatch`` function.  Always the transactional sink; the benchmarks override this to
+        measure what exactly-once costs against a plain append sink on the same pipeline."""
+        return TransactionalSink(
+            store=self.store,
+            run=run,
+            offset_log=offset_log,
+            generation_start=self._generation_start,
+            results=results,
+            dry_run=self.spec.dry_run,
+            after_commit=self._after_commit,
+            on_poison=self.on_poison,
+            transform=self._transform,
+            read_raw=self._read_raw,
+            stateful=self._stateful,
+        )
+
+    def _read_raw(self, topic: str, partition: int, start: int, end: int) -> list[tuple]:
+        """Records [start, end) of one partition with the source's columns, read on the driver: the sink
+        re-runs the job's code on chosen records of a batch when isolating a poison record."""
+        kafka = self.spec.kafka
+        return [
+            (r.topic, r.partition, r.offset, r.key, r.value,
+             _EPOCH + dt.timedelta(milliseconds=r.timestamp) if r.timestamp >= 0 else None)
+            for r in kafka_client.read_range(
+                kafka.bootstrap_servers, dict(kafka.client_options), topic, partition, start, end
+            )
+        ]
 
     def _after_commit(self, outcome: transaction.BatchOutcome) -> None:
         self.store.record_progress(self.run_id, outcome.batch_id, None, committed=True)

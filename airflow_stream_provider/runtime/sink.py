@@ -4,16 +4,41 @@ The job hands it the parsed records (Kafka provenance columns plus an ``error`` 
 a good record) and a function from good records to result tables.  Per batch it reads the batch's
 range from the offsets log, drops replayed records, computes the results with Spark, and commits
 results + dead letters + offsets + ledger in one database transaction (see ``transaction``).
+
+Poison records.  A record the job's own code cannot handle (a UDF raises on it, an ANSI cast
+overflows, the database refuses the row its results make) would otherwise fail the batch on every
+restart.  When computing or committing a batch fails with such an error, the sink isolates the records
+that cause it by bisection over the batch's offsets, running the job's code on halves: about
+log2(batch size) evaluations per poison record.  Spark hands ``foreachBatch`` the stream's output
+computed for the whole batch, so when the job's transform itself fails the sink reads the batch's
+records again from Kafka (``read_raw``) and applies the transform to the chosen ones; when the results
+or the commit fail, it splits the batch's already computed records.  Then, by the job's ``on_poison``
+policy:
+
+* ``dead_letter`` (default): each isolated record goes to the dead letters with the error as the
+  reason, in the same transaction as the rest of the batch, and the stream goes on;
+* ``fail``: the batch fails with ``[STREAM_POISON_RECORD] topic/partition:offset``.
+
+The batch also fails with ``[STREAM_POISON_RECORD]`` when the record cannot be dead-lettered: its dead
+letter is refused by the database, or the transform that fails on it keeps state (a stateful query's
+batch cannot be completed without one of its records).  The driver then ends with the POISON exit code
+and the provider reports the position instead of restarting blindly.  A failure that is no record's
+fault (the code fails on no data at all, or on no single record; an outage; more than
+``MAX_POISON_PER_BATCH`` records) fails the batch as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import reduce
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -30,10 +55,13 @@ from sqlalchemy import (
     Text,
 )
 from sqlalchemy import Column as SqlColumn
+from sqlalchemy import exc as sql_errors
 
+from airflow_stream_provider import failures
 from airflow_stream_provider.kafka_offsets import Offsets
 from airflow_stream_provider.runtime import faults, transaction
 from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
+from airflow_stream_provider.state import schema
 from airflow_stream_provider.state.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -41,6 +69,29 @@ log = logging.getLogger(__name__)
 PROVENANCE = ("topic", "partition", "offset")
 DEAD_LETTER_COLUMNS = ("topic", "partition", "offset", "key", "value", "error")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+#: What the sink does with a record the job's code cannot handle (see the module docstring).
+POISON_POLICIES = ("dead_letter", "fail")
+#: More failing records than this in one batch means the code, not the data, is wrong.
+MAX_POISON_PER_BATCH = 5
+#: Longest dead-letter reason kept (the full error is in the driver log).
+MAX_REASON_CHARS = 2000
+# Failures that are nobody's record: a stop or shutdown cancelling the batch, the JVM going away.
+_NOT_A_RECORD = re.compile(
+    r"(?i)\bcancel|InterruptedException|SparkContext (?:was|has been) shut down|Py4JNetworkError|"
+    r"Answer from Java side is empty|Error while (?:sending|receiving)"
+)
+
+TopicPartition = tuple[str, int]
+#: Reads the records of one partition's offset range [start, end) as (topic, partition, offset, key,
+#: value, timestamp) tuples: how the sink gets records again without the job's code.
+RawReader = Callable[[str, int, int, int], Iterable[tuple]]
+RAW_SCHEMA = "topic string, partition int, offset long, key binary, value binary, timestamp timestamp"
+# Logical plan nodes that keep state in a streaming query.
+_STATEFUL_NODE = re.compile(
+    r"^[\s+:|~-]*(?:Aggregate|Deduplicate\w*|FlatMapGroups\w*|TransformWithState\w*|\w*Join|GlobalLimit|"
+    r"Window|SessionWindow\w*|UpdateEventTimeWatermarkColumn)\b",
+    re.MULTILINE,
+)
 
 
 @dataclass(frozen=True)
@@ -57,6 +108,60 @@ class Result:
 ResultsFn = Callable[[DataFrame], Sequence[Result]]
 
 
+class PoisonRecordError(RuntimeError):
+    """A record the job cannot handle and cannot (or, by its policy, must not) dead-letter.
+
+    The message starts with ``[STREAM_POISON_RECORD] topic/partition:offset``: the failure table
+    classifies it as POISON and the provider reports the position.
+    """
+
+
+@dataclass(frozen=True)
+class Poison:
+    """One isolated record and why the job failed on it."""
+
+    topic: str
+    partition: int
+    offset: int
+    reason: str
+
+    @property
+    def position(self) -> str:
+        return f"{self.topic}/{self.partition}:{self.offset}"
+
+
+@dataclass
+class _Computed:
+    """One batch (or part of one) evaluated, nothing written yet."""
+
+    read: dict[TopicPartition, int] = dataclasses.field(default_factory=dict)
+    dead: list[dict] = dataclasses.field(default_factory=list)
+    writes: list[transaction.Write] = dataclasses.field(default_factory=list)
+
+
+class _NotIsolated(Exception):
+    """The failure could not be pinned on single records."""
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where isolation takes a batch's records from: ``select(condition)`` gives the transformed records
+    at the chosen positions; ``raw`` holds (key, value) by position when they were read from Kafka."""
+
+    select: Callable[[Column], DataFrame]
+    raw: dict[tuple[str, int, int], tuple[bytes | None, bytes | None]] | None = None
+
+
+def keeps_state(records: DataFrame) -> bool:
+    """Does this streaming query keep state (aggregation, deduplication, stream joins, ...)?  Read from
+    its analyzed plan; when the plan cannot be read, assume it does (the careful answer)."""
+    try:
+        plan = records._jdf.queryExecution().analyzed().treeString()
+    except Exception:
+        return True
+    return bool(_STATEFUL_NODE.search(plan))
+
+
 class TransactionalSink:
     def __init__(
         self,
@@ -68,7 +173,17 @@ class TransactionalSink:
         results: ResultsFn,
         dry_run: bool = False,
         after_commit: Callable[[transaction.BatchOutcome], None] | None = None,
+        on_poison: str = "dead_letter",
+        transform: Callable[[DataFrame], DataFrame] | None = None,
+        read_raw: RawReader | None = None,
+        stateful: bool = True,
     ):
+        """``transform`` (the job's parsing, as applied to the stream) and ``read_raw`` let the sink run the
+        job's code again on chosen records of a batch, which poison isolation needs when that code fails
+        inside the stream; ``stateful`` says whether the query keeps state (then a batch cannot be
+        completed without one of its records, and a poison record stops the job)."""
+        if on_poison not in POISON_POLICIES:
+            raise ValueError(f"on_poison={on_poison!r} is not one of {', '.join(POISON_POLICIES)}")
         self.store = store
         self.run = run
         self.offset_log = offset_log
@@ -76,6 +191,10 @@ class TransactionalSink:
         self.results = results
         self.dry_run = dry_run
         self.after_commit = after_commit
+        self.on_poison = on_poison
+        self.transform = transform
+        self.read_raw = read_raw
+        self.stateful = stateful
         self._tables: dict[str, Table] = {}
         self._metadata = MetaData()
 
@@ -87,9 +206,7 @@ class TransactionalSink:
         else:
             plan = transaction.plan(self.store, self.run.job_id, batch)
             if plan.is_replay:
-                # Nothing to apply, but a stateful query's state stores commit only when every partition
-                # of the batch is evaluated (Spark 4 fails the query otherwise): run it, discard it.
-                records.write.format("noop").mode("append").save()
+                self._evaluate_replay(records, batch_id)
                 log.info("batch %s is a replay of committed offsets (or empty): skipped", batch_id)
                 return
         fresh = _only_fresh(records, plan).persist()
@@ -100,6 +217,19 @@ class TransactionalSink:
         if outcome is not None and self.after_commit is not None:
             self.after_commit(outcome)
 
+    def _evaluate_replay(self, records: DataFrame, batch_id: int) -> None:
+        """Nothing to apply, but a stateful query's state stores commit only when every partition of the
+        batch is evaluated (Spark 4 fails the query otherwise): run it, discard it.  A stateless query
+        needs no evaluation, so a record that fails the job's code again (a poison record dead-lettered
+        when the batch first ran) does not stop it."""
+        try:
+            records.write.format("noop").mode("append").save()
+        except Exception as err:
+            if self.stateful or not _may_be_record_error(err):
+                raise
+            log.warning("replayed batch %s fails in the job's code (%s); it is committed and the query keeps "
+                        "no state: nothing to evaluate", batch_id, _reason(err))
+
     def _batch_range(self, batch_id: int) -> transaction.BatchRange:
         end = self.offset_log.source_offsets(batch_id)
         if end is None:
@@ -107,38 +237,273 @@ class TransactionalSink:
         start = self.offset_log.source_offsets(batch_id - 1)
         return transaction.BatchRange(batch_id, self.generation_start if start is None else start, end)
 
+    # -- one batch: compute, commit, isolate poison records when either fails on a record ---------------
     def _apply(self, fresh: DataFrame, plan: transaction.BatchPlan) -> transaction.BatchOutcome | None:
-        read = {
-            (r.topic, r.partition): r["count"] for r in fresh.groupBy("topic", "partition").count().collect()
-        }
-        dead = [
-            r.asDict() for r in fresh.where(F.col("error").isNotNull()).select(*DEAD_LETTER_COLUMNS).collect()
-        ]
-        good = fresh.where(F.col("error").isNull())
-        writes = [self._write(result) for result in self.results(good)]
+        """``fresh`` is persisted: its first evaluation runs the job's transform on the batch (inside the
+        stream: Spark hands ``foreachBatch`` the stream's output) and keeps the result."""
+        batch_id = plan.range.batch_id
+        poison: list[Poison] = []
+        source: _Source = _Source(fresh.where)
+        try:
+            read = _read_counts(fresh)
+        except Exception as err:  # the job's transform failed inside the stream
+            if not _may_be_record_error(err):
+                raise
+            source = self._raw_source(fresh, plan, err)
+            poison, computed = self._isolate(source, plan, err, trial_write=False, in_transform=True)
+            if poison and self.stateful:
+                raise _poison_error(poison, "the query keeps state, so its batch cannot be completed without "
+                                    "the record") from err
+        else:
+            try:
+                computed = self._compute(fresh, read)
+            except Exception as err:  # the job's results failed on the batch's records
+                if not _may_be_record_error(err):
+                    raise
+                poison, computed = self._isolate(source, plan, err, trial_write=False)
         if self.dry_run:
             log.info(
-                "dry run: batch %s computed %s result rows, %s dead letters; nothing written",
-                plan.range.batch_id,
-                sum(len(w.rows) for w in writes),
-                len(dead),
+                "dry run: batch %s computed %s result rows, %s dead letters, %s poison records; nothing "
+                "written",
+                batch_id,
+                sum(len(w.rows) for w in computed.writes),
+                len(computed.dead),
+                len(poison),
             )
-            return transaction.BatchOutcome(plan.range.batch_id, read=read)
-        faults.maybe_crash("before_db_commit", plan.range.batch_id)
-        outcome = transaction.commit(self.store, self.run, plan, read=read, dead_letters=dead, writes=writes)
-        faults.maybe_crash("after_db_commit", plan.range.batch_id)
+            return transaction.BatchOutcome(batch_id, read=computed.read)
+        letters = self._poison_letters(source, poison)
+        faults.maybe_crash("before_db_commit", batch_id)
+        try:
+            outcome = self._commit(plan, computed, letters)
+        except Exception as err:
+            if not _is_data_error(err):
+                raise
+            if poison and self._trial_write(plan, computed) is None:
+                # the batch is fine without the poison records' dead letters: those are what the
+                # database refuses
+                raise _poison_error(poison, f"its dead letter could not be written: {_reason(err)}") from err
+            try:
+                more, computed = self._isolate(source, plan, err, trial_write=True, known=poison)
+            except Exception as failed:
+                if poison and _is_data_error(failed):
+                    raise _poison_error(poison, f"its dead letter could not be written: {_reason(failed)}") \
+                        from failed
+                raise
+            poison += more
+            letters += self._poison_letters(source, more)
+            try:
+                outcome = self._commit(plan, computed, letters)
+            except Exception as again:
+                if _is_data_error(again):
+                    raise _poison_error(poison, f"its dead letter could not be written: {_reason(again)}") \
+                        from again
+                raise
+        faults.maybe_crash("after_db_commit", batch_id)
         log.info(
-            "batch %s committed: read %s, dead %s, offsets %s",
-            plan.range.batch_id,
-            sum(read.values()),
-            len(dead),
+            "batch %s committed: read %s, dead %s%s, offsets %s",
+            batch_id,
+            sum(outcome.read.values()),
+            sum(outcome.dead.values()),
+            f" (poison {', '.join(p.position for p in poison)})" if poison else "",
             outcome.committed_offsets,
         )
         return outcome
 
+    def _compute(self, frame: DataFrame, read: dict[TopicPartition, int] | None = None) -> _Computed:
+        """Evaluate records: counts, dead letters, result rows.  Nothing is written."""
+        read = _read_counts(frame) if read is None else read
+        bad = frame.where(F.col("error").isNotNull()).select(*DEAD_LETTER_COLUMNS)
+        dead = [_dead_letter(row) for row in _collect(bad)]
+        good = frame.where(F.col("error").isNull())
+        writes = [self._write(result) for result in self.results(good)]
+        return _Computed(read, dead, writes)
+
+    def _commit(
+        self, plan: transaction.BatchPlan, computed: _Computed, letters: list[dict]
+    ) -> transaction.BatchOutcome:
+        """Commit the batch; ``letters`` are the dead letters of isolated poison records, which the
+        computation left out: they count as read."""
+        read = dict(computed.read)
+        for row in letters:
+            tp = (row["topic"], row["partition"])
+            read[tp] = read.get(tp, 0) + 1
+        return transaction.commit(
+            self.store, self.run, plan, read=read, dead_letters=computed.dead + letters, writes=computed.writes
+        )
+
+    def _trial_write(self, plan: transaction.BatchPlan, computed: _Computed) -> Exception | None:
+        """Write the rows in a transaction that is rolled back: does the database accept them?"""
+        with self.store.engine.connect() as conn:
+            tx = conn.begin()
+            try:
+                for write in computed.writes:
+                    if write.rows:
+                        conn.execute(transaction._upsert(conn.dialect.name, write), transaction._dedupe(write))
+                if computed.dead:
+                    now = time.time()
+                    conn.execute(
+                        schema.dead_letters.insert(),
+                        [
+                            {**row, "job_id": self.run.job_id, "generation": self.run.generation,
+                             "batch_id": plan.range.batch_id, "recorded_at": now}
+                            for row in computed.dead
+                        ],
+                    )
+            except Exception as err:
+                if not _is_data_error(err):
+                    raise
+                return err
+            finally:
+                tx.rollback()
+        return None
+
+    # -- isolation --------------------------------------------------------------------------------------
+    def _raw_source(self, fresh: DataFrame, plan: transaction.BatchPlan, failure: Exception) -> _Source:
+        """The batch's fresh records read again from Kafka, with the job's transform applied to the chosen
+        ones only: the stream's own output cannot be split, as Spark runs the transform for all of a
+        batch before ``foreachBatch`` sees it."""
+        if self.transform is None or self.read_raw is None:
+            raise failure
+        rows = [
+            row
+            for topic, partition, first, end in _PositionSpace(plan).ranges
+            for row in self.read_raw(topic, partition, first, end)
+        ]
+        raw = fresh.sparkSession.createDataFrame(rows, RAW_SCHEMA)
+        return _Source(lambda condition: self.transform(raw.where(condition)),
+                       {(r[0], r[1], r[2]): (r[3], r[4]) for r in rows})
+
+    def _isolate(
+        self,
+        source: _Source,
+        plan: transaction.BatchPlan,
+        failure: Exception,
+        *,
+        trial_write: bool,
+        known: Sequence[Poison] = (),
+        in_transform: bool = False,
+    ) -> tuple[list[Poison], _Computed]:
+        """Find the records the failure comes from; return them and the batch computed without them.
+        ``in_transform``: the failure came from the job's transform, so probing it is enough at first.
+
+        Raises ``failure`` itself when it is not a record's fault, and PoisonRecordError when the
+        policy says to fail on a poison record.
+        """
+        batch_id = plan.range.batch_id
+        space = _PositionSpace(plan)
+        log.warning(
+            "batch %s failed while %s (%s); isolating the record(s) it fails on among %s positions",
+            batch_id,
+            "committing" if trial_write else "computing",
+            _reason(failure),
+            space.size,
+        )
+        started, original = time.monotonic(), failure
+        found: list[Poison] = list(known)
+        evaluations = 0
+
+        def probe(condition: Column, full: bool = True) -> tuple[_Computed | None, Exception | None]:
+            """Evaluate the job's code on the records ``condition`` selects (minus those found so far).
+            ``full``: compute everything a commit needs (and try writing it); else only run the code."""
+            nonlocal evaluations
+            evaluations += 1
+            if found:
+                condition = condition & ~_positions([(p.topic, p.partition, p.offset) for p in found])
+            frame = source.select(condition).persist()
+            try:
+                if full:
+                    computed = self._compute(frame)
+                else:  # run every column of the transform (and of each result), keep nothing
+                    computed = None
+                    frame.write.format("noop").mode("overwrite").save()
+                    for result in [] if in_transform else self.results(frame.where(F.col("error").isNull())):
+                        result.frame.write.format("noop").mode("overwrite").save()
+            except Exception as err:
+                if not _may_be_record_error(err):
+                    raise
+                return None, err
+            finally:
+                frame.unpersist()
+            if trial_write and computed is not None:
+                refused = self._trial_write(plan, computed)
+                if refused is not None:
+                    return None, refused
+            return computed, None
+
+        try:
+            if probe(F.lit(False), full=trial_write)[1] is not None:
+                raise _NotIsolated("the job's code fails on no records at all: its code, not its data")
+            while True:
+                lo, hi, error, verified = 0, space.size, failure, False
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    _, left = probe(space.slice(lo, mid), full=trial_write)
+                    if left is not None:
+                        hi, error, verified = mid, left, True
+                    else:
+                        lo, verified = mid, False
+                if not verified:
+                    _, error = probe(space.slice(lo, hi), full=trial_write)
+                if error is None:
+                    if len(found) == len(known):
+                        # nothing fails among the fresh records: the failure came from records of the batch
+                        # that are committed already (a partly replayed batch), or did not happen again
+                        computed, failure = probe(F.lit(True))
+                        if computed is not None:
+                            break
+                    raise _NotIsolated("no single record reproduces the failure")
+                topic, partition, offset = space.position(lo)
+                record = Poison(topic, partition, offset, _reason(error))
+                found.append(record)
+                log.warning("batch %s: record %s fails the job: %s", batch_id, record.position, record.reason)
+                if self.on_poison == "fail":
+                    raise _poison_error([record], "the job's policy is on_poison='fail'")
+                if len(found) - len(known) > MAX_POISON_PER_BATCH:
+                    raise _NotIsolated(
+                        f"more than {MAX_POISON_PER_BATCH} records of the batch fail: its code, not its data"
+                    )
+                computed, failure = probe(F.lit(True))
+                if computed is not None:
+                    break
+                in_transform = False  # what fails now may be the results
+        except _NotIsolated as why:
+            log.warning("batch %s: %s after %s evaluations; failing the batch", batch_id, why, evaluations)
+            raise original from None
+        new = found[len(known):]
+        log.warning(
+            "batch %s: %s in %s evaluations (%.1fs)",
+            batch_id,
+            f"isolated {', '.join(p.position for p in new)}" if new else "the batch's fresh records compute "
+            "without failing",
+            evaluations,
+            time.monotonic() - started,
+        )
+        return new, computed
+
+    def _poison_letters(self, source: _Source, poison: Sequence[Poison]) -> list[dict]:
+        """Dead letters for isolated records: their raw key and value, taken without the job's code."""
+        if not poison:
+            return []
+        reasons = {(p.topic, p.partition, p.offset): p.reason for p in poison}
+        if source.raw is not None:
+            rows = [{"topic": t, "partition": p, "offset": o, "key": source.raw[(t, p, o)][0],
+                     "value": source.raw[(t, p, o)][1]} for (t, p, o) in reasons]
+        else:
+            try:
+                rows = _collect(source.select(_positions(list(reasons))).select(*PROVENANCE, "key", "value"))
+            except Exception as err:
+                raise _poison_error(list(poison), f"its raw key and value could not be read: {_reason(err)}") \
+                    from err
+        return [
+            _dead_letter({**row, "error": "the job's code failed on this record: "
+                          + reasons[(row["topic"], row["partition"], row["offset"])]})
+            for row in rows
+        ]
+
+    # -- result tables ----------------------------------------------------------------------------------
     def _write(self, result: Result) -> transaction.Write:
         table = self._table(result)
-        rows = [row.asDict() for row in result.frame.collect()]
+        rows = _collect(result.frame)
         return transaction.Write(table, rows, tuple(result.key), tuple(result.increments))
 
     def _table(self, result: Result) -> Table:
@@ -186,6 +551,128 @@ def _only_fresh(records: DataFrame, plan: transaction.BatchPlan) -> DataFrame:
         for (topic, partition), first in plan.apply_from.items()
     ]
     return records.where(reduce(lambda a, b: a | b, conditions))
+
+
+class _PositionSpace:
+    """The batch's fresh offsets laid end to end (partition after partition), so that a bisection can
+    cut it anywhere.  Offsets missing from Kafka (compaction, transaction markers) just match nothing."""
+
+    def __init__(self, plan: transaction.BatchPlan):
+        self.ranges = sorted(
+            (topic, partition, first, plan.range.end[(topic, partition)])
+            for (topic, partition), first in plan.apply_from.items()
+        )
+        self.size = sum(end - first for _, _, first, end in self.ranges)
+
+    def slice(self, lo: int, hi: int) -> Column:
+        """The records at positions [lo, hi) of the space."""
+        conditions, base = [], 0
+        for topic, partition, first, end in self.ranges:
+            a, b = max(lo - base, 0), min(hi - base, end - first)
+            if a < b:
+                conditions.append(
+                    (F.col("topic") == topic)
+                    & (F.col("partition") == partition)
+                    & (F.col("offset") >= first + a)
+                    & (F.col("offset") < first + b)
+                )
+            base += end - first
+        return reduce(lambda x, y: x | y, conditions) if conditions else F.lit(False)
+
+    def position(self, index: int) -> tuple[str, int, int]:
+        base = 0
+        for topic, partition, first, end in self.ranges:
+            if index < base + end - first:
+                return topic, partition, first + index - base
+            base += end - first
+        raise IndexError(index)
+
+
+def _read_counts(frame: DataFrame) -> dict[TopicPartition, int]:
+    return {(r.topic, r.partition): r["count"] for r in frame.groupBy("topic", "partition").count().collect()}
+
+
+def _positions(positions: Sequence[tuple[str, int, int]]) -> Column:
+    """The records at these (topic, partition, offset) positions."""
+    by_partition: dict[TopicPartition, list[int]] = {}
+    for topic, partition, offset in positions:
+        by_partition.setdefault((topic, partition), []).append(offset)
+    conditions = [
+        (F.col("topic") == topic) & (F.col("partition") == partition) & F.col("offset").isin(offsets)
+        for (topic, partition), offsets in sorted(by_partition.items())
+    ]
+    return reduce(lambda x, y: x | y, conditions) if conditions else F.lit(False)
+
+
+def _may_be_record_error(err: BaseException) -> bool:
+    """Could a record be what this failure comes from?  An error in the job's code or an unclassified
+    Spark error may be; an outage, a stop, a fenced run, an incompatible checkpoint are not."""
+    if isinstance(err, PoisonRecordError | transaction.FencedError | transaction.ConcurrentCommitError
+                  | transaction.OffsetGapError):
+        return False
+    text = _text(err)
+    if _NOT_A_RECORD.search(text):
+        return False
+    return failures.classify(text).kind in (failures.FailureKind.USER_CODE, failures.FailureKind.UNKNOWN)
+
+
+def _is_data_error(err: BaseException) -> bool:
+    """The database refused a value (SQLSTATE classes 22 data exception, 23 integrity constraint, 54
+    program limit, e.g. a key too large to index), as opposed to being unreachable or misconfigured."""
+    if isinstance(err, sql_errors.DataError | sql_errors.IntegrityError):
+        return True
+    state = getattr(getattr(err, "orig", None), "sqlstate", None)
+    return bool(state) and str(state)[:2] in ("22", "23", "54")
+
+
+def _text(err: BaseException) -> str:
+    parts = [f"{type(err).__name__}: {err}"]
+    cause = err.__cause__ or err.__context__
+    while cause is not None and len(parts) < 5:
+        parts.append(f"{type(cause).__name__}: {cause}")
+        cause = cause.__cause__ or cause.__context__
+    return "\n".join(parts)
+
+
+def _reason(err: BaseException) -> str:
+    """What went wrong, in one line: the exception line of a Python traceback (a UDF's error reaches the
+    driver inside Spark's message), else the message's first line."""
+    text = str(err).split("\nJVM stacktrace:", 1)[0]
+    lines = text.splitlines()
+    line = next((ln for ln in lines if ln.strip()), type(err).__name__)
+    marker = "Traceback (most recent call last):"
+    if marker in text:
+        after = text.rsplit(marker, 1)[1].splitlines()[1:]
+        line = next((ln for ln in after if ln.strip() and not ln[0].isspace()), line)
+    return re.sub(r"\s*SQLSTATE: \w+\s*$", "", line.strip())[:MAX_REASON_CHARS]
+
+
+def _poison_error(poison: Sequence[Poison], why: str) -> PoisonRecordError:
+    first = poison[0]
+    others = f" (and {', '.join(p.position for p in poison[1:])})" if len(poison) > 1 else ""
+    return PoisonRecordError(
+        f"[STREAM_POISON_RECORD] {first.position}{others}: the job's code fails on this record "
+        f"({first.reason}) and {why}. Inspect the record at that position, fix the job (or the dead-letter "
+        f"table), then restart: the batch is replayed and nothing is lost"
+    )
+
+
+def _dead_letter(row: dict) -> dict:
+    """A dead-letter row as the table takes it: raw bytes as they are, the reason as plain text."""
+    error = str(row["error"]).replace("\x00", "\\x00")
+    if len(error) > MAX_REASON_CHARS:
+        error = error[: MAX_REASON_CHARS - 3] + "..."
+    return {**row, "error": error}
+
+
+def _collect(frame: DataFrame) -> list[dict]:
+    """The frame's rows as dicts, through Arrow: several times faster than ``collect()``'s pickled Rows.
+    Timestamps come back naive in UTC (the session time zone), as ``collect()`` would give them."""
+    table = frame.toArrow()
+    for index, field in enumerate(table.schema):
+        if pa.types.is_timestamp(field.type) and field.type.tz is not None:
+            table = table.set_column(index, field.name, pc.cast(table.column(index), pa.timestamp(field.type.unit)))
+    return table.to_pylist()
 
 
 def _sql_type(spark_type: T.DataType):
