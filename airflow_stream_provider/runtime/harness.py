@@ -50,6 +50,8 @@ JVM_KAFKA_PROVIDER = "org.apache.spark.sql.kafka010.KafkaSourceProvider"
 #: How long a graceful stop waits for the running batch to end before interrupting it (the sink makes
 #: an interrupted batch harmless; waiting just avoids redoing work).
 STOP_WAIT_S = 120.0
+#: How long a driver ending TRANSIENT keeps trying to record that in an unreachable state database.
+FINISH_RETRY_S = 30.0
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)\])?$")
 
@@ -413,17 +415,26 @@ class StreamHarness:
         error_class: str | None,
         message: str,
     ) -> int:
-        try:
-            self.store.finish_run(
-                self.run_id,
-                status=status,
-                exit_code=exit_code,
-                failure_kind=kind.value if kind else None,
-                error_class=error_class,
-                message=message,
-            )
-        except Exception as err:
-            log.error("could not record the end of run %s: %r", self.run_id, err)
+        # A TRANSIENT end is often the state database itself going away: keep trying for a while, so the
+        # provider reads "transient, restart when it is back" instead of a driver that vanished.
+        deadline = time.monotonic() + (FINISH_RETRY_S if kind == failures.FailureKind.TRANSIENT else 0)
+        while True:
+            try:
+                self.store.finish_run(
+                    self.run_id,
+                    status=status,
+                    exit_code=exit_code,
+                    failure_kind=kind.value if kind else None,
+                    error_class=error_class,
+                    message=message,
+                )
+                break
+            except Exception as err:
+                if time.monotonic() >= deadline:
+                    log.error("could not record the end of run %s: %r", self.run_id, err)
+                    break
+                log.warning("could not record the end of run %s yet (%r); retrying", self.run_id, err)
+                time.sleep(2)
         if status == state.FAILED:
             log.error(
                 "run %s ended: exit %s (%s) %s", self.run_id, exit_code, kind and kind.value, message[:2000]

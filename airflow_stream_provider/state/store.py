@@ -215,7 +215,8 @@ class StateStore:
             exit_code=exit_code,
             failure_kind=failure_kind,
             error_class=error_class,
-            termination_message=message,
+            # PostgreSQL text cannot hold NUL, and a failure's text may quote a record's raw bytes
+            termination_message=message.replace("\x00", "\\x00") if message else message,
             ended_at=time.time(),
         )
 
