@@ -234,6 +234,13 @@ class Stack:
         self.jobs.append(job)
         return job
 
+    def set_spec(self, job: Job, **changes) -> None:
+        """Change the job spec the DAGs render from now on (as a person editing the Variable would)."""
+        from airflow.models.variable import Variable
+
+        job.spec = {**job.spec, **changes}
+        Variable.set("stream_job_spec", job.spec, serialize_json=True)
+
     def producer(self, job: Job, **kwargs):
         from benchmarks.load import BacklogProducer
 

@@ -51,7 +51,7 @@ class AppendSink:
         try:
             read = frame.count()
             dead = frame.where(F.col("error").isNotNull()).select(*DEAD_LETTER_COLUMNS)
-            writes = [(self._table("dead_letters", dead), _collect(dead))]
+            writes = [(self._table("alo_dead_letters", dead), _collect(dead))]
             for result in self.results(frame.where(F.col("error").isNull())):
                 writes.append((self._table(result.table, result.frame), _collect(result.frame)))
             with self.engine.begin() as conn:
