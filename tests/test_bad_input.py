@@ -238,9 +238,9 @@ def test_poison_record_is_isolated_or_named_by_position(stream, broker, figures)
     assert tasks["recover"][0] == "failed", tasks
     recover = RecoverStreamingJobOperator(task_id="recover", **{k: params[k] for k in (
         "spec", "application", "conf", "env_vars", "driver_log_dir", "ready_timeout", "heartbeat_timeout")})
-    with pytest.raises(AirflowFailException) as refused:
+    with pytest.raises(AirflowFailException) as refusal:
         recover.execute(context={})
-    assert position in str(refused.value) and "No automatic recovery for POISON" in str(refused.value)
+    assert position in str(refusal.value) and "No automatic recovery for POISON" in str(refusal.value)
     assert state.restarts_since(job_id, 0) == [], "a poison record must not be restarted blindly"
 
     # 3. policy on_poison='fail': the same record stops the job at once, named by its position.
@@ -252,11 +252,18 @@ def test_poison_record_is_isolated_or_named_by_position(stream, broker, figures)
     assert "on_poison='fail'" in run["termination_message"]
 
     # 4. the table accepts dead letters again: the replayed batch dead-letters the record, nothing is lost.
+    # Meanwhile the results table refuses one event's row: the database, not the code, fails on that
+    # record; it is isolated the same way (rows written and rolled back) and dead-lettered with the refusal.
     with state.store.engine.begin() as conn:
         conn.execute(text("DROP TRIGGER refuse_poison"))
+        conn.execute(text("CREATE TRIGGER refuse_event BEFORE INSERT ON events WHEN NEW.event_id = 'b-3' "
+                          "BEGIN SELECT RAISE(ABORT, 'this event is refused by the results table'); END"))
     status, tasks = run_dag(dags.deploy, params)
     assert status == "success", tasks
-    feed.events.send(100)
+    feed.events.send(60)
+    refused_row = feed.bad_record(b"u-3", _json(3), "the database refused this record's results: "
+                                  "(sqlite3.IntegrityError) this event is refused by the results table")
+    feed.events.send(60)
     caught_up(state, job_id, feed.events)
     status, tasks = run_dag(dags.stop, params)
     assert status == "success" and tasks["stop"][1]["outcome"] == "stopped", tasks
@@ -265,6 +272,7 @@ def test_poison_record_is_isolated_or_named_by_position(stream, broker, figures)
     for where in (first, (partition, offset)):
         assert dead[where].startswith("the job's code failed on this record: ValueError: cannot handle record"), \
             dead[where]
+    assert dead[refused_row].startswith("the database refused this record's results"), dead[refused_row]
     figures.record("poison record", position=position, seconds_to_isolate_first=round(isolated_s, 1),
                    seconds_total=round(time.monotonic() - started, 1), **counts)
 

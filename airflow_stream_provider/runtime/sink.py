@@ -294,7 +294,7 @@ class TransactionalSink:
             try:
                 outcome = self._commit(plan, computed, letters)
             except Exception as again:
-                if _is_data_error(again):
+                if poison and _is_data_error(again):
                     raise _poison_error(poison, f"its dead letter could not be written: {_reason(again)}") \
                         from again
                 raise
@@ -453,7 +453,9 @@ class TransactionalSink:
                             break
                     raise _NotIsolated("no single record reproduces the failure")
                 topic, partition, offset = space.position(lo)
-                record = Poison(topic, partition, offset, _reason(error))
+                cause = "the database refused this record's results" if trial_write else \
+                    "the job's code failed on this record"
+                record = Poison(topic, partition, offset, f"{cause}: {_reason(error)}")
                 found.append(record)
                 log.warning("batch %s: record %s fails the job: %s", batch_id, record.position, record.reason)
                 if self.on_poison == "fail":
@@ -495,8 +497,7 @@ class TransactionalSink:
                 raise _poison_error(list(poison), f"its raw key and value could not be read: {_reason(err)}") \
                     from err
         return [
-            _dead_letter({**row, "error": "the job's code failed on this record: "
-                          + reasons[(row["topic"], row["partition"], row["offset"])]})
+            _dead_letter({**row, "error": reasons[(row["topic"], row["partition"], row["offset"])]})
             for row in rows
         ]
 
@@ -651,9 +652,9 @@ def _poison_error(poison: Sequence[Poison], why: str) -> PoisonRecordError:
     first = poison[0]
     others = f" (and {', '.join(p.position for p in poison[1:])})" if len(poison) > 1 else ""
     return PoisonRecordError(
-        f"[STREAM_POISON_RECORD] {first.position}{others}: the job's code fails on this record "
-        f"({first.reason}) and {why}. Inspect the record at that position, fix the job (or the dead-letter "
-        f"table), then restart: the batch is replayed and nothing is lost"
+        f"[STREAM_POISON_RECORD] {first.position}{others}: {first.reason}; {why}. Inspect the record at "
+        f"that position, fix the job (or the dead-letter table), then restart: the batch is replayed and "
+        f"nothing is lost"
     )
 
 
