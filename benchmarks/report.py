@@ -167,10 +167,21 @@ def plots(r: dict[str, Any], out: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
     names = ["cold start", "provider kill -9", "baseline kill -9", "incompatible upgrade"]
     keys = ["cold_start_s", "mttr_kill9_s", "baseline_mttr_kill9_s", "upgrade_incompatible_s"]
     samples = r["samples"]
+    if any(r[key] is not None for key in keys):
+        recovery_plot(r, names, keys, samples, save)
+    if any(v["eos_msgs_s"] or v["alo_msgs_s"] for v in r["by_database"].values()):
+        throughput_plot(r, save)
+    scaling_plots(r, save)
+    return written
+
+
+def recovery_plot(r, names, keys, samples, save) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
     for i, key in enumerate(keys):
         values = samples.get(key, [])
         ax.scatter([i] * len(values), values, color="grey", s=12, zorder=3)
@@ -180,6 +191,10 @@ def plots(r: dict[str, Any], out: Path) -> list[Path]:
     ax.set_ylabel("seconds until a batch commits")
     ax.set_title("Time to processing again (median bars, runs as dots)")
     save(fig, "recovery.png")
+
+
+def throughput_plot(r, save) -> None:
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     databases = list(r["by_database"])
@@ -195,6 +210,10 @@ def plots(r: dict[str, Any], out: Path) -> list[Path]:
     ax.legend()
     ax.set_title("Steady-state throughput on a backlog")
     save(fig, "throughput.png")
+
+
+def scaling_plots(r, save) -> None:
+    import matplotlib.pyplot as plt
 
     for name, axis, log_x in (("history", "batches", True), ("partitions", "partitions", True)):
         series = r["scaling"].get(name)
@@ -222,7 +241,6 @@ def plots(r: dict[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel("peak driver RSS (MB)")
         ax.set_title("Driver memory against backlog (batches bounded)")
         save(fig, "rss_vs_backlog.png")
-    return written
 
 
 def write(r: dict[str, Any], out: Path) -> list[Path]:
