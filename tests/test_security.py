@@ -1,8 +1,9 @@
 """The state database's password travels only in the driver's environment: never in process arguments
-(``ps``), driver logs, XCom, the recorded spec or what the test process printed.
+(``ps``), task logs, driver logs, XCom or the recorded spec.
 
-Not covered yet: the task log that ``dag.test()`` renders is not reachable from the test (neither
-``caplog`` nor ``capfd`` sees it), so task logs are checked only as far as this process printed them.
+``dag.test()`` writes the task logs to this process's standard output, where ``capfd`` reads them; the
+test first checks that it really has the deploy and stop tasks' log lines, then that the password is in
+none of them.
 
 A real PostgreSQL database, a real Airflow connection holding a password, a real driver started
 through the deploy DAG.  The local server trusts loopback connections, so the password is not what
@@ -49,7 +50,11 @@ def test_database_password_never_leaks(postgres_url, stream, broker, monkeypatch
 
     assert secret not in json.dumps([tasks, stopped], default=str), "the password is in an XCom"
     captured = capfd.readouterr()
-    assert secret not in caplog.text + captured.out + captured.err, "the password is in the test's output"
+    task_logs = caplog.text + captured.out + captured.err
+    submitted = tasks["submit"][1]
+    assert f"run {submitted['run_id']} is running" in task_logs, "the deploy task's log was not captured"
+    assert f"Job {job_id} run {submitted['run_id']} stopped" in task_logs, "the stop task's log was not captured"
+    assert secret not in task_logs, "the password is in a task log"
     for path in (stream["tmp"] / "driver-logs").rglob("*.log"):
         assert secret not in path.read_text(errors="replace"), f"the password is in {path}"
     with state.store.engine.connect() as conn:
