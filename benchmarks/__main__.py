@@ -88,11 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="results directory (default benchmarks/results; quick: "
                                                  "<workdir>/results)")
     parser.add_argument("--workdir", type=Path, default=REPO / ".bench", help="scratch directory (emptied)")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other sections' results in <out>/latest.json and replace these")
     args = parser.parse_args(argv)
     workdir = args.workdir.resolve()
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    out = args.out or (REPO / "benchmarks" / "results" if args.profile == "default" and not args.only
+    out = args.out or (REPO / "benchmarks" / "results" if args.profile == "default" and (args.update or not args.only)
                        else workdir / "results")
     sections = list(args.only or SECTIONS)
     started = time.monotonic()
@@ -102,14 +104,31 @@ def main(argv: list[str] | None = None) -> int:
         samples = run(stack, PROFILES[args.profile], sections)
     finally:
         stack.stop()
+    minutes = round((time.monotonic() - started) / 60, 1)
+    if args.update:
+        samples, minutes = _updated(out / "latest.json", samples, minutes)
     meta = {"profile": args.profile, "sections": sections, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "minutes": round((time.monotonic() - started) / 60, 1),
+            "minutes": minutes,
             "machine": f"{platform.machine()}, {_cores()} cores, Python {platform.python_version()}"}
     result = report.summarise(samples, meta)
     for path in report.write(result, out):
         say(f"wrote {path}")
     print(report.markdown(result))
     return 0 if result["lost"] == 0 and result["duplicated"] == 0 else 1
+
+
+def _updated(previous: Path, samples: dict, minutes: float) -> tuple[dict, float]:
+    """The previous run's samples with this run's sections replacing theirs; audits add up (every run
+    that wrote results was audited)."""
+    import json
+
+    before = json.loads(previous.read_text())
+    merged = {**before["samples"], "baseline_upgrade_incompatible": before["baseline_upgrade_incompatible"],
+              "scaling": {**before["scaling"], **samples.pop("scaling")}}
+    for key in ("lost", "duplicated", "audited_records"):
+        samples[key] += before[key]
+    merged.update(samples)
+    return merged, round(before["meta"]["minutes"] + minutes, 1)
 
 
 def _cores() -> int:
