@@ -85,7 +85,7 @@ def cold_start(stack: Stack, repeats: int, total: Audit) -> list[float]:
     job = stack.new_job("cold-start")
     spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url,
                      stack.workdir / "checkpoints", trigger_interval="1 second", max_offsets_per_trigger=2000)
-    runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id)
+    runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id, conf=stack.spark_conf)
     producer = stack.producer(job)
     producer.send(600)
     runner.process_backlog(dict(producer.produced.end_offsets))  # creates the checkpoint; not timed

@@ -66,7 +66,7 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
     spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url, stack.workdir / "checkpoints",
                      trigger_interval="100 milliseconds", max_offsets_per_trigger=max_offsets)
     runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id,
-                       application=EVENTS_JOB if exactly_once else AT_LEAST_ONCE_JOB)
+                       application=EVENTS_JOB if exactly_once else AT_LEAST_ONCE_JOB, conf=stack.spark_conf)
     driver = runner.start()
     memory = PeakRss(driver.pid)
     memory.start()

@@ -83,10 +83,12 @@ def wait_until(
 class JobRunner:
     """Starts drivers for one job spec and knows where their logs are."""
 
-    def __init__(self, spec: StreamJobSpec, log_dir: Path, application: str = EVENTS_JOB):
+    def __init__(self, spec: StreamJobSpec, log_dir: Path, application: str = EVENTS_JOB,
+                 conf: dict[str, str] | None = None):
         self.spec = spec
         self.log_dir = log_dir
         self.application = application
+        self.conf = TEST_SPARK_CONF if conf is None else conf
         self.store = StateStore.from_url(spec.database_url)
         self.store.ensure_schema()
         self.drivers: list[local_driver.DriverProcess] = []
@@ -103,7 +105,7 @@ class JobRunner:
             spec,
             run_id,
             master="local[2]",
-            conf=TEST_SPARK_CONF,
+            conf=self.conf,
             log_path=log_path,
         )
         popen = local_driver.start_detached(cmd, log_path, env={**spark_env(), **(env or {})}, cwd=str(REPO))
