@@ -261,17 +261,29 @@ def by_history(stack: Stack, levels: list[int], total: Audit) -> dict[str, list]
             _wait(lambda j=job, n=level: _committed_batches(j, 1) >= n, 120 + level * 3,
                   f"{level} committed batches")
             say(f"  {level} committed batches after {time.monotonic() - started:.0f}s")
-            _, recovered = kill_and_recover(stack, job)
             # The next generation may take normal batches: what is timed is the reset, not the drain.
-            stack.set_spec(job, kafka={**job.spec["kafka"], "max_offsets_per_trigger": 2000})
-            reset = _reset(stack, job)
-        job.wait_caught_up(producer.produced)
-        _finish(stack, job, producer, total)
-        series["batches"].append(level)
-        series["recovery_s"].append(recovered)
-        series["reset_s"].append(reset)
-        say(f"  history {level} batches: recovery {recovered:.1f}s, reset {reset:.1f}s")
+            timed = _recover_then_reset(stack, job, next_max_offsets=2000)
+        _record_point(stack, job, producer, total, series, ("batches", level), timed)
     return series
+
+
+def _recover_then_reset(stack: Stack, job: Job, next_max_offsets: int | None = None) -> tuple[float, float]:
+    _, recovered = kill_and_recover(stack, job)
+    if next_max_offsets:
+        stack.set_spec(job, kafka={**job.spec["kafka"], "max_offsets_per_trigger": next_max_offsets})
+    return recovered, _reset(stack, job)
+
+
+def _record_point(stack: Stack, job: Job, producer, total: Audit, series: dict, point: tuple[str, int],
+                  timed: tuple[float, float]) -> None:
+    """Drain, stop and audit the job; add its (recovery, reset) seconds to the series at ``point``."""
+    job.wait_caught_up(producer.produced)
+    _finish(stack, job, producer, total)
+    (axis, x), (recovered, reset) = point, timed
+    series[axis].append(x)
+    series["recovery_s"].append(recovered)
+    series["reset_s"].append(reset)
+    say(f"  {x} {axis}: recovery {recovered:.1f}s, reset {reset:.1f}s")
 
 
 def by_partitions(stack: Stack, levels: list[int], total: Audit) -> dict[str, list]:
@@ -282,12 +294,6 @@ def by_partitions(stack: Stack, levels: list[int], total: Audit) -> dict[str, li
         producer.send(max(1000, 30 * partitions))
         stack.trigger_ok("stream_deploy")
         with Trickle(producer, chunk=max(30, partitions), pause_s=0.3):
-            _, recovered = kill_and_recover(stack, job)
-            reset = _reset(stack, job)
-        job.wait_caught_up(producer.produced)
-        _finish(stack, job, producer, total)
-        series["partitions"].append(partitions)
-        series["recovery_s"].append(recovered)
-        series["reset_s"].append(reset)
-        say(f"  {partitions} partitions: recovery {recovered:.1f}s, reset {reset:.1f}s")
+            timed = _recover_then_reset(stack, job)
+        _record_point(stack, job, producer, total, series, ("partitions", partitions), timed)
     return series

@@ -124,19 +124,7 @@ def test_broker_outage_short_is_ridden_out_long_ends_transient_and_is_recovered(
     # The broker is back: the health DAG sees the TRANSIENT failure and restarts from the checkpoint.
     proxy.start()
     back = time.monotonic()
-    status, tasks = run_dag(dags.health, params)
-    assert status == "success", tasks
-    found, recovered = tasks["health"][1], tasks["recover"][1]
-    assert (found["health"], found["failure_kind"], found["run_id"]) == ("FAILED", "TRANSIENT", first["run_id"])
-    assert recovered["action"] == "restart" and recovered["generation"] == 1, recovered
-    producer.send(300)
-    caught_up(state, job_id, producer)
-    recovered_s = time.monotonic() - back
-    status, tasks = run_dag(dags.stop, params)
-    assert status == "success" and tasks["stop"][1]["outcome"] == "stopped", tasks
-
-    counts = check_exactly_once(state.store, job_id, producer.produced)
-    assert counts["read"] == producer.sent
+    recovered_s, counts = _restarted_by_health_dag(state, stream, producer, first["run_id"], back, more=300)
     figures.record("broker outage", short_outage_seconds=SHORT_BROKER_OUTAGE_S, driver_survived=True,
                    long_outage_to_transient_seconds=round(gave_up_s, 1),
                    back_to_caught_up_seconds=round(recovered_s, 1), **counts)
@@ -206,20 +194,27 @@ def test_database_crash_mid_batch_keeps_results_and_offsets_consistent(stream, b
     before = check_exactly_once(state.store, job_id, applied)
 
     # The run's end reached the database once it was back: the health DAG restarts it from the checkpoint.
+    recovered_s, counts = _restarted_by_health_dag(state, stream, producer, first["run_id"], back, more=400)
+    figures.record("database crash mid-batch", outage_seconds=DATABASE_OUTAGE_S,
+                   driver_failed_after_seconds=round(driver_failed_s, 1),
+                   read_before_crash=before["read"], back_to_caught_up_seconds=round(recovered_s, 1), **counts)
+
+
+def _restarted_by_health_dag(state, stream, producer, failed_run_id: str, back: float, *, more: int):
+    """The health DAG finds the run FAILED/TRANSIENT and restarts it from the checkpoint; with ``more``
+    events the job catches up and stops cleanly, exactly once.  ``state`` is the hook on the job's state
+    database.  Returns (seconds from ``back`` to caught up, the exact counts)."""
+    job_id, params = stream["job_id"], stream["params"]
     status, tasks = run_dag(dags.health, params)
     assert status == "success", tasks
     found, recovered = tasks["health"][1], tasks["recover"][1]
-    assert found["run_id"] == first["run_id"], found
-    assert (found["health"], found["failure_kind"]) == ("FAILED", "TRANSIENT"), found
+    assert (found["health"], found["failure_kind"], found["run_id"]) == ("FAILED", "TRANSIENT", failed_run_id)
     assert recovered["action"] == "restart" and recovered["generation"] == 1, recovered
-    producer.send(400)
+    producer.send(more)
     caught_up(state, job_id, producer)
     recovered_s = time.monotonic() - back
     status, tasks = run_dag(dags.stop, params)
     assert status == "success" and tasks["stop"][1]["outcome"] == "stopped", tasks
-
     counts = check_exactly_once(state.store, job_id, producer.produced)
     assert counts["read"] == producer.sent
-    figures.record("database crash mid-batch", outage_seconds=DATABASE_OUTAGE_S,
-                   driver_failed_after_seconds=round(driver_failed_s, 1), verdict=found["health"],
-                   read_before_crash=before["read"], back_to_caught_up_seconds=round(recovered_s, 1), **counts)
+    return recovered_s, counts
