@@ -34,13 +34,8 @@ from airflow_stream_provider import failures, kafka_client, kafka_offsets
 from airflow_stream_provider.runtime import faults, kafka_source, transaction
 from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
 from airflow_stream_provider.runtime.listener import StateListener
-from airflow_stream_provider.runtime.sink import (
-    DEAD_LETTER_COLUMNS,
-    POISON_POLICIES,
-    ResultsFn,
-    TransactionalSink,
-    keeps_state,
-)
+from airflow_stream_provider.runtime.poison import POISON_POLICIES, keeps_state
+from airflow_stream_provider.runtime.sink import DEAD_LETTER_COLUMNS, ResultsFn, TransactionalSink
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state import store as state
 

@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import reduce
 
@@ -55,12 +55,26 @@ from sqlalchemy import (
     Text,
 )
 from sqlalchemy import Column as SqlColumn
-from sqlalchemy import exc as sql_errors
 
-from airflow_stream_provider import failures
 from airflow_stream_provider.kafka_offsets import Offsets
 from airflow_stream_provider.runtime import faults, transaction
 from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
+from airflow_stream_provider.runtime.poison import (
+    MAX_POISON_PER_BATCH,
+    MAX_REASON_CHARS,
+    POISON_POLICIES,
+    RAW_SCHEMA,
+    NotIsolated,
+    Poison,
+    PositionSpace,
+    RawReader,
+    Source,
+    is_data_error,
+    may_be_record_error,
+    poison_error,
+    positions,
+    reason,
+)
 from airflow_stream_provider.state import schema
 from airflow_stream_provider.state.store import StateStore
 
@@ -69,29 +83,8 @@ log = logging.getLogger(__name__)
 PROVENANCE = ("topic", "partition", "offset")
 DEAD_LETTER_COLUMNS = ("topic", "partition", "offset", "key", "value", "error")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-#: What the sink does with a record the job's code cannot handle (see the module docstring).
-POISON_POLICIES = ("dead_letter", "fail")
-#: More failing records than this in one batch means the code, not the data, is wrong.
-MAX_POISON_PER_BATCH = 5
-#: Longest dead-letter reason kept (the full error is in the driver log).
-MAX_REASON_CHARS = 2000
-# Failures that are nobody's record: a stop or shutdown cancelling the batch, the JVM going away.
-_NOT_A_RECORD = re.compile(
-    r"(?i)\bcancel|InterruptedException|SparkContext (?:was|has been) shut down|Py4JNetworkError|"
-    r"Answer from Java side is empty|Error while (?:sending|receiving)"
-)
 
 TopicPartition = tuple[str, int]
-#: Reads the records of one partition's offset range [start, end) as (topic, partition, offset, key,
-#: value, timestamp) tuples: how the sink gets records again without the job's code.
-RawReader = Callable[[str, int, int, int], Iterable[tuple]]
-RAW_SCHEMA = "topic string, partition int, offset long, key binary, value binary, timestamp timestamp"
-# Logical plan nodes that keep state in a streaming query.
-_STATEFUL_NODE = re.compile(
-    r"^[\s+:|~-]*(?:Aggregate|Deduplicate\w*|FlatMapGroups\w*|TransformWithState\w*|\w*Join|GlobalLimit|"
-    r"Window|SessionWindow\w*|UpdateEventTimeWatermarkColumn)\b",
-    re.MULTILINE,
-)
 
 
 @dataclass(frozen=True)
@@ -108,28 +101,6 @@ class Result:
 ResultsFn = Callable[[DataFrame], Sequence[Result]]
 
 
-class PoisonRecordError(RuntimeError):
-    """A record the job cannot handle and cannot (or, by its policy, must not) dead-letter.
-
-    The message starts with ``[STREAM_POISON_RECORD] topic/partition:offset``: the failure table
-    classifies it as POISON and the provider reports the position.
-    """
-
-
-@dataclass(frozen=True)
-class Poison:
-    """One isolated record and why the job failed on it."""
-
-    topic: str
-    partition: int
-    offset: int
-    reason: str
-
-    @property
-    def position(self) -> str:
-        return f"{self.topic}/{self.partition}:{self.offset}"
-
-
 @dataclass
 class _Computed:
     """One batch (or part of one) evaluated, nothing written yet."""
@@ -137,29 +108,6 @@ class _Computed:
     read: dict[TopicPartition, int] = dataclasses.field(default_factory=dict)
     dead: list[dict] = dataclasses.field(default_factory=list)
     writes: list[transaction.Write] = dataclasses.field(default_factory=list)
-
-
-class _NotIsolated(Exception):
-    """The failure could not be pinned on single records."""
-
-
-@dataclass(frozen=True)
-class _Source:
-    """Where isolation takes a batch's records from: ``select(condition)`` gives the transformed records
-    at the chosen positions; ``raw`` holds (key, value) by position when they were read from Kafka."""
-
-    select: Callable[[Column], DataFrame]
-    raw: dict[tuple[str, int, int], tuple[bytes | None, bytes | None]] | None = None
-
-
-def keeps_state(records: DataFrame) -> bool:
-    """Does this streaming query keep state (aggregation, deduplication, stream joins, ...)?  Read from
-    its analyzed plan; when the plan cannot be read, assume it does (the careful answer)."""
-    try:
-        plan = records._jdf.queryExecution().analyzed().treeString()
-    except Exception:
-        return True
-    return bool(_STATEFUL_NODE.search(plan))
 
 
 class TransactionalSink:
@@ -225,10 +173,10 @@ class TransactionalSink:
         try:
             records.write.format("noop").mode("append").save()
         except Exception as err:
-            if self.stateful or not _may_be_record_error(err):
+            if self.stateful or not may_be_record_error(err):
                 raise
             log.warning("replayed batch %s fails in the job's code (%s); it is committed and the query keeps "
-                        "no state: nothing to evaluate", batch_id, _reason(err))
+                        "no state: nothing to evaluate", batch_id, reason(err))
 
     def _batch_range(self, batch_id: int) -> transaction.BatchRange:
         end = self.offset_log.source_offsets(batch_id)
@@ -243,22 +191,22 @@ class TransactionalSink:
         stream: Spark hands ``foreachBatch`` the stream's output) and keeps the result."""
         batch_id = plan.range.batch_id
         poison: list[Poison] = []
-        source: _Source = _Source(fresh.where)
+        source: Source = Source(fresh.where)
         try:
             read = _read_counts(fresh)
         except Exception as err:  # the job's transform failed inside the stream
-            if not _may_be_record_error(err):
+            if not may_be_record_error(err):
                 raise
             source = self._raw_source(fresh, plan, err)
             poison, computed = self._isolate(source, plan, err, trial_write=False, in_transform=True)
             if poison and self.stateful:
-                raise _poison_error(poison, "the query keeps state, so its batch cannot be completed without "
+                raise poison_error(poison, "the query keeps state, so its batch cannot be completed without "
                                     "the record") from err
         else:
             try:
                 computed = self._compute(fresh, read)
             except Exception as err:  # the job's results failed on the batch's records
-                if not _may_be_record_error(err):
+                if not may_be_record_error(err):
                     raise
                 poison, computed = self._isolate(source, plan, err, trial_write=False)
         if self.dry_run:
@@ -276,17 +224,17 @@ class TransactionalSink:
         try:
             outcome = self._commit(plan, computed, letters)
         except Exception as err:
-            if not _is_data_error(err):
+            if not is_data_error(err):
                 raise
             if poison and self._trial_write(plan, computed) is None:
                 # the batch is fine without the poison records' dead letters: those are what the
                 # database refuses
-                raise _poison_error(poison, f"its dead letter could not be written: {_reason(err)}") from err
+                raise poison_error(poison, f"its dead letter could not be written: {reason(err)}") from err
             try:
                 more, computed = self._isolate(source, plan, err, trial_write=True, known=poison)
             except Exception as failed:
-                if poison and _is_data_error(failed):
-                    raise _poison_error(poison, f"its dead letter could not be written: {_reason(failed)}") \
+                if poison and is_data_error(failed):
+                    raise poison_error(poison, f"its dead letter could not be written: {reason(failed)}") \
                         from failed
                 raise
             poison += more
@@ -294,8 +242,8 @@ class TransactionalSink:
             try:
                 outcome = self._commit(plan, computed, letters)
             except Exception as again:
-                if poison and _is_data_error(again):
-                    raise _poison_error(poison, f"its dead letter could not be written: {_reason(again)}") \
+                if poison and is_data_error(again):
+                    raise poison_error(poison, f"its dead letter could not be written: {reason(again)}") \
                         from again
                 raise
         faults.maybe_crash("after_db_commit", batch_id)
@@ -350,7 +298,7 @@ class TransactionalSink:
                         ],
                     )
             except Exception as err:
-                if not _is_data_error(err):
+                if not is_data_error(err):
                     raise
                 return err
             finally:
@@ -358,7 +306,7 @@ class TransactionalSink:
         return None
 
     # -- isolation --------------------------------------------------------------------------------------
-    def _raw_source(self, fresh: DataFrame, plan: transaction.BatchPlan, failure: Exception) -> _Source:
+    def _raw_source(self, fresh: DataFrame, plan: transaction.BatchPlan, failure: Exception) -> Source:
         """The batch's fresh records read again from Kafka, with the job's transform applied to the chosen
         ones only: the stream's own output cannot be split, as Spark runs the transform for all of a
         batch before ``foreachBatch`` sees it."""
@@ -366,16 +314,16 @@ class TransactionalSink:
             raise failure
         rows = [
             row
-            for topic, partition, first, end in _PositionSpace(plan).ranges
+            for topic, partition, first, end in PositionSpace(plan).ranges
             for row in self.read_raw(topic, partition, first, end)
         ]
         raw = fresh.sparkSession.createDataFrame(rows, RAW_SCHEMA)
-        return _Source(lambda condition: self.transform(raw.where(condition)),
+        return Source(lambda condition: self.transform(raw.where(condition)),
                        {(r[0], r[1], r[2]): (r[3], r[4]) for r in rows})
 
     def _isolate(
         self,
-        source: _Source,
+        source: Source,
         plan: transaction.BatchPlan,
         failure: Exception,
         *,
@@ -390,12 +338,12 @@ class TransactionalSink:
         policy says to fail on a poison record.
         """
         batch_id = plan.range.batch_id
-        space = _PositionSpace(plan)
+        space = PositionSpace(plan)
         log.warning(
             "batch %s failed while %s (%s); isolating the record(s) it fails on among %s positions",
             batch_id,
             "committing" if trial_write else "computing",
-            _reason(failure),
+            reason(failure),
             space.size,
         )
         started, original = time.monotonic(), failure
@@ -408,7 +356,7 @@ class TransactionalSink:
             nonlocal evaluations
             evaluations += 1
             if found:
-                condition = condition & ~_positions([(p.topic, p.partition, p.offset) for p in found])
+                condition = condition & ~positions([(p.topic, p.partition, p.offset) for p in found])
             frame = source.select(condition).persist()
             try:
                 if full:
@@ -419,7 +367,7 @@ class TransactionalSink:
                     for result in [] if in_transform else self.results(frame.where(F.col("error").isNull())):
                         result.frame.write.format("noop").mode("overwrite").save()
             except Exception as err:
-                if not _may_be_record_error(err):
+                if not may_be_record_error(err):
                     raise
                 return None, err
             finally:
@@ -432,7 +380,7 @@ class TransactionalSink:
 
         try:
             if probe(F.lit(False), full=trial_write)[1] is not None:
-                raise _NotIsolated("the job's code fails on no records at all: its code, not its data")
+                raise NotIsolated("the job's code fails on no records at all: its code, not its data")
             while True:
                 lo, hi, error, verified = 0, space.size, failure, False
                 while hi - lo > 1:
@@ -451,24 +399,24 @@ class TransactionalSink:
                         computed, failure = probe(F.lit(True))
                         if computed is not None:
                             break
-                    raise _NotIsolated("no single record reproduces the failure")
+                    raise NotIsolated("no single record reproduces the failure")
                 topic, partition, offset = space.position(lo)
                 cause = "the database refused this record's results" if trial_write else \
                     "the job's code failed on this record"
-                record = Poison(topic, partition, offset, f"{cause}: {_reason(error)}")
+                record = Poison(topic, partition, offset, f"{cause}: {reason(error)}")
                 found.append(record)
                 log.warning("batch %s: record %s fails the job: %s", batch_id, record.position, record.reason)
                 if self.on_poison == "fail":
-                    raise _poison_error([record], "the job's policy is on_poison='fail'")
+                    raise poison_error([record], "the job's policy is on_poison='fail'")
                 if len(found) - len(known) > MAX_POISON_PER_BATCH:
-                    raise _NotIsolated(
+                    raise NotIsolated(
                         f"more than {MAX_POISON_PER_BATCH} records of the batch fail: its code, not its data"
                     )
                 computed, failure = probe(F.lit(True))
                 if computed is not None:
                     break
                 in_transform = False  # what fails now may be the results
-        except _NotIsolated as why:
+        except NotIsolated as why:
             log.warning("batch %s: %s after %s evaluations; failing the batch", batch_id, why, evaluations)
             raise original from None
         new = found[len(known):]
@@ -482,7 +430,7 @@ class TransactionalSink:
         )
         return new, computed
 
-    def _poison_letters(self, source: _Source, poison: Sequence[Poison]) -> list[dict]:
+    def _poison_letters(self, source: Source, poison: Sequence[Poison]) -> list[dict]:
         """Dead letters for isolated records: their raw key and value, taken without the job's code."""
         if not poison:
             return []
@@ -492,9 +440,9 @@ class TransactionalSink:
                      "value": source.raw[(t, p, o)][1]} for (t, p, o) in reasons]
         else:
             try:
-                rows = _collect(source.select(_positions(list(reasons))).select(*PROVENANCE, "key", "value"))
+                rows = _collect(source.select(positions(list(reasons))).select(*PROVENANCE, "key", "value"))
             except Exception as err:
-                raise _poison_error(list(poison), f"its raw key and value could not be read: {_reason(err)}") \
+                raise poison_error(list(poison), f"its raw key and value could not be read: {reason(err)}") \
                     from err
         return [
             _dead_letter({**row, "error": reasons[(row["topic"], row["partition"], row["offset"])]})
@@ -554,108 +502,8 @@ def _only_fresh(records: DataFrame, plan: transaction.BatchPlan) -> DataFrame:
     return records.where(reduce(lambda a, b: a | b, conditions))
 
 
-class _PositionSpace:
-    """The batch's fresh offsets laid end to end (partition after partition), so that a bisection can
-    cut it anywhere.  Offsets missing from Kafka (compaction, transaction markers) just match nothing."""
-
-    def __init__(self, plan: transaction.BatchPlan):
-        self.ranges = sorted(
-            (topic, partition, first, plan.range.end[(topic, partition)])
-            for (topic, partition), first in plan.apply_from.items()
-        )
-        self.size = sum(end - first for _, _, first, end in self.ranges)
-
-    def slice(self, lo: int, hi: int) -> Column:
-        """The records at positions [lo, hi) of the space."""
-        conditions, base = [], 0
-        for topic, partition, first, end in self.ranges:
-            a, b = max(lo - base, 0), min(hi - base, end - first)
-            if a < b:
-                conditions.append(
-                    (F.col("topic") == topic)
-                    & (F.col("partition") == partition)
-                    & (F.col("offset") >= first + a)
-                    & (F.col("offset") < first + b)
-                )
-            base += end - first
-        return reduce(lambda x, y: x | y, conditions) if conditions else F.lit(False)
-
-    def position(self, index: int) -> tuple[str, int, int]:
-        base = 0
-        for topic, partition, first, end in self.ranges:
-            if index < base + end - first:
-                return topic, partition, first + index - base
-            base += end - first
-        raise IndexError(index)
-
-
 def _read_counts(frame: DataFrame) -> dict[TopicPartition, int]:
     return {(r.topic, r.partition): r["count"] for r in frame.groupBy("topic", "partition").count().collect()}
-
-
-def _positions(positions: Sequence[tuple[str, int, int]]) -> Column:
-    """The records at these (topic, partition, offset) positions."""
-    by_partition: dict[TopicPartition, list[int]] = {}
-    for topic, partition, offset in positions:
-        by_partition.setdefault((topic, partition), []).append(offset)
-    conditions = [
-        (F.col("topic") == topic) & (F.col("partition") == partition) & F.col("offset").isin(offsets)
-        for (topic, partition), offsets in sorted(by_partition.items())
-    ]
-    return reduce(lambda x, y: x | y, conditions) if conditions else F.lit(False)
-
-
-def _may_be_record_error(err: BaseException) -> bool:
-    """Could a record be what this failure comes from?  An error in the job's code or an unclassified
-    Spark error may be; an outage, a stop, a fenced run, an incompatible checkpoint are not."""
-    if isinstance(err, PoisonRecordError | transaction.FencedError | transaction.ConcurrentCommitError
-                  | transaction.OffsetGapError):
-        return False
-    text = _text(err)
-    if _NOT_A_RECORD.search(text):
-        return False
-    return failures.classify(text).kind in (failures.FailureKind.USER_CODE, failures.FailureKind.UNKNOWN)
-
-
-def _is_data_error(err: BaseException) -> bool:
-    """The database refused a value (SQLSTATE classes 22 data exception, 23 integrity constraint, 54
-    program limit, e.g. a key too large to index), as opposed to being unreachable or misconfigured."""
-    if isinstance(err, sql_errors.DataError | sql_errors.IntegrityError):
-        return True
-    state = getattr(getattr(err, "orig", None), "sqlstate", None)
-    return bool(state) and str(state)[:2] in ("22", "23", "54")
-
-
-def _text(err: BaseException) -> str:
-    parts = [f"{type(err).__name__}: {err}"]
-    cause = err.__cause__ or err.__context__
-    while cause is not None and len(parts) < 5:
-        parts.append(f"{type(cause).__name__}: {cause}")
-        cause = cause.__cause__ or cause.__context__
-    return "\n".join(parts)
-
-
-def _reason(err: BaseException) -> str:
-    """What went wrong, in one line: the exception line of a Python traceback (a UDF's error reaches the
-    driver inside Spark's message), else the message's first line."""
-    text = str(err).split("\nJVM stacktrace:", 1)[0]
-    lines = text.splitlines()
-    line = next((ln for ln in lines if ln.strip()), type(err).__name__)
-    marker = "Traceback (most recent call last):"
-    if marker in text:
-        after = text.rsplit(marker, 1)[1].splitlines()[1:]
-        line = next((ln for ln in after if ln.strip() and not ln[0].isspace()), line)
-    return re.sub(r"\s*SQLSTATE: \w+\s*$", "", line.strip())[:MAX_REASON_CHARS]
-
-
-def _poison_error(poison: Sequence[Poison], why: str) -> PoisonRecordError:
-    first = poison[0]
-    others = f" (and {', '.join(p.position for p in poison[1:])})" if len(poison) > 1 else ""
-    return PoisonRecordError(
-        f"[STREAM_POISON_RECORD] {first.position}{others}: {first.reason}; {why}. Inspect the record at "
-        f"that position, fix the job (or the dead-letter table), then restart: the batch is replayed and "
-        f"nothing is lost"
-    )
 
 
 def _dead_letter(row: dict) -> dict:
