@@ -45,3 +45,19 @@ def test_offset_log_merges_the_sources_of_one_query():
     assert kafka_offsets.from_offset_log(lines) == {("events", 0): 5, ("events", 1): 7, ("events-control", 0): 2}
     with pytest.raises(ValueError, match="two sources"):
         kafka_offsets.from_offset_log(['{"a":{"0":1}}', '{"a":{"0":2}}'])
+
+
+@pytest.mark.parametrize(
+    ("last_batch", "reads_old_state", "verdict"),
+    [
+        (3, 3, Verdict.COMPATIBLE),  # the re-run of the newest committed batch read the old code's state
+        (1, 1, Verdict.COMPATIBLE),  # only batch 0 was committed: batch 1 read its state
+        (1, None, Verdict.INCONCLUSIVE),  # nothing was committed: the dry run only read state it wrote itself
+        (0, 1, Verdict.INCONCLUSIVE),
+    ],
+)
+def test_a_dry_run_proves_compatibility_only_on_state_the_old_code_wrote(last_batch, reads_old_state, verdict):
+    from airflow_stream_provider.operators.upgrade import _verdict
+
+    run = {"status": "STOPPED", "last_batch_id": last_batch}
+    assert _verdict(run, None, reads_old_state).verdict == verdict

@@ -497,6 +497,10 @@ class CheckpointHook(BaseHook):
         """The newest batch in a checkpoint's offsets log, or None if Spark never planned one there."""
         return self._scan(self._resolve(path, what="checkpoint path", strict=False))[0]
 
+    def latest_committed(self, path: str) -> int | None:
+        """The newest batch in a checkpoint's commit log, or None if none was committed there."""
+        return self._scan(self._resolve(path, what="checkpoint path", strict=False))[1]
+
     def has_checkpoint(self, path: str) -> bool:
         """True once Spark planned a batch there, i.e. ``startingOffsets`` would be ignored for it."""
         resolved = self._resolve(path, what="checkpoint path", strict=False)

@@ -17,6 +17,9 @@ from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.store import ACTIVE_STATUSES, STOPPED
 from airflow_stream_provider.upgrade import Action, Preflight, Verdict
 
+#: How long a preflight waits for a live run to commit its second batch (it needs one to re-run).
+STATE_HISTORY_WAIT_S = 60.0
+
 
 class UpgradeStreamingJobOperator(StreamJobOperator):
     """Move a stream job to a new version (``application`` + ``version``) with exactly-once results.
@@ -108,24 +111,41 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         path = self.checkpoints.generation_path(job_id, generation)
         if generation not in active or not self.checkpoints.has_checkpoint(path):
             return Preflight(Verdict.SKIPPED, f"generation {generation} has no checkpoint yet")
+        started = time.monotonic()
+        self._await_state_history(path)
         root = self.checkpoints.new_preflight_root(job_id)
         copy = spec_module.generation_path(f"{root}/{job_id}", generation)
-        started = time.monotonic()
         try:
             self.checkpoints.copy_generation(job_id, generation, copy)
-            replayed = self.checkpoints.drop_latest_commit(copy)
+            # A stateful change shows only in a batch that reads state the old code wrote: re-run the newest
+            # committed batch when an older one stays committed; with only batch 0 committed, keep it, and
+            # batch 1 (on new data) is that batch.  With nothing committed no batch can show it.
+            committed = self.checkpoints.latest_committed(copy)
+            replayed = self.checkpoints.drop_latest_commit(copy) if committed else None
+            reads_old_state = committed if committed else (1 if committed == 0 else None)
             dry = replace(new.with_generation(generation), checkpoint_root=root, dry_run=True)
             run_id = uuid.uuid4().hex
             self.log.info("Preflight of version %s on a copy of generation %s (%s; batch %s replayed): run %s",
                           new.version, generation, copy, replayed, run_id)
             submitted = self.driver.submit(self.application, dry, run_id, self.state.password)
             run = self._wait_dry_run(submitted)
-            verdict = _verdict(run, submitted.log_path)
+            verdict = _verdict(run, submitted.log_path, reads_old_state)
             return replace(verdict, run_id=run_id, log_path=submitted.log_path,
                            seconds=round(time.monotonic() - started, 1))
         finally:
             if not self.keep_preflight_copy:
                 self.checkpoints.remove_preflight(job_id, root)
+
+    def _await_state_history(self, path: str) -> None:
+        """Give a live run that has committed only its first batch a moment to commit a second one, so the
+        copy holds a batch to re-run on top of the old code's state (see ``preflight``)."""
+        deadline = time.monotonic() + min(float(self.preflight_timeout), STATE_HISTORY_WAIT_S)
+        while (self.checkpoints.latest_committed(path) or 0) < 1 and self.live_run() is not None:
+            if time.monotonic() > deadline:
+                self.log.warning("The live run committed no second batch within %.0fs: the preflight may be "
+                                 "inconclusive for stateful changes", STATE_HISTORY_WAIT_S)
+                return
+            time.sleep(0.5)
 
     def _wait_dry_run(self, submitted) -> dict[str, Any] | None:
         deadline = time.monotonic() + float(self.preflight_timeout)
@@ -250,11 +270,16 @@ class _Submitted:
         self.log_path = run.get("log_path")
 
 
-def _verdict(run: dict[str, Any] | None, log_path: str | None) -> Preflight:
+def _verdict(run: dict[str, Any] | None, log_path: str | None, reads_old_state: int | None) -> Preflight:
+    """``reads_old_state``: the first batch of the dry run that reads state the old code committed (None:
+    the copy had no committed batch, so none does)."""
     if run is None:
         return Preflight(Verdict.FAILED, f"the dry-run driver exited before registering its run: "
                                          f"{_first_lines(_log_tail(log_path, 5), 5)}")
     if run["status"] == STOPPED and run.get("last_batch_id") is not None:
+        if reads_old_state is None or run["last_batch_id"] < reads_old_state:
+            return Preflight(Verdict.INCONCLUSIVE, f"batch {run['last_batch_id']} ran on the copy, but the copy "
+                                                   "had no committed batch whose state it could read")
         return Preflight(Verdict.COMPATIBLE, f"batch {run['last_batch_id']} ran on the copy")
     if run["status"] == "TIMEOUT" or run["status"] == STOPPED:
         return Preflight(Verdict.INCONCLUSIVE, "the dry run ran no batch before it ended")
