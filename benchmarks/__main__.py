@@ -21,8 +21,8 @@ from benchmarks.audit import Audit
 from benchmarks.stack import REPO, Stack, say
 
 PROFILES = {
-    "default": {"cold": 3, "mttr": 3, "baseline": 3, "upgrade": 2, "throughput_repeats": 2, "backlog": 60_000,
-                "max_offsets": 15_000, "raw_repeats": 3, "rss_backlogs": [15_000, 60_000, 180_000],
+    "default": {"cold": 3, "mttr": 3, "baseline": 3, "upgrade": 2, "throughput_repeats": 2, "backlog": 40_000,
+                "max_offsets": 10_000, "raw_repeats": 3, "rss_backlogs": [15_000, 60_000, 180_000],
                 "rss_max_offsets": 10_000, "history": [10, 100, 1000], "partitions": [1, 8, 32]},
     "quick": {"cold": 1, "mttr": 1, "baseline": 1, "upgrade": 1, "throughput_repeats": 1, "backlog": 6_000,
               "max_offsets": 2_000, "raw_repeats": 1, "rss_backlogs": [2_000, 8_000], "rss_max_offsets": 1_000,

@@ -70,12 +70,13 @@ class RecoverStreamingJobOperator(StreamJobOperator):
             if self.on_incompatible == "fail":
                 raise AirflowFailException(f"{found.summary()}. on_incompatible='fail': reset the job to a new "
                                            f"generation from its stored offsets when ready.")
-            self._check_budget(found)
+            outcome["backoff_s"] = self._check_budget(found)
             return {**outcome, **self.reset_and_resume(f"checkpoint incompatible: {found.error_class}")}
-        self._check_budget(found)
+        outcome["backoff_s"] = self._check_budget(found)
         return {**outcome, **self.restart_from_checkpoint(found.summary(), self.state.latest_run(self.job.job_id))}
 
-    def _check_budget(self, found: Diagnosis) -> None:
+    def _check_budget(self, found: Diagnosis) -> float:
+        """Fail when the restart budget is spent; else sleep the crash-loop backoff and return it."""
         now = time.time()
         history = self.state.restarts_since(self.job.job_id, now - max(self.budget.window_s,
                                                                         self.budget.healthy_reset_s * 10))
@@ -91,3 +92,4 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         if delay:
             self.log.info("Backing off %.0fs before restarting (consecutive restarts)", delay)
             time.sleep(delay)
+        return delay
