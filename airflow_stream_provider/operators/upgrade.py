@@ -122,7 +122,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             # batch 1 (on new data) is that batch.  With nothing committed no batch can show it.
             committed = self.checkpoints.latest_committed(copy)
             replayed = self.checkpoints.drop_latest_commit(copy) if committed else None
-            reads_old_state = committed if committed else (1 if committed == 0 else None)
+            reads_old_state = None if committed is None else max(committed, 1)
             dry = replace(new.with_generation(generation), checkpoint_root=root, dry_run=True)
             run_id = uuid.uuid4().hex
             self.log.info("Preflight of version %s on a copy of generation %s (%s; batch %s replayed): run %s",
