@@ -193,7 +193,7 @@ class TransactionalSink:
         poison: list[Poison] = []
         source: Source = Source(fresh.where)
         try:
-            read = _read_counts(fresh)
+            tally = _tally(fresh)
         except Exception as err:  # the job's transform failed inside the stream
             if not may_be_record_error(err):
                 raise
@@ -204,7 +204,7 @@ class TransactionalSink:
                                     "the record") from err
         else:
             try:
-                computed = self._compute(fresh, read)
+                computed = self._compute(fresh, tally)
             except Exception as err:  # the job's results failed on the batch's records
                 if not may_be_record_error(err):
                     raise
@@ -257,14 +257,16 @@ class TransactionalSink:
         )
         return outcome
 
-    def _compute(self, frame: DataFrame, read: dict[TopicPartition, int] | None = None) -> _Computed:
+    def _compute(self, frame: DataFrame, tally: _Tally | None = None) -> _Computed:
         """Evaluate records: counts, dead letters, result rows.  Nothing is written."""
-        read = _read_counts(frame) if read is None else read
-        bad = frame.where(F.col("error").isNotNull()).select(*DEAD_LETTER_COLUMNS)
-        dead = [_dead_letter(row) for row in _collect(bad)]
+        tally = _tally(frame) if tally is None else tally
+        dead = []
+        if tally.malformed:  # most batches have none: skip the Spark job that would find none
+            bad = frame.where(F.col("error").isNotNull()).select(*DEAD_LETTER_COLUMNS)
+            dead = [_dead_letter(row) for row in _collect(bad)]
         good = frame.where(F.col("error").isNull())
         writes = [self._write(result) for result in self.results(good)]
-        return _Computed(read, dead, writes)
+        return _Computed(tally.read, dead, writes)
 
     def _commit(
         self, plan: transaction.BatchPlan, computed: _Computed, letters: list[dict]
@@ -502,8 +504,17 @@ def _only_fresh(records: DataFrame, plan: transaction.BatchPlan) -> DataFrame:
     return records.where(reduce(lambda a, b: a | b, conditions))
 
 
-def _read_counts(frame: DataFrame) -> dict[TopicPartition, int]:
-    return {(r.topic, r.partition): r["count"] for r in frame.groupBy("topic", "partition").count().collect()}
+@dataclass(frozen=True)
+class _Tally:
+    read: dict[TopicPartition, int]
+    malformed: int
+
+
+def _tally(frame: DataFrame) -> _Tally:
+    """Records per partition, and how many of all are malformed: one small Spark job."""
+    rows = frame.groupBy("topic", "partition").agg(F.count(F.lit(1)).alias("read"), F.count("error").alias("bad"))
+    counted = _collect(rows)
+    return _Tally({(r["topic"], r["partition"]): r["read"] for r in counted}, sum(r["bad"] for r in counted))
 
 
 def _dead_letter(row: dict) -> dict:
