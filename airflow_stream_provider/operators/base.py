@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 import uuid
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException
 
-from airflow_stream_provider import diagnosis, failures, kafka_offsets, local_driver
+from airflow_stream_provider import diagnosis, failures, faults, kafka_offsets, local_driver
 from airflow_stream_provider.diagnosis import Diagnosis, Health, Thresholds
 from airflow_stream_provider.hooks.checkpoint import CheckpointHook
 from airflow_stream_provider.hooks.driver import StreamDriverHook
@@ -33,24 +32,6 @@ from airflow_stream_provider.state.store import ACTIVE_STATUSES
 
 class StreamJobError(Exception):
     """A failure Airflow's retries may fix (broker or database briefly away)."""
-
-
-#: Test-only crash points of the Airflow side, the counterpart of the driver's ``runtime/faults.py`` (which
-#: the Airflow side cannot import: the runtime package pulls in pyspark).  ``STREAM_FAULT=<point>`` in the
-#: task's environment makes the task process die at that point.  Unset in production: one env lookup.
-FAULT_ENV = "STREAM_FAULT"
-
-
-def _maybe_crash(point: str) -> None:
-    """Die exactly as a SIGKILLed task (OOM killer, lost worker) would: a real SIGKILL to this process.
-
-    Not an exception: even a ``BaseException`` that no ``except Exception`` catches still runs every
-    ``finally`` and the task runner's own handlers (it records the task failed, runs callbacks), which a
-    killed worker never does.  Tests that use it run the task in a child process (``dag.test()`` runs
-    tasks in the calling process).  Only the task process dies; a driver it started lives on.
-    """
-    if os.environ.get(FAULT_ENV, "").partition(":")[0] == point:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class StreamJobOperator(BaseOperator):
@@ -263,7 +244,7 @@ class StreamJobOperator(BaseOperator):
             generation, archive_path = generation - 1, previous.get("archive_path")
             self.log.info("Generation %s of job %s was archived to %s by an earlier reset that did not start "
                           "generation %s: starting it now", generation, job.job_id, archive_path, generation + 1)
-        _maybe_crash("reset_after_archive")
+        faults.maybe_crash("reset_after_archive")
         starting = kafka_offsets.to_spark_json(stored) if stored else None
         if lost:  # accepted loss: start where Kafka still has data
             earliest, latest = self.kafka.watermarks(job.kafka.topics)

@@ -30,8 +30,8 @@ from pyspark import SparkConf
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
-from airflow_stream_provider import failures, kafka_client, kafka_offsets
-from airflow_stream_provider.runtime import faults, kafka_source, transaction
+from airflow_stream_provider import failures, faults, kafka_client, kafka_offsets
+from airflow_stream_provider.runtime import kafka_source, transaction
 from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
 from airflow_stream_provider.runtime.listener import StateListener
 from airflow_stream_provider.runtime.poison import POISON_POLICIES, keeps_state

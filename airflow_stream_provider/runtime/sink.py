@@ -56,8 +56,9 @@ from sqlalchemy import (
 )
 from sqlalchemy import Column as SqlColumn
 
+from airflow_stream_provider import faults
 from airflow_stream_provider.kafka_offsets import Offsets
-from airflow_stream_provider.runtime import faults, transaction
+from airflow_stream_provider.runtime import transaction
 from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
 from airflow_stream_provider.runtime.poison import (
     MAX_POISON_PER_BATCH,

@@ -1,0 +1,35 @@
+"""Deterministic crash points for fault-injection tests, on both sides (pure: no pyspark, no airflow).
+
+``STREAM_FAULT=<point>[:<batch_id>]`` (batch ``*`` or none for any) makes the process die at that point
+exactly as if it had been SIGKILLed: no cleanup, no termination record, no ``finally``.  Not an
+exception: even a ``BaseException`` still runs every ``finally`` and the task runner's own handlers,
+which a killed process never does.  Unset in production: one env lookup.
+
+* Driver points (``DRIVER_POINTS``) kill the driver's process group: the launcher starts every driver
+  in its own group, so the JVM, the Python driver and its workers go together, and nothing else.
+* Task points (``TASK_POINTS``) kill only the Airflow task process (an OOM kill, a lost worker); a
+  driver it started lives on.  Tests that use one run the task in a child process (``dag.test()`` runs
+  tasks in the calling process).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "STREAM_FAULT"
+DRIVER_POINTS = ("batch_start", "before_db_commit", "after_db_commit", "during_stop")
+TASK_POINTS = ("reset_after_archive",)
+
+
+def maybe_crash(point: str, batch_id: int | None = None) -> None:
+    wanted = os.environ.get(ENV)
+    if not wanted:
+        return
+    name, _, batch = wanted.partition(":")
+    if name != point or batch not in ("", "*", str(batch_id)):
+        return
+    if point in TASK_POINTS:
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
