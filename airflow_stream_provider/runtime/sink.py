@@ -77,7 +77,7 @@ from airflow_stream_provider.runtime.poison import (
     reason,
 )
 from airflow_stream_provider.state import schema
-from airflow_stream_provider.state.store import StateStore
+from airflow_stream_provider.state.store import StateStore, plain_text
 
 log = logging.getLogger(__name__)
 
@@ -520,7 +520,7 @@ def _tally(frame: DataFrame) -> _Tally:
 
 def _dead_letter(row: dict) -> dict:
     """A dead-letter row as the table takes it: raw bytes as they are, the reason as plain text."""
-    error = str(row["error"]).replace("\x00", "\\x00")
+    error = plain_text(str(row["error"]))
     if len(error) > MAX_REASON_CHARS:
         error = error[: MAX_REASON_CHARS - 3] + "..."
     return {**row, "error": error}

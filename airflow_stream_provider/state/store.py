@@ -215,8 +215,7 @@ class StateStore:
             exit_code=exit_code,
             failure_kind=failure_kind,
             error_class=error_class,
-            # PostgreSQL text cannot hold NUL, and a failure's text may quote a record's raw bytes
-            termination_message=message.replace("\x00", "\\x00") if message else message,
+            termination_message=plain_text(message) if message else message,
             ended_at=time.time(),
         )
 
@@ -290,3 +289,9 @@ class StateStore:
             query = query.where(table.c[column] == value)
         with self.engine.connect() as conn:
             return conn.execute(query).scalar_one()
+
+
+def plain_text(text: str) -> str:
+    """``text`` as a text column takes it: PostgreSQL's text cannot hold NUL, and a failure's or a dead
+    letter's text may quote a record's raw bytes."""
+    return text.replace("\x00", "\\x00")
