@@ -11,7 +11,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
@@ -175,29 +175,42 @@ class StreamJobOperator(BaseOperator):
                 "log_path": submitted.log_path, "submission_id": submitted.submission_id}
 
     def _wait_ready(self, spec: StreamJobSpec, submitted) -> dict[str, Any]:
-        deadline = time.monotonic() + float(self.ready_timeout)
-        process = local_driver.DriverProcess(submitted.pid, submitted.log_path, submitted.run_id) \
-            if submitted.pid else None
-        while time.monotonic() < deadline:
-            run = self.state.store.get_run(submitted.run_id)
-            if run and run["query_started_at"] and run["status"] in ACTIVE_STATUSES:
-                return run
-            if run and run["status"] not in ACTIVE_STATUSES or (process and not process.alive()):
-                time.sleep(0.5)  # let the driver finish writing its termination record
-                raise self._start_failure(spec, submitted, self.state.store.get_run(submitted.run_id))
-            time.sleep(0.5)
+        state, run = self.watch_submission(submitted, float(self.ready_timeout),
+                                           lambda r: r["query_started_at"] and r["status"] in ACTIVE_STATUSES)
+        if state == "ready":
+            return run
+        if state == "ended":
+            raise self._start_failure(spec, submitted.log_path, run)
         raise StreamJobError(f"job {spec.job_id} run {submitted.run_id}: the query did not start within "
                              f"{self.ready_timeout:.0f}s. Driver log: {submitted.log_path}")
 
-    def _start_failure(self, spec: StreamJobSpec, submitted, run: dict[str, Any] | None) -> Exception:
-        tail = _log_tail(submitted.log_path)
+    def watch_submission(self, submitted, timeout: float, ready: Callable[[dict[str, Any]], Any] | None = None
+                         ) -> tuple[str, dict[str, Any] | None]:
+        """Poll a submitted driver's run until ``ready(run)``, its end (recorded, or its process gone), or
+        ``timeout``: ("ready" | "ended" | "timeout", the run row, None if it never registered)."""
+        deadline = time.monotonic() + timeout
+        process = local_driver.DriverProcess(submitted.pid, submitted.log_path, submitted.run_id) \
+            if submitted.pid else None
+        run = None
+        while time.monotonic() < deadline:
+            run = self.state.store.get_run(submitted.run_id)
+            if run and ready is not None and ready(run):
+                return "ready", run
+            if run and run["status"] not in ACTIVE_STATUSES or (process and not process.alive()):
+                time.sleep(0.5)  # let the driver finish writing its termination record
+                return "ended", self.state.store.get_run(submitted.run_id)
+            time.sleep(0.5)
+        return "timeout", run
+
+    def _start_failure(self, spec: StreamJobSpec, log_path: str | None, run: dict[str, Any] | None) -> Exception:
+        tail = _log_tail(log_path)
         if run is None:
             return StreamJobError(f"job {spec.job_id}: the driver exited before registering its run "
                                   f"(state database unreachable, or bad arguments). Driver log "
-                                  f"{submitted.log_path}:\n{tail}")
+                                  f"{log_path}:\n{tail}")
         found = diagnosis.diagnose(spec.job_id, run, driver_alive=False, lag=None)
         message = (f"job {spec.job_id} run {run['run_id']} did not start: {found.summary()}. "
-                   f"What to do: {found.advice} Driver log {submitted.log_path}:\n{tail}")
+                   f"What to do: {found.advice} Driver log {log_path}:\n{tail}")
         if found.failure_kind in (failures.FailureKind.TRANSIENT, failures.FailureKind.RESOURCE):
             return StreamJobError(message)
         return AirflowFailException(message)

@@ -9,7 +9,7 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_stream_provider import kafka_offsets, local_driver, upgrade
+from airflow_stream_provider import kafka_offsets, upgrade
 from airflow_stream_provider import spec as spec_module
 from airflow_stream_provider.failures import FailureKind
 from airflow_stream_provider.operators.base import StreamJobError, StreamJobOperator, _log_tail
@@ -148,16 +148,11 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             time.sleep(0.5)
 
     def _wait_dry_run(self, submitted) -> dict[str, Any] | None:
-        deadline = time.monotonic() + float(self.preflight_timeout)
-        run = None
-        while time.monotonic() < deadline:
-            run = self.state.store.get_run(submitted.run_id)
-            if run and run["status"] not in ACTIVE_STATUSES and self.driver.is_alive(run) is not True:
-                return run
-            if submitted.pid and not local_driver.process_alive(submitted.pid):
-                time.sleep(0.5)  # let it write its termination record
-                return self.state.store.get_run(submitted.run_id)
-            time.sleep(0.5)
+        state, run = self.watch_submission(submitted, float(self.preflight_timeout))
+        if state == "ended":
+            if run is not None:  # its checkpoint copy is removed next: let the driver exit first
+                self._wait_ended(run, self.kill_grace)
+            return run
         if run is not None:  # no batch within the timeout: end it, the verdict is inconclusive
             self.log.warning("Preflight run %s ran no batch within %ss: stopping it", submitted.run_id,
                              self.preflight_timeout)
@@ -169,17 +164,24 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         reason = f"upgrade to version {new.version}: {decision.why}"
         if decision.action == Action.RESET:
             return self.reset_and_resume(reason, allow_data_loss=self.allow_data_loss, spec=new)
+        return self._launch_or_reset(new, None, "reuse", reason, reset=decision.reset_on_start_failure,
+                                     allow_data_loss=self.allow_data_loss)
+
+    def _launch_or_reset(self, spec: StreamJobSpec, application: str | None, action: str, reason: str, *,
+                         reset: bool, allow_data_loss: bool = False) -> dict[str, Any]:
+        """Start ``spec`` on the current generation; if Spark refuses its checkpoint and ``reset`` allows,
+        reset to a new generation from the stored offsets instead."""
         try:
-            return {**self.launch(spec=new), "action": "reuse"}
+            return {**self.launch(spec=spec, application=application), "action": action}
         except (StreamJobError, AirflowFailException):
-            failed = self.state.latest_run(new.job_id)
+            failed = self.state.latest_run(spec.job_id)
             refused = failed and failed["failure_kind"] == FailureKind.CHECKPOINT_INCOMPATIBLE.value
-            if not (refused and decision.reset_on_start_failure):
+            if not (refused and reset):
                 raise
-            self.log.warning("Version %s refused the checkpoint on start (%s); reset_policy='auto': resetting",
-                             new.version, failed["error_class"])
+            self.log.warning("Version %s refused the checkpoint on start (%s): resetting", spec.version,
+                             failed["error_class"])
             return self.reset_and_resume(f"{reason}; refused on start: {failed['error_class']}",
-                                         allow_data_loss=self.allow_data_loss, spec=new)
+                                         allow_data_loss=allow_data_loss, spec=spec, application=application)
 
     def verify(self, started: dict[str, Any]) -> dict[str, Any]:
         """The new run must commit a batch within the timeout.  A stream that stays idle (no lag at any
@@ -194,7 +196,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             if run["status"] not in ACTIVE_STATUSES or self.driver.is_alive(run) is False:
                 time.sleep(0.5)
                 run = self.state.store.get_run(started["run_id"])
-                raise self._start_failure(self.job, _Submitted(run), run)
+                raise self._start_failure(self.job, started.get("log_path"), run)
             idle = idle and self._caught_up()
             time.sleep(0.5)
         if idle:
@@ -224,13 +226,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         reason = f"rollback to version {old.version}: {_first_lines(why, 1)}"
         try:
             if kept:
-                try:
-                    result = {**self.launch(spec=old, application=application), "action": "restart"}
-                except (StreamJobError, AirflowFailException):
-                    failed = self.state.latest_run(job_id)
-                    if not failed or failed["failure_kind"] != FailureKind.CHECKPOINT_INCOMPATIBLE.value:
-                        raise
-                    result = self.reset_and_resume(reason, spec=old, application=application)
+                result = self._launch_or_reset(old, application, "restart", reason, reset=True)
             else:
                 result = self.reset_and_resume(reason, spec=old, application=application)
             self.verify(result)
@@ -260,14 +256,6 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
                 f"A reset would archive {self.checkpoints.generation_path(job_id, generation)} to {archive} and "
                 f"start generation {generation + 1} of version {new.version} from the stored offsets {resume}. "
                 "To do that, rerun with reset_policy='after_preflight' (or use ResetStreamingJobOperator).")
-
-
-class _Submitted:
-    """The parts of a submission ``_start_failure`` reads, rebuilt from a run row."""
-
-    def __init__(self, run: dict[str, Any]):
-        self.run_id = run["run_id"]
-        self.log_path = run.get("log_path")
 
 
 def _verdict(run: dict[str, Any] | None, log_path: str | None, reads_old_state: int | None) -> Preflight:
