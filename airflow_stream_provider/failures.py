@@ -378,7 +378,7 @@ SIGNATURES: tuple[Signature, ...] = (
             # The Python Kafka source's executor side gave up waiting for a range the driver planned. It
             # reaches the driver inside a Python worker traceback, which the user-code row below would
             # otherwise claim; records that left Kafka show up as OffsetOutOfRangeError (data loss) instead.
-            r"\bKafkaReadError: timed out reading\b",
+            r"\bKafkaReadError: (?:stalled|timed out) reading\b",  # "timed out": the wording of earlier drivers
         ),
         advice="Kafka was unreachable: check the brokers and the bootstrap servers; a restart with "
         "backoff resumes from the checkpoint once they answer.",

@@ -18,8 +18,10 @@ from airflow_stream_provider.kafka_offsets import Offsets
 
 _CACHE: dict[tuple, KafkaConsumer] = {}
 _LOCK = threading.Lock()
-#: How long one range read may wait for records the driver planned before calling it an error.
-READ_TIMEOUT_S = 120.0
+#: How long one range read may go without advancing before it calls the broker unreachable.  A read
+#: that advances, however slowly, goes on; Spark retries a failed read task (4 attempts in local mode),
+#: so an outage that cuts a running read ends the batch after about four times this.
+STALL_TIMEOUT_S = 30.0
 
 
 class KafkaReadError(RuntimeError):
@@ -98,12 +100,14 @@ def read_range(
     tp = TopicPartition(topic, partition)
     client.assign([tp])
     client.seek(tp, start)
-    deadline = time.monotonic() + READ_TIMEOUT_S
-    while client.position(tp) < end:
-        if time.monotonic() > deadline:
+    position, advanced_at = start, time.monotonic()
+    while (now := client.position(tp)) < end:
+        if now > position:
+            position, advanced_at = now, time.monotonic()
+        elif time.monotonic() - advanced_at > STALL_TIMEOUT_S:
             raise KafkaReadError(
-                f"timed out reading {topic}-{partition} [{start}, {end}): stopped at "
-                f"{client.position(tp)}; is the broker reachable?"
+                f"stalled reading {topic}-{partition} [{start}, {end}): no progress for {STALL_TIMEOUT_S:.0f}s "
+                f"at offset {position}; is the broker reachable?"
             )
         try:
             batch = client.poll(timeout_ms=500, max_records=5000)

@@ -411,6 +411,12 @@ PYTHON_PROXY = (
             FailureKind.TRANSIENT,
             "kafka-unreachable",
         ),
+        (
+            "airflow_stream_provider.kafka_client.KafkaReadError: stalled reading events-2 [0, 40): no "
+            "progress for 30s at offset 12; is the broker reachable?",
+            FailureKind.TRANSIENT,
+            "kafka-unreachable",
+        ),
         ("MemoryError", FailureKind.RESOURCE, "python-out-of-memory"),
         ("ValueError: bad row", FailureKind.USER_CODE, "python-user-code"),
     ],
