@@ -1,6 +1,7 @@
 """``make bench``: recovery time, throughput and scaling, side by side with the baseline.
 
-    python -m benchmarks [--profile default|quick] [--only SECTION ...] [--out DIR] [--workdir DIR]
+    python -m benchmarks [--profile default|quick] [--jvm quick|defaults] [--only SECTION ...] [--out DIR]
+                         [--workdir DIR] [--update]
 
 Sections run one after the other on one stack (Tansu, PostgreSQL, local Spark, Airflow with the example
 DAGs), print what they are doing, and end in ``<out>/latest.json``, ``latest.md`` and PNG plots.  The
@@ -20,8 +21,9 @@ from benchmarks import recovery, report, throughput
 from benchmarks.audit import Audit
 from benchmarks.stack import REPO, Stack, say
 
-#: The default profile fits in under 30 minutes on a 2-core machine; most of it is building the
-#: 1000-batch checkpoint history (about 0.6 s per batch, Spark's floor for a micro-batch here).
+#: The default profile fits in under 30 minutes on a 2-core machine with the quick driver JVM (``--jvm
+#: defaults`` takes about 32): about 40 driver starts, and the 1000-batch checkpoint history (about 0.55 s
+#: a batch, Spark's floor for a micro-batch of this job here, whatever its size).
 PROFILES = {
     "default": {"cold": 3, "mttr": 3, "baseline": 3, "upgrade": 2, "throughput_repeats": 1, "backlog": 60_000,
                 "max_offsets": 10_000, "raw_repeats": 3, "rss_backlogs": [15_000, 60_000, 150_000],
@@ -70,7 +72,8 @@ def run(stack: Stack, profile: dict, sections: list[str]) -> dict:
             samples["raw_consume_msgs_s"].append(throughput.raw_consume(stack, topic, profile["backlog"]))
             say(f"  raw kafka-python: {samples['raw_consume_msgs_s'][-1]:.0f} msgs/s")
     if section("rss", f"peak driver RSS for backlogs {profile['rss_backlogs']} (batches of {profile['max_offsets']:,})"):
-        rss = {"backlog": [], "peak_rss_mb": [], "msgs_s": [], "max_offsets_per_trigger": profile["max_offsets"]}
+        rss = {"backlog": [], "peak_rss_mb": [], "jvm_mb": [], "python_mb": [], "msgs_s": [],
+               "max_offsets_per_trigger": profile["max_offsets"]}
         for backlog in profile["rss_backlogs"]:
             drained = drained_eos_sqlite.get(backlog)
             if drained is None:
@@ -80,6 +83,8 @@ def run(stack: Stack, profile: dict, sections: list[str]) -> dict:
                 say(f"  {backlog:,}: the exactly-once SQLite drain of the throughput section")
             rss["backlog"].append(backlog)
             rss["peak_rss_mb"].append(round(drained["peak_rss_mb"], 1))
+            rss["jvm_mb"].append(round(drained["peak_rss_jvm_mb"], 1))
+            rss["python_mb"].append(round(drained["peak_rss_python_mb"], 1))
             rss["msgs_s"].append(drained["msgs_s"])
         samples["scaling"]["rss_vs_backlog"] = rss
     if section("history", f"recovery and reset with {profile['history']} committed batches"):
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="results directory (default benchmarks/results; quick: "
                                                  "<workdir>/results)")
     parser.add_argument("--workdir", type=Path, default=REPO / ".bench", help="scratch directory (emptied)")
+    parser.add_argument("--jvm", choices=("quick", "defaults"), default="quick",
+                        help="driver JVM flags: the tests' quick JIT and serial GC (default), or the JVM's defaults")
     parser.add_argument("--update", action="store_true",
                         help="keep the other sections' results in <out>/latest.json and replace these")
     args = parser.parse_args(argv)
@@ -107,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                        else workdir / "results")
     sections = list(args.only or SECTIONS)
     started = time.monotonic()
-    stack = Stack(workdir)
+    stack = Stack(workdir, jvm=args.jvm)
     try:
         stack.start()
         samples = run(stack, PROFILES[args.profile], sections)
@@ -118,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         samples, minutes = _updated(out / "latest.json", samples, minutes)
     meta = {"profile": args.profile, "sections": sections, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "minutes": minutes,
-            "machine": f"{platform.machine()}, {_cores()} cores, Python {platform.python_version()}"}
+            "machine": f"{platform.machine()}, {_cores()} cores, Python {platform.python_version()}, "
+                       f"driver JVM {args.jvm}"}
     result = report.summarise(samples, meta)
     for path in report.write(result, out):
         say(f"wrote {path}")

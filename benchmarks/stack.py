@@ -49,21 +49,22 @@ def kill_driver_tree(pid: int) -> None:
     psutil.wait_procs(victims, timeout=10)
 
 
-def tree_rss(pid: int) -> int:
-    """Resident memory of a driver: its JVM, the Python driver and the Python workers, in bytes."""
+def tree_rss(pid: int) -> dict[str, int]:
+    """Resident memory of a driver in bytes: its JVM, and its Python processes (the driver and the
+    workers)."""
+    parts = {"jvm": 0, "python": 0}
     try:
         driver = psutil.Process(pid)
         parent = driver.parent()
         root = parent if parent is not None and "java" in (parent.name() or "") else driver
-        total = 0
         for process in [root, *root.children(recursive=True)]:
             try:
-                total += process.memory_info().rss
+                parts["jvm" if "java" in (process.name() or "") else "python"] += process.memory_info().rss
             except psutil.NoSuchProcess:
                 pass
-        return total
     except psutil.NoSuchProcess:
-        return 0
+        pass
+    return parts
 
 
 @dataclass
@@ -124,8 +125,9 @@ class Job:
 
 
 class Stack:
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, jvm: str = "quick"):
         self.workdir = workdir
+        self.jvm = jvm
         self.pg_databases: list[str] = []
         self.jobs: list[Job] = []
 
@@ -140,8 +142,11 @@ class Stack:
         self.broker = Broker(self.workdir / "tansu.log").start()
         postgres.ensure_server()
         self.spark_env = spark_env()
-        # JVM defaults (what a deployment gets), not the tests' quick-JIT settings
-        self.spark_conf = {k: v for k, v in TEST_SPARK_CONF.items() if "extraJavaOptions" not in k}
+        # "quick": the tests' JVM flags (C1 JIT, serial GC), which cut a fresh driver's CPU by about 40% on
+        # two cores; "defaults": the JVM as a deployment gets it (C2 JIT, G1), slower to start on two cores.
+        self.spark_conf = dict(TEST_SPARK_CONF) if self.jvm == "quick" else \
+            {k: v for k, v in TEST_SPARK_CONF.items() if "extraJavaOptions" not in k}
+        say(f"driver JVM: {self.jvm} ({self.spark_conf.get('spark.driver.extraJavaOptions', 'no extra options')})")
         dags = self.workdir / "dags"  # the example DAGs and the baseline DAG, as one bundle
         dags.mkdir()
         for source in [*sorted((REPO / "dags").glob("*.py")), *sorted((REPO / "benchmarks" / "dags").glob("bench_*.py"))]:
