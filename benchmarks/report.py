@@ -145,11 +145,13 @@ def markdown(r: dict[str, Any]) -> str:
             lines.append("")
     rss = scaling.get("rss_vs_backlog")
     if rss:
+        split = [rss.get("jvm_mb") or [None] * len(rss["backlog"]), rss.get("python_mb") or [None] * len(rss["backlog"])]
         lines += ["## Peak driver RSS against backlog (maxOffsetsPerTrigger fixed)", "",
-                  "| backlog | peak RSS MB | msgs/s |", "|---:|---:|---:|"]
-        lines += [f"| {b:,} | {_fmt(m)} | {_fmt(s)} |"
-                  for b, m, s in zip(rss["backlog"], rss["peak_rss_mb"], rss["msgs_s"], strict=True)]
-        lines.append("")
+                  "| backlog | peak RSS MB | of which JVM | of which Python | msgs/s |", "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {b:,} | {_fmt(m)} | {_fmt(j)} | {_fmt(p)} | {_fmt(s)} |"
+                  for b, m, j, p, s in zip(rss["backlog"], rss["peak_rss_mb"], *split, rss["msgs_s"], strict=True)]
+        lines += ["", "The Python share is the driver's interpreter and Spark's Python workers (one per running "
+                  "task, reused); the JVM's heap is capped by spark.driver.memory.", ""]
     lines += ["## Exactly-once over every run", "",
               f"{r['audited_records']:,} records audited: lost **{r['lost']}**, duplicated **{r['duplicated']}**.", "",
               "## Targets", "", "| target | value | limit | met |", "|---|---:|---:|:-:|"]
@@ -241,7 +243,11 @@ def scaling_plots(r, save) -> None:
     rss = r["scaling"].get("rss_vs_backlog")
     if rss:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(rss["backlog"], rss["peak_rss_mb"], marker="o")
+        ax.plot(rss["backlog"], rss["peak_rss_mb"], marker="o", label="total")
+        for key, label in (("jvm_mb", "JVM"), ("python_mb", "Python")):
+            if rss.get(key):
+                ax.plot(rss["backlog"], rss[key], marker=".", linestyle="--", label=label)
+        ax.legend()
         ax.set_xscale("log")
         ax.set_ylim(bottom=0)
         ax.set_xlabel("backlog (events)")

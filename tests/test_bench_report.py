@@ -61,3 +61,11 @@ def test_missing_sections_give_no_number_and_no_verdict():
 def test_steady_rate_leaves_out_the_first_batch():
     assert steady_rate([(500, 10.0), (1000, 11.0), (1000, 12.0)]) == 1000.0
     assert steady_rate([(500, 10.0)]) is None
+
+
+def test_rss_table_splits_jvm_and_python_when_measured():
+    split = {**SAMPLES["scaling"]["rss_vs_backlog"], "jvm_mb": [500.0, 510.0], "python_mb": [400.0, 440.0]}
+    measured = report.markdown(report.summarise({**SAMPLES, "scaling": {"rss_vs_backlog": split}}, {}))
+    assert "| 2 | 950 | 510 | 440 | 1.00 |" in measured
+    older = report.markdown(report.summarise(SAMPLES, {}))  # results written before the split: no numbers made up
+    assert "| 2 | 950 | – | – | 1.00 |" in older
