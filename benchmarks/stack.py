@@ -125,7 +125,7 @@ class Job:
 
 
 class Stack:
-    def __init__(self, workdir: Path, jvm: str = "quick"):
+    def __init__(self, workdir: Path, jvm: str = "defaults"):
         self.workdir = workdir
         self.jvm = jvm
         self.pg_databases: list[str] = []
@@ -142,8 +142,8 @@ class Stack:
         self.broker = Broker(self.workdir / "tansu.log").start()
         postgres.ensure_server()
         self.spark_env = spark_env()
-        # "quick": the tests' JVM flags (C1 JIT, serial GC), which cut a fresh driver's CPU by about 40% on
-        # two cores; "defaults": the JVM as a deployment gets it (C2 JIT, G1), slower to start on two cores.
+        # "defaults": the JVM as a deployment gets it (C2 JIT, G1).  "quick": the tests' flags (C1 JIT, serial
+        # GC): drivers start sooner on two cores, but a long run's micro-batches are slower.
         self.spark_conf = dict(TEST_SPARK_CONF) if self.jvm == "quick" else \
             {k: v for k, v in TEST_SPARK_CONF.items() if "extraJavaOptions" not in k}
         say(f"driver JVM: {self.jvm} ({self.spark_conf.get('spark.driver.extraJavaOptions', 'no extra options')})")
