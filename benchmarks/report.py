@@ -134,10 +134,9 @@ def markdown(r: dict[str, Any]) -> str:
         if series:
             lines += [f"## Recovery and reset against {axis}", "", f"| {axis} | recovery s | reset s |",
                       "|---:|---:|---:|"]
-            resets = series["reset_s"] if len(series["reset_s"]) == len(series[axis]) else \
-                [None] * (len(series[axis]) - len(series["reset_s"])) + series["reset_s"]
-            lines += [f"| {x} | {_fmt(a)} | {_fmt(b)} |"
-                      for x, a, b in zip(series[axis], series["recovery_s"], resets, strict=True)]
+            resets = dict(_reset_points(series, axis))
+            lines += [f"| {x} | {_fmt(a)} | {_fmt(resets.get(x))} |"
+                      for x, a in zip(series[axis], series["recovery_s"], strict=True)]
             if series.get("backoff_s"):
                 lines += ["", "Recovery excludes the recover operator's deliberate crash-loop backoff on one job's "
                           f"consecutive restarts ({', '.join(f'{b:.0f}' for b in series['backoff_s'])} s); "
@@ -220,6 +219,13 @@ def throughput_plot(r, save) -> None:
     save(fig, "throughput.png")
 
 
+def _reset_points(series: dict[str, list], axis: str) -> list[tuple[Any, float]]:
+    """(x, reset seconds): a series may time the reset on its last levels only (the history series, once
+    on the longest history)."""
+    xs = series[axis][len(series[axis]) - len(series["reset_s"]):]
+    return list(zip(xs, series["reset_s"], strict=True))
+
+
 def scaling_plots(r, save) -> None:
     import matplotlib.pyplot as plt
 
@@ -229,8 +235,7 @@ def scaling_plots(r, save) -> None:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(series[axis], series["recovery_s"], marker="o", label="kill -9 -> processing")
-        ax.plot(series[axis][len(series[axis]) - len(series["reset_s"]):], series["reset_s"], marker="s",
-                label="reset -> processing")
+        ax.plot(*zip(*_reset_points(series, axis), strict=True), marker="s", label="reset -> processing")
         if log_x:
             ax.set_xscale("log")
         ax.set_xlabel("committed batches in the checkpoint" if name == "history" else "partitions")
