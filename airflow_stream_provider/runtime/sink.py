@@ -34,6 +34,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import reduce
 
@@ -42,6 +43,7 @@ import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
+from pyspark.util import inheritable_thread_target
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -261,13 +263,8 @@ class TransactionalSink:
     def _compute(self, frame: DataFrame, tally: _Tally | None = None) -> _Computed:
         """Evaluate records: counts, dead letters, result rows.  Nothing is written."""
         tally = _tally(frame) if tally is None else tally
-        dead = []
-        if tally.malformed:  # most batches have none: skip the Spark job that would find none
-            bad = frame.where(F.col("error").isNotNull()).select(*DEAD_LETTER_COLUMNS)
-            dead = [_dead_letter(row) for row in _collect(bad)]
         good = frame.where(F.col("error").isNull())
-        writes = [self._write(result) for result in self.results(good)]
-        return _Computed(tally.read, dead, writes)
+        return _Computed(tally.read, tally.dead, self._writes(self.results(good)))
 
     def _commit(
         self, plan: transaction.BatchPlan, computed: _Computed, letters: list[dict]
@@ -453,10 +450,23 @@ class TransactionalSink:
         ]
 
     # -- result tables ----------------------------------------------------------------------------------
-    def _write(self, result: Result) -> transaction.Write:
-        table = self._table(result)
-        rows = _collect(result.frame)
-        return transaction.Write(table, rows, tuple(result.key), tuple(result.increments))
+    def _writes(self, results: Sequence[Result]) -> list[transaction.Write]:
+        """Collect every result frame.  They are independent Spark jobs over the persisted batch, so they
+        run side by side: a micro-batch waits for the slowest, not for the sum (most of a small job is
+        the driver planning it and the scheduler's round trips, which overlap)."""
+        tables = [self._table(result) for result in results]  # DDL once, before any thread
+        if len(results) > 1:
+            # pinned threads: each job carries the stream thread's job group, so stopping the query
+            # cancels them like any job of the batch
+            collect = inheritable_thread_target(_collect)
+            with ThreadPoolExecutor(max_workers=len(results), thread_name_prefix="stream-results") as pool:
+                rows = list(pool.map(collect, [result.frame for result in results]))
+        else:
+            rows = [_collect(result.frame) for result in results]
+        return [
+            transaction.Write(table, batch_rows, tuple(result.key), tuple(result.increments))
+            for table, batch_rows, result in zip(tables, rows, results, strict=True)
+        ]
 
     def _table(self, result: Result) -> Table:
         """The SQL table for a result, created from the frame's Spark schema on first use."""
@@ -508,14 +518,25 @@ def _only_fresh(records: DataFrame, plan: transaction.BatchPlan) -> DataFrame:
 @dataclass(frozen=True)
 class _Tally:
     read: dict[TopicPartition, int]
-    malformed: int
+    dead: list[dict]
 
 
 def _tally(frame: DataFrame) -> _Tally:
-    """Records per partition, and how many of all are malformed: one small Spark job."""
-    rows = frame.groupBy("topic", "partition").agg(F.count(F.lit(1)).alias("read"), F.count("error").alias("bad"))
-    counted = _collect(rows)
-    return _Tally({(r["topic"], r["partition"]): r["read"] for r in counted}, sum(r["bad"] for r in counted))
+    """Records per partition and the dead letters, in one Spark job without a shuffle: each record's
+    position comes back, its raw key and value only when it is malformed.  Evaluating it runs the job's
+    transform on every record of the batch, so a transform that fails on a record fails here."""
+    bad = F.col("error").isNotNull()
+    table = _arrow(frame.select(*PROVENANCE, *(F.when(bad, F.col(c)).alias(c) for c in ("key", "value")), "error"))
+    counts = table.group_by(["topic", "partition"]).aggregate([("offset", "count")])
+    read = {
+        (topic, partition): n
+        for topic, partition, n in zip(
+            counts["topic"].to_pylist(), counts["partition"].to_pylist(), counts["offset_count"].to_pylist(),
+            strict=True,
+        )
+    }
+    dead = table.filter(pc.is_valid(table["error"])).to_pylist()
+    return _Tally(read, [_dead_letter(row) for row in dead])
 
 
 def _dead_letter(row: dict) -> dict:
@@ -529,11 +550,15 @@ def _dead_letter(row: dict) -> dict:
 def _collect(frame: DataFrame) -> list[dict]:
     """The frame's rows as dicts, through Arrow: several times faster than ``collect()``'s pickled Rows.
     Timestamps come back naive in UTC (the session time zone), as ``collect()`` would give them."""
+    return _arrow(frame).to_pylist()
+
+
+def _arrow(frame: DataFrame) -> pa.Table:
     table = frame.toArrow()
     for index, field in enumerate(table.schema):
         if pa.types.is_timestamp(field.type) and field.type.tz is not None:
             table = table.set_column(index, field.name, pc.cast(table.column(index), pa.timestamp(field.type.unit)))
-    return table.to_pylist()
+    return table
 
 
 def _sql_type(spark_type: T.DataType):
