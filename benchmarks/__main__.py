@@ -35,13 +35,23 @@ PROFILES = {
 SECTIONS = ("cold", "mttr", "baseline", "upgrade", "throughput", "rss", "history", "partitions")
 
 
-def run(stack: Stack, profile: dict, sections: list[str]) -> dict:
+def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, float]) -> dict:
+    """Run ``sections`` in order; ``minutes`` receives how long each took (where the budget goes)."""
     samples: dict = {"scaling": {}}
     total = Audit(0, 0, 0)
+    current: list = []  # (name, started) of the section running now
+
+    def close_section() -> None:
+        if current:
+            name, started = current.pop()
+            minutes[name] = round((time.monotonic() - started) / 60, 2)
+            say(f"== {name} took {minutes[name]:.1f} min")
 
     def section(name: str, what: str) -> bool:
+        close_section()
         if name in sections:
             say(f"== {name}: {what}")
+            current.append((name, time.monotonic()))
         return name in sections
 
     if section("cold", f"driver spawn -> first committed batch, {profile['cold']} runs"):
@@ -91,6 +101,7 @@ def run(stack: Stack, profile: dict, sections: list[str]) -> dict:
         samples["scaling"]["history"] = recovery.by_history(stack, profile["history"], total)
     if section("partitions", f"recovery and reset with {profile['partitions']} partitions"):
         samples["scaling"]["partitions"] = recovery.by_partitions(stack, profile["partitions"], total)
+    close_section()
     samples.update(lost=total.lost, duplicated=total.duplicated, audited_records=total.produced)
     return samples
 
@@ -116,16 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     sections = list(args.only or SECTIONS)
     started = time.monotonic()
     stack = Stack(workdir, jvm=args.jvm)
+    section_minutes: dict[str, float] = {}
     try:
         stack.start()
-        samples = run(stack, PROFILES[args.profile], sections)
+        section_minutes["stack"] = round((time.monotonic() - started) / 60, 2)
+        samples = run(stack, PROFILES[args.profile], sections, section_minutes)
     finally:
         stack.stop()
     minutes = round((time.monotonic() - started) / 60, 1)
     if args.update:
-        samples, minutes = _updated(out / "latest.json", samples, minutes)
+        samples, minutes, section_minutes, sections = _updated(out / "latest.json", samples, minutes,
+                                                               section_minutes, sections)
     meta = {"profile": args.profile, "sections": sections, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "minutes": minutes,
+            "minutes": minutes, "section_minutes": section_minutes,
             "machine": f"{platform.machine()}, {_cores()} cores, Python {platform.python_version()}, "
                        f"driver JVM {args.jvm}"}
     result = report.summarise(samples, meta)
@@ -135,9 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result["lost"] == 0 and result["duplicated"] == 0 else 1
 
 
-def _updated(previous: Path, samples: dict, minutes: float) -> tuple[dict, float]:
+def _updated(previous: Path, samples: dict, minutes: float, section_minutes: dict[str, float],
+             sections: list[str]) -> tuple[dict, float, dict[str, float], list[str]]:
     """The previous run's samples with this run's sections replacing theirs; audits add up (every run
-    that wrote results was audited)."""
+    that wrote results was audited).  The minutes are the previous run's with these sections' replaced,
+    so the total still reads as one whole run's."""
     import json
 
     before = json.loads(previous.read_text())
@@ -146,7 +162,12 @@ def _updated(previous: Path, samples: dict, minutes: float) -> tuple[dict, float
     for key in ("lost", "duplicated", "audited_records"):
         samples[key] += before[key]
     merged.update(samples)
-    return merged, round(before["meta"]["minutes"] + minutes, 1)
+    old_sections = before["meta"].get("section_minutes") or {}
+    replaced = sum(old_sections.get(name, 0.0) for name in section_minutes)
+    total = before["meta"]["minutes"] - replaced + sum(section_minutes.values()) if old_sections else \
+        before["meta"]["minutes"] + minutes
+    all_sections = [s for s in SECTIONS if s in set(before["meta"].get("sections", [])) | set(sections)]
+    return merged, round(total, 1), {**old_sections, **section_minutes}, all_sections
 
 
 def _cores() -> int:

@@ -45,9 +45,14 @@ def summarise(samples: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     result["scaling"] = samples.get("scaling", {})
     result["runs"] = runs
     result["samples"] = {k: v for k, v in samples.items() if isinstance(v, list)}
-    result["targets"] = targets(result)
     result["meta"] = meta
+    result["targets"] = targets(result)
     return result
+
+
+#: ``make bench`` must finish within this on a 2-core machine; judged only on a run of every section.
+BUDGET_MINUTES = 30
+BUDGETED_SECTIONS = ("cold", "mttr", "baseline", "upgrade", "throughput", "rss", "history", "partitions")
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -78,7 +83,19 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
                            spread <= 1.25))
     found.append(check("lost == 0 and duplicated == 0", r["lost"] + r["duplicated"], 0,
                        r["lost"] == 0 and r["duplicated"] == 0))
+    meta = r.get("meta") or {}
+    if meta.get("profile") == "default" and meta.get("minutes") is not None and set(meta.get("sections", ())) >= \
+            set(BUDGETED_SECTIONS):
+        found.append(check(f"whole default profile under {BUDGET_MINUTES} min", meta["minutes"], BUDGET_MINUTES,
+                           meta["minutes"] < BUDGET_MINUTES))
     return found
+
+
+def _section_line(meta: dict[str, Any]) -> list[str]:
+    minutes = meta.get("section_minutes") or {}
+    if not minutes:
+        return []
+    return ["Minutes per section: " + ", ".join(f"{name} {value:.1f}" for name, value in minutes.items()) + ".", ""]
 
 
 def flatness(values: list[float]) -> float:
@@ -101,6 +118,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"{r['meta'].get('finished', '')} · {r['meta'].get('machine', '')} · profile `{r['meta'].get('profile')}` "
         f"· {r['meta'].get('minutes', '?')} min",
         "",
+        *_section_line(r["meta"]),
         "## Recovery (medians)",
         "",
         "| measure | seconds | runs | what it is |",

@@ -69,3 +69,21 @@ def test_rss_table_splits_jvm_and_python_when_measured():
     assert "| 2 | 950 | 510 | 440 | 1.00 |" in measured
     older = report.markdown(report.summarise(SAMPLES, {}))  # results written before the split: no numbers made up
     assert "| 2 | 950 | – | – | 1.00 |" in older
+
+
+def test_the_time_budget_is_judged_on_a_whole_default_run_only():
+    every = list(report.BUDGETED_SECTIONS)
+    budget = f"whole default profile under {report.BUDGET_MINUTES} min"
+
+    def verdict(meta):
+        return {t["target"]: t["met"] for t in report.summarise(SAMPLES, meta)["targets"]}.get(budget, "absent")
+
+    assert verdict({"profile": "default", "sections": every, "minutes": 27.5}) is True
+    assert verdict({"profile": "default", "sections": every, "minutes": 31.6}) is False
+    assert verdict({"profile": "default", "sections": ["history"], "minutes": 9.0}) == "absent"
+    assert verdict({"profile": "quick", "sections": every, "minutes": 4.0}) == "absent"
+
+
+def test_minutes_per_section_are_reported():
+    meta = {"profile": "default", "minutes": 3.5, "section_minutes": {"stack": 0.4, "cold": 1.25, "history": 1.85}}
+    assert "Minutes per section: stack 0.4, cold 1.2, history 1.9." in report.markdown(report.summarise(SAMPLES, meta))
