@@ -47,3 +47,20 @@ def test_bad_field_is_named_with_its_fix(changes, field, fix):
     with pytest.raises(SpecError) as err:
         StreamJobSpec.from_dict(_with(**changes))
     assert err.value.field == field and fix in str(err.value)
+
+
+@pytest.mark.parametrize(("root", "local"), [
+    ("/data/ckpt", True), ("file:///data/ckpt", True), ("hdfs://nn:8020/ckpt", False),
+])
+def test_local_checkpoints_get_the_forkless_checkpoint_manager(root, local):
+    from airflow_stream_provider.spec import CHECKPOINT_MANAGER_CONF, LOCAL_CHECKPOINT_MANAGER
+
+    conf = StreamJobSpec.from_dict(_with(checkpoint_root=root)).session_conf()
+    assert (conf.get(CHECKPOINT_MANAGER_CONF) == LOCAL_CHECKPOINT_MANAGER) is local
+    assert conf["spark.sql.session.timeZone"] == "UTC" and conf["spark.sql.streaming.minBatchesToRetain"] == "100"
+
+
+def test_the_jobs_own_spark_conf_wins_over_the_defaults():
+    own = {"spark.sql.shuffle.partitions": "64", "spark.sql.streaming.checkpointFileManagerClass": "x.Mine"}
+    conf = StreamJobSpec.from_dict(_with(spark_conf=own)).session_conf()
+    assert conf["spark.sql.shuffle.partitions"] == "64" and conf["spark.sql.streaming.checkpointFileManagerClass"] == "x.Mine"

@@ -176,13 +176,7 @@ class StreamHarness:
         match = _LOCAL_MASTER.match(master)
         if match:  # local mode gives up a batch on the first task failure unless told to retry
             builder = builder.master(f"local[{match.group(2) or 2},4]")
-        conf = {
-            "spark.sql.session.timeZone": "UTC",
-            "spark.sql.shuffle.partitions": "4",
-            "spark.sql.streaming.minBatchesToRetain": str(self.spec.min_batches_to_retain),
-            **self.spec.spark_conf,
-        }
-        for key, value in conf.items():
+        for key, value in self.spec.session_conf().items():
             builder = builder.config(key, value)
         self.spark = builder.getOrCreate()
         self.spark.sparkContext.setLogLevel(os.environ.get("STREAM_SPARK_LOG_LEVEL", "WARN"))
