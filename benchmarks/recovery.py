@@ -17,8 +17,8 @@ from benchmarks.audit import Audit, audit
 from benchmarks.stack import EVENTS_JOB, EVENTS_JOB_V2, Job, Stack, kill_driver_tree, say
 from tests.stack.events import Trickle
 
-#: The example health DAG polls every 5 s; a kill lands anywhere in that interval.
-POLL_INTERVAL_S = 5.0
+#: The example health DAG's sensor looks every 2 s; a kill lands anywhere in that interval.
+POLL_INTERVAL_S = 2.0
 
 
 def _wait(condition: Callable[[], object], timeout: float, what: str) -> object:

@@ -1,6 +1,7 @@
 """Scheduled every 5 minutes: watch the stream job, and act on what the watch finds.
 
-The sensor defers (no worker slot) for up to 4 minutes and fires when the job is DEAD, STUCK or FAILED;
+The sensor defers (no worker slot) for up to 4 minutes, looking every 2 seconds (one state-database
+query and a process check in the triggerer), and fires when the job is DEAD, STUCK or FAILED;
 a healthy job makes it time out softly, and the run ends skipped: nothing to do. Then:
 
 * DATA_LOSS: fail loudly with the lost offset ranges; no automatic action can be right;
@@ -25,7 +26,7 @@ from airflow_stream_provider.sensors.health import StreamHealthSensor
 
 with DAG("stream_health", schedule=dt.timedelta(minutes=5), max_active_runs=1, doc_md=__doc__, **DAG_ARGS):
     health = StreamHealthSensor(task_id="health", timeout=dt.timedelta(minutes=4).total_seconds(),
-                                soft_fail=True, poke_interval=5, **WATCH)
+                                soft_fail=True, poke_interval=2, **WATCH)
 
     @task.branch
     def choose(diagnosis: dict) -> str:
