@@ -76,7 +76,8 @@ def test_the_time_budget_is_judged_on_a_whole_default_run_only():
     budget = f"whole default profile under {report.BUDGET_MINUTES} min"
 
     def verdict(meta):
-        return {t["target"]: t["met"] for t in report.summarise(SAMPLES, meta)["targets"]}.get(budget, "absent")
+        verdicts = {t["target"]: t["met"] for t in report.summarise(SAMPLES, meta)["targets"]}
+        return verdicts.get(budget, "absent")
 
     assert verdict({"profile": "default", "sections": every, "minutes": 27.5}) is True
     assert verdict({"profile": "default", "sections": every, "minutes": 31.6}) is False
@@ -85,5 +86,7 @@ def test_the_time_budget_is_judged_on_a_whole_default_run_only():
 
 
 def test_minutes_per_section_are_reported():
-    meta = {"profile": "default", "minutes": 3.5, "section_minutes": {"stack": 0.4, "cold": 1.25, "history": 1.85}}
-    assert "Minutes per section: stack 0.4, cold 1.2, history 1.9." in report.markdown(report.summarise(SAMPLES, meta))
+    meta = {"profile": "default", "minutes": 3.5,
+            "section_minutes": {"stack": 0.4, "cold": 1.25, "history": 1.85}}
+    markdown = report.markdown(report.summarise(SAMPLES, meta))
+    assert "Minutes per section: stack 0.4, cold 1.2, history 1.9." in markdown

@@ -57,10 +57,12 @@ def test_local_checkpoints_get_the_forkless_checkpoint_manager(root, local):
 
     conf = StreamJobSpec.from_dict(_with(checkpoint_root=root)).session_conf()
     assert (conf.get(CHECKPOINT_MANAGER_CONF) == LOCAL_CHECKPOINT_MANAGER) is local
-    assert conf["spark.sql.session.timeZone"] == "UTC" and conf["spark.sql.streaming.minBatchesToRetain"] == "100"
+    assert conf["spark.sql.session.timeZone"] == "UTC"
+    assert conf["spark.sql.streaming.minBatchesToRetain"] == "100"
 
 
 def test_the_jobs_own_spark_conf_wins_over_the_defaults():
     own = {"spark.sql.shuffle.partitions": "64", "spark.sql.streaming.checkpointFileManagerClass": "x.Mine"}
     conf = StreamJobSpec.from_dict(_with(spark_conf=own)).session_conf()
-    assert conf["spark.sql.shuffle.partitions"] == "64" and conf["spark.sql.streaming.checkpointFileManagerClass"] == "x.Mine"
+    assert conf["spark.sql.shuffle.partitions"] == "64"
+    assert conf["spark.sql.streaming.checkpointFileManagerClass"] == "x.Mine"

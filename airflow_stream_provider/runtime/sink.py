@@ -526,7 +526,8 @@ def _tally(frame: DataFrame) -> _Tally:
     position comes back, its raw key and value only when it is malformed.  Evaluating it runs the job's
     transform on every record of the batch, so a transform that fails on a record fails here."""
     bad = F.col("error").isNotNull()
-    table = _arrow(frame.select(*PROVENANCE, *(F.when(bad, F.col(c)).alias(c) for c in ("key", "value")), "error"))
+    raw = (F.when(bad, F.col(c)).alias(c) for c in ("key", "value"))
+    table = _arrow(frame.select(*PROVENANCE, *raw, "error"))
     counts = table.group_by(["topic", "partition"]).aggregate([("offset", "count")])
     read = {
         (topic, partition): n
