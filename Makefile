@@ -38,7 +38,7 @@ lint: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/python -m demo $(DEMO_ARGS)
 
-# Recovery time, throughput and scaling against the baseline; writes benchmarks/results/ (about 25 min on
+# Recovery time, throughput and scaling against the baseline; writes benchmarks/results/ (about 26 min on
 # 2 cores; BENCH_ARGS="--profile quick" checks the whole path in a few minutes).
 bench: install $(VENV)/.bench-installed
 	$(VENV)/bin/python -m benchmarks $(BENCH_ARGS)

@@ -5,7 +5,7 @@
 
 Sections run one after the other on one stack (Tansu, PostgreSQL, local Spark, Airflow with the example
 DAGs), print what they are doing, and end in ``<out>/latest.json``, ``latest.md`` and PNG plots.  The
-default profile takes about 32 minutes on a 2-core machine; ``quick`` checks the whole path in a few.
+default profile takes about 26 minutes on a 2-core machine; ``quick`` checks the whole path in a few.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from benchmarks import recovery, report, throughput
 from benchmarks.audit import Audit
 from benchmarks.stack import REPO, Stack, say
 
-#: The default profile takes about 32 minutes on a 2-core machine, over its 30-minute budget: about 40
-#: driver starts (20-28 s each) and the 1000-batch checkpoint history (0.55 s a batch with the JVM's
-#: defaults, 0.65 s with the quick JIT: Spark's floor for a micro-batch of this job here, whatever its size).
+#: The default profile takes about 26 minutes on a 2-core machine (budget: 30): about 40 driver starts
+#: (20-28 s each) and the 1000-batch checkpoint history (about 0.4 s a micro-batch of this job here,
+#: whatever its size: Spark planning and scheduling its small jobs, and writing two checkpoint logs).
 PROFILES = {
     "default": {"cold": 3, "mttr": 3, "baseline": 3, "upgrade": 2, "throughput_repeats": 1, "backlog": 60_000,
                 "max_offsets": 10_000, "raw_repeats": 3, "rss_backlogs": [15_000, 60_000, 150_000],
