@@ -19,6 +19,7 @@ from pathlib import Path
 
 from benchmarks import recovery, report, throughput
 from benchmarks.audit import Audit
+from benchmarks.report import SECTIONS
 from benchmarks.stack import REPO, Stack, say
 
 #: The default profile takes about 26 minutes on a 2-core machine (budget: 30): about 40 driver starts
@@ -32,7 +33,6 @@ PROFILES = {
               "max_offsets": 2_000, "raw_repeats": 1, "rss_backlogs": [4_000, 6_000],
               "history": [5, 20], "partitions": [1, 4]},
 }
-SECTIONS = ("cold", "mttr", "baseline", "upgrade", "throughput", "rss", "history", "partitions")
 
 
 def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, float]) -> dict:

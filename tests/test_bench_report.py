@@ -72,7 +72,7 @@ def test_rss_table_splits_jvm_and_python_when_measured():
 
 
 def test_the_time_budget_is_judged_on_a_whole_default_run_only():
-    every = list(report.BUDGETED_SECTIONS)
+    every = list(report.SECTIONS)
     budget = f"whole default profile under {report.BUDGET_MINUTES} min"
 
     def verdict(meta):
