@@ -528,14 +528,8 @@ def _tally(frame: DataFrame) -> _Tally:
     bad = F.col("error").isNotNull()
     raw = (F.when(bad, F.col(c)).alias(c) for c in ("key", "value"))
     table = _arrow(frame.select(*PROVENANCE, *raw, "error"))
-    counts = table.group_by(["topic", "partition"]).aggregate([("offset", "count")])
-    read = {
-        (topic, partition): n
-        for topic, partition, n in zip(
-            counts["topic"].to_pylist(), counts["partition"].to_pylist(), counts["offset_count"].to_pylist(),
-            strict=True,
-        )
-    }
+    counts = table.group_by(["topic", "partition"]).aggregate([("offset", "count")]).to_pylist()
+    read = {(row["topic"], row["partition"]): row["offset_count"] for row in counts}
     dead = table.filter(pc.is_valid(table["error"])).to_pylist()
     return _Tally(read, [_dead_letter(row) for row in dead])
 
