@@ -2,12 +2,18 @@
 
 A crash loop must end in a clear failure, not a storm of restarts (invariant 7).  Pure: decided from
 the restart history the state database keeps.
+
+Only restarts that got nowhere count: a restarted run that committed a batch was healthy, whatever
+killed it later (a lost machine, a kill -9), as Kubernetes' CrashLoopBackOff resets after a run that
+succeeded.  A job failing on the same record every time commits nothing after its restarts, so a real
+crash loop still ends at the budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -42,3 +48,9 @@ class RestartBudget:
         if consecutive == 0:
             return 0.0
         return min(self.backoff_base_s * 2 ** (consecutive - 1), self.backoff_max_s)
+
+
+def crash_loop_restarts(history: Sequence[Mapping[str, Any]]) -> list[float]:
+    """The times of the restarts whose new run never committed a batch: what the budget and the backoff
+    count.  ``history`` rows carry ``at`` and ``new_run_committed``."""
+    return [row["at"] for row in history if not row.get("new_run_committed")]

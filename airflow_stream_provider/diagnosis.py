@@ -30,10 +30,12 @@ class Health(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Thresholds:
-    #: no heartbeat for this long means the driver is gone, even where its process cannot be checked
+    #: no heartbeat for this long means the driver is gone, where its process cannot be checked
     heartbeat_timeout_s: float = 30.0
     #: alive but no committed batch for this long while Kafka has unread records
     stuck_after_s: float = 300.0
+    #: a driver heartbeats once its query runs; before that (session, first plan) only this bounds it
+    start_timeout_s: float = 300.0
 
 
 @dataclass
@@ -102,19 +104,34 @@ def diagnose(job_id: str, run: dict[str, Any] | None, *, driver_alive: bool | No
                          "sink skips what was already committed.")
     if status not in ACTIVE_STATUSES:
         raise ValueError(f"unknown run status {status!r}")
-    if driver_alive is False or heartbeat_age > thresholds.heartbeat_timeout_s:
+    starting = status == STARTING or not run["query_started_at"]
+    # Heartbeats begin once the query runs: a starting driver is bounded by the start timeout instead.
+    limit = thresholds.start_timeout_s if starting else thresholds.heartbeat_timeout_s
+    # A process that is provably alive is never DEAD for a late heartbeat: on a loaded host, or in a long
+    # GC pause, heartbeats lag.  Silent past ``stuck_after`` it is STUCK (below) and is restarted as such.
+    if driver_alive is False or (driver_alive is None and heartbeat_age > limit):
         if driver_alive is False:
             gone = f"its driver process (pid {run['pid']} on {run['host']}) is gone"
+        elif starting:
+            gone = f"its query has not started {heartbeat_age:.0f}s after its start (timeout {limit:.0f}s)"
         else:
-            gone = (f"its last heartbeat is {heartbeat_age:.0f}s old "
-                    f"(timeout {thresholds.heartbeat_timeout_s:.0f}s)")
+            gone = f"its last heartbeat is {heartbeat_age:.0f}s old (timeout {limit:.0f}s)"
         evidence = [f"run {run['run_id']} is recorded as {status} but {gone}"]
         if run["last_batch_id"] is not None:
             evidence.append(f"last committed batch {run['last_batch_id']}")
         return Diagnosis(job_id, Health.DEAD, **base, evidence=evidence,
                          advice="Restart from the checkpoint: the batch it was running is replayed and the "
                          "sink skips what was already committed.")
-    if status == STARTING or not run["query_started_at"]:
+    silent_limit = limit if starting else max(limit, thresholds.stuck_after_s)
+    if driver_alive and heartbeat_age > silent_limit:
+        silent = (f"its query has not started {heartbeat_age:.0f}s after its start" if starting
+                  else f"its last heartbeat is {heartbeat_age:.0f}s old")
+        return Diagnosis(job_id, Health.STUCK, **base,
+                         evidence=[f"its driver process (pid {run['pid']} on {run['host']}) is alive but {silent} "
+                                   f"(threshold {silent_limit:.0f}s)"],
+                         advice="Stop the driver (it is alive but silent: hung or starved) and restart it from "
+                         "the checkpoint; read its log, and a thread dump of its JVM, for where it hangs.")
+    if starting:
         return Diagnosis(job_id, Health.STARTING, **base,
                          evidence=[f"driver up for {now - (run['started_at'] or now):.0f}s, query not started yet"])
     since = max(run["last_batch_at"] or 0, run["query_started_at"] or 0)
@@ -129,6 +146,16 @@ def diagnose(job_id: str, run: dict[str, Any] | None, *, driver_alive: bool | No
     return Diagnosis(job_id, Health.HEALTHY, **base,
                      evidence=[f"heartbeat {heartbeat_age:.0f}s ago", f"last batch {run['last_batch_id']}",
                                f"lag {lag}"])
+
+
+def lag_matters(run: dict[str, Any] | None, thresholds: Thresholds, now: float | None = None) -> bool:
+    """Whether the Kafka lag could change the verdict: only for a running query idle for longer than
+    ``stuck_after`` (the lag then tells STUCK from an idle stream).  A watcher of many jobs reads
+    Kafka only for those."""
+    if run is None or run["status"] not in ACTIVE_STATUSES or not run["query_started_at"]:
+        return False
+    now = time.time() if now is None else now
+    return now - max(run["last_batch_at"] or 0, run["query_started_at"]) > thresholds.stuck_after_s
 
 
 def _first_line(text: str) -> str:

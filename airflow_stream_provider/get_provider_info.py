@@ -26,7 +26,9 @@ def get_provider_info() -> dict:
             f"{_PKG}.operators.submit", f"{_PKG}.operators.stop", f"{_PKG}.operators.restart",
             f"{_PKG}.operators.reset", f"{_PKG}.operators.recover"]}],
         "sensors": [{"integration-name": "Stream", "python-modules": [f"{_PKG}.sensors.health"]}],
-        "triggers": [{"integration-name": "Stream", "python-modules": [f"{_PKG}.triggers.health"]}],
+        "triggers": [{"integration-name": "Stream", "python-modules": [
+            f"{_PKG}.triggers.health", f"{_PKG}.triggers.watch"]}],
+        "asset-uris": [{"schemes": ["stream"], "handler": f"{_PKG}.assets.stream.sanitize_uri"}],
         "integrations": [{"integration-name": "Stream", "external-doc-url":
                           "https://spark.apache.org/docs/latest/structured-streaming-programming-guide.html",
                           "tags": ["apache"]}],

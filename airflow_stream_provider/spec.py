@@ -28,7 +28,9 @@ LOCAL_CHECKPOINT_MANAGER = (
     "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"
 )
 SOURCE_KINDS = ("auto", "jvm", "python")
-_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+#: A job id names checkpoint folders and asset URIs: no separators, no leading dot.
+JOB_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}"
+_JOB_ID = re.compile(f"^{JOB_ID_PATTERN}$")
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _INTERVAL = re.compile(r"^\s*(\d+(\.\d+)?)\s*(ms|milliseconds?|s|seconds?|m|minutes?)\s*$")
 

@@ -46,6 +46,16 @@ def test_dead_by_heartbeat_age_where_the_process_cannot_be_checked():
     assert found.health == Health.DEAD and "45s old" in found.evidence[0]
 
 
+def test_a_live_process_with_a_late_heartbeat_is_not_dead():
+    """On a loaded host heartbeats lag: a process the check finds alive is not DEAD (a submit would start a
+    second driver beside it).  Silent past ``stuck_after`` it is STUCK: alive, but hung or starved."""
+    thresholds = Thresholds(heartbeat_timeout_s=30, stuck_after_s=300)
+    late = diagnose("j", _run(heartbeat_at=NOW - 45), driver_alive=True, lag=0, now=NOW, thresholds=thresholds)
+    assert late.health == Health.HEALTHY
+    silent = diagnose("j", _run(heartbeat_at=NOW - 400), driver_alive=True, lag=0, now=NOW, thresholds=thresholds)
+    assert silent.health == Health.STUCK and "alive but its last heartbeat is 400s old" in silent.evidence[0]
+
+
 @pytest.mark.parametrize(("lag", "idle", "health"), [(5, 400, Health.STUCK), (0, 400, Health.HEALTHY),
                                                       (5, 100, Health.HEALTHY)])
 def test_stuck_needs_both_no_progress_and_lag(lag, idle, health):
@@ -88,3 +98,31 @@ def test_backoff_doubles_and_resets_after_a_healthy_period():
 def test_budget_rejects_nonsense():
     with pytest.raises(ValueError, match="max_restarts"):
         RestartBudget(max_restarts=0)
+
+
+def test_a_starting_driver_is_bounded_by_the_start_timeout_not_the_heartbeat():
+    """Heartbeats begin once the query runs: session start-up on a busy machine is not a death."""
+    starting = _run(status="STARTING", query_started_at=None, started_at=NOW - 40, heartbeat_at=NOW - 40)
+    thresholds = Thresholds(heartbeat_timeout_s=15, start_timeout_s=120)
+    assert diagnose("j", starting, driver_alive=True, lag=0, now=NOW, thresholds=thresholds).health \
+        == Health.STARTING
+    assert diagnose("j", starting, driver_alive=None, lag=0, now=NOW, thresholds=thresholds).health \
+        == Health.STARTING
+    assert diagnose("j", starting, driver_alive=False, lag=0, now=NOW, thresholds=thresholds).health == Health.DEAD
+    late = {**starting, "started_at": NOW - 200, "heartbeat_at": NOW - 200}
+    found = diagnose("j", late, driver_alive=None, lag=0, now=NOW, thresholds=thresholds)
+    assert found.health == Health.DEAD and "has not started 200s after its start" in found.evidence[0]
+    hung = diagnose("j", late, driver_alive=True, lag=0, now=NOW, thresholds=thresholds)
+    assert hung.health == Health.STUCK and "alive but its query has not started 200s" in hung.evidence[0]
+
+
+def test_only_restarts_that_got_nowhere_make_a_crash_loop():
+    """Five kills of a healthy job, each restart committing batches: no budget spent, no backoff."""
+    from airflow_stream_provider.budget import crash_loop_restarts
+
+    budget = RestartBudget(max_restarts=3, window_s=1800, backoff_base_s=5, healthy_reset_s=600)
+    healthy = [{"at": NOW - 60 * k, "new_run_committed": True} for k in range(1, 6)]
+    assert crash_loop_restarts(healthy) == []
+    assert not budget.exhausted(crash_loop_restarts(healthy), NOW) and budget.backoff([], NOW) == 0
+    looping = [{"at": NOW - 30 * k, "new_run_committed": False} for k in range(1, 4)]
+    assert budget.exhausted(crash_loop_restarts(healthy + looping), NOW)

@@ -7,24 +7,7 @@ import asyncio
 import json
 import time
 
-import pytest
-
-from airflow_stream_provider.state.store import StateStore
 from airflow_stream_provider.triggers.health import StreamHealthTrigger
-from tests.stack import airflow as airflow_stack
-
-
-@pytest.fixture
-def store(tmp_path, monkeypatch, broker):
-    url = f"sqlite:///{tmp_path / 'state.db'}"
-    monkeypatch.setenv(*airflow_stack.connection_env("stream_state_default", conn_type="stream_state",
-                                                     extra={"url": url}))
-    monkeypatch.setenv(*airflow_stack.connection_env("stream_kafka_default", conn_type="stream_kafka",
-                                                     host="127.0.0.1", port=broker.port))
-    instance = StateStore.from_url(url)
-    instance.ensure_schema()
-    yield instance
-    instance.dispose()
 
 
 def _trigger(**kwargs) -> StreamHealthTrigger:
@@ -39,27 +22,27 @@ def test_serialises_to_its_own_classpath_and_json():
     assert StreamHealthTrigger(**json.loads(json.dumps(kwargs))).serialize() == (classpath, kwargs)
 
 
-def test_fires_dead_for_a_driver_without_heartbeat(store):
-    ticket = store.begin_run("job", 1, "1.0")
-    store.mark_query_started(ticket.run_id)
-    store._update_run(ticket.run_id, heartbeat_at=time.time() - 60)
+def test_fires_dead_for_a_driver_without_heartbeat(state_store):
+    ticket = state_store.begin_run("job", 1, "1.0")
+    state_store.mark_query_started(ticket.run_id)
+    state_store._update_run(ticket.run_id, heartbeat_at=time.time() - 60)
     event = asyncio.run(_trigger().run().asend(None))
     assert event.payload["status"] == "fired"
     assert event.payload["diagnosis"]["health"] == "DEAD"
     assert event.payload["diagnosis"]["run_id"] == ticket.run_id
 
 
-def test_keeps_polling_while_healthy_then_fires_on_failure(store):
-    ticket = store.begin_run("job", 1, "1.0")
-    store.mark_query_started(ticket.run_id)
+def test_keeps_polling_while_healthy_then_fires_on_failure(state_store):
+    ticket = state_store.begin_run("job", 1, "1.0")
+    state_store.mark_query_started(ticket.run_id)
 
     async def scenario():
         watcher = asyncio.ensure_future(_trigger().run().asend(None))
         for _ in range(5):  # healthy: no event for a while
             await asyncio.sleep(0.2)
-            store.heartbeat(ticket.run_id)
+            state_store.heartbeat(ticket.run_id)
             assert not watcher.done()
-        store.finish_run(ticket.run_id, status="FAILED", exit_code=3, failure_kind="CHECKPOINT_INCOMPATIBLE",
+        state_store.finish_run(ticket.run_id, status="FAILED", exit_code=3, failure_kind="CHECKPOINT_INCOMPATIBLE",
                          error_class="STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE",
                          message="[STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE] Provided key schema does not match")
         return await asyncio.wait_for(watcher, 10)
@@ -68,9 +51,9 @@ def test_keeps_polling_while_healthy_then_fires_on_failure(store):
     assert event.payload["diagnosis"]["failure_kind"] == "CHECKPOINT_INCOMPATIBLE"
 
 
-def test_failure_kind_filter_ignores_other_failures(store):
-    ticket = store.begin_run("job", 1, "1.0")
-    store.finish_run(ticket.run_id, status="FAILED", exit_code=1, failure_kind="USER_CODE", message="bug")
+def test_failure_kind_filter_ignores_other_failures(state_store):
+    ticket = state_store.begin_run("job", 1, "1.0")
+    state_store.finish_run(ticket.run_id, status="FAILED", exit_code=1, failure_kind="USER_CODE", message="bug")
     trigger = _trigger(fire_on=["FAILED"], failure_kinds=["CHECKPOINT_INCOMPATIBLE"])
 
     async def scenario():

@@ -100,9 +100,10 @@ class StreamDriverHook(BaseHook):
     def is_local(run: dict[str, Any]) -> bool:
         return bool(run.get("pid")) and run.get("host") == socket.gethostname() and not run.get("submission_id")
 
-    def is_alive(self, run: dict[str, Any]) -> bool | None:
+    @staticmethod
+    def is_alive(run: dict[str, Any]) -> bool | None:
         """True/False where the process can be checked from here, None where only heartbeats can tell."""
-        if self.is_local(run):
+        if StreamDriverHook.is_local(run):
             return local_driver.process_alive(run["pid"])
         return None
 

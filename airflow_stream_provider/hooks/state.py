@@ -69,6 +69,11 @@ class StreamStateHook(BaseHook):
         store.ensure_schema()
         return store
 
+    def close(self) -> None:
+        """Dispose of the engine, if one was built (it is built lazily, on first use)."""
+        if "store" in self.__dict__:
+            self.store.dispose()
+
     # -- reads used by sensors and operators -------------------------------------------------------
     def latest_run(self, job_id: str) -> dict[str, Any] | None:
         return self.store.latest_run(job_id)
@@ -103,8 +108,12 @@ class StreamStateHook(BaseHook):
                                                         new_run_id=new_run_id))
 
     def restarts_since(self, job_id: str, since: float) -> list[dict[str, Any]]:
-        table = schema.restarts
+        """Restarts of the job, each with ``new_run_committed``: whether the run it started committed a
+        batch (a restart that got somewhere is no part of a crash loop)."""
+        table, runs = schema.restarts, schema.runs
+        query = (select(table, runs.c.last_batch_id.is_not(None).label("new_run_committed"))
+                 .select_from(table.outerjoin(runs, runs.c.run_id == table.c.new_run_id))
+                 .where(table.c.job_id == job_id, table.c.at >= since).order_by(table.c.at))
         with self.store.engine.connect() as conn:
-            rows = conn.execute(select(table).where(table.c.job_id == job_id, table.c.at >= since)
-                                .order_by(table.c.at)).mappings().all()
-        return [dict(r) for r in rows]
+            rows = conn.execute(query).mappings().all()
+        return [{**r, "new_run_committed": bool(r["new_run_committed"])} for r in rows]

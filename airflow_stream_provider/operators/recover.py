@@ -7,7 +7,7 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_stream_provider.budget import RestartBudget
+from airflow_stream_provider.budget import RestartBudget, crash_loop_restarts
 from airflow_stream_provider.diagnosis import Diagnosis, Health
 from airflow_stream_provider.failures import FailureKind
 from airflow_stream_provider.operators.base import StreamJobOperator
@@ -31,7 +31,8 @@ class RecoverStreamingJobOperator(StreamJobOperator):
     DATA_LOSS, POISON         fail with the evidence: no automatic action can be right
     ========================  =========================================================================
 
-    Out of budget (``max_restarts`` within ``restart_window``), the task fails and says so.
+    Out of budget (``max_restarts`` within ``restart_window``), the task fails and says so.  Restarts
+    whose run then committed a batch do not count: the job was healthy in between.
     """
 
     template_fields = (*StreamJobOperator.template_fields, "on_incompatible", "max_restarts", "restart_window",
@@ -80,12 +81,13 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         now = time.time()
         history = self.state.restarts_since(self.job.job_id, now - max(self.budget.window_s,
                                                                         self.budget.healthy_reset_s * 10))
-        times = [r["at"] for r in history]
+        times = crash_loop_restarts(history)
         if self.budget.exhausted(times, now):
             used = self.budget.used(times, now)
             raise AirflowFailException(
                 f"job {self.job.job_id} is out of its restart budget: {len(used)} restarts in the last "
-                f"{self.budget.window_s / 60:.0f} min (max {self.budget.max_restarts}); the job keeps failing: "
+                f"{self.budget.window_s / 60:.0f} min whose run never committed a batch (max "
+                f"{self.budget.max_restarts}); the job keeps failing: "
                 f"{found.summary()}. Fix the cause ({found.advice or 'see the driver log'}), then restart it "
                 f"by hand.")
         delay = self.budget.backoff(times, now)

@@ -145,3 +145,17 @@ restarts = Table(
     Column("failed_run_id", String(64)),
     Column("new_run_id", String(64)),
 )
+
+#: What the always-on watcher already reported: one row per (run, health, failure kind), so a condition
+#: that merely persists never fires twice, also across triggerer restarts.  ``run_id`` and
+#: ``failure_kind`` are empty strings where there is none (an unknown job; a DEAD or STUCK run).
+health_reports = Table(
+    "stream_health_reports",
+    metadata,
+    Column("job_id", String(100), primary_key=True),
+    Column("run_id", String(64), primary_key=True),
+    Column("health", String(20), primary_key=True),
+    Column("failure_kind", String(40), primary_key=True),
+    Column("reported_at", Float, nullable=False),
+    Column("message", Text),
+)

@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, func, select, update
+from sqlalchemy import Engine, and_, create_engine, event, func, select, update
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
 
 from airflow_stream_provider.kafka_offsets import Offsets
 from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV
@@ -61,6 +62,24 @@ def _sqlite_immediate_transactions(engine: Engine) -> None:
 class RunTicket:
     run_id: str
     epoch: int
+
+
+@dataclass(frozen=True)
+class HealthReportKey:
+    """What makes a health report new: a run entering a health, with its failure kind ('' for none)."""
+
+    run_id: str
+    health: str
+    failure_kind: str
+
+
+@dataclass
+class WatchedJob:
+    job_id: str
+    #: the latest run (not a dry run), None for a job that never ran
+    run: dict[str, Any] | None
+    #: what was already reported for that run
+    reported: set[HealthReportKey]
 
 
 class StateStore:
@@ -235,6 +254,50 @@ class StateStore:
         with self.engine.connect() as conn:
             row = conn.execute(query.order_by(schema.runs.c.started_at.desc()).limit(1)).mappings().first()
             return dict(row) if row else None
+
+    def watched_jobs(self) -> list[WatchedJob]:
+        """Every job with its latest run and what the watcher already reported for that run: ONE query,
+        however many jobs the database holds, so an always-on watcher costs one round trip per poll."""
+        runs, reports = schema.runs, schema.health_reports
+        ranked = (select(runs, func.row_number().over(partition_by=runs.c.job_id,
+                                                      order_by=runs.c.started_at.desc()).label("rank"))
+                  .where(runs.c.dry_run.is_(False)).subquery())
+        query = (select(schema.jobs.c.job_id.label("watched_job_id"), ranked,
+                        reports.c.health.label("reported_health"),
+                        reports.c.failure_kind.label("reported_kind"))
+                 .select_from(schema.jobs)
+                 .outerjoin(ranked, and_(ranked.c.job_id == schema.jobs.c.job_id, ranked.c.rank == 1))
+                 .outerjoin(reports, and_(reports.c.job_id == schema.jobs.c.job_id,
+                                          reports.c.run_id == ranked.c.run_id)))
+        found: dict[str, WatchedJob] = {}
+        with self.engine.connect() as conn:
+            for row in conn.execute(query).mappings():
+                job_id = row["watched_job_id"]
+                if job_id not in found:
+                    run = {c.name: row[c.name] for c in runs.columns} if row["run_id"] else None
+                    found[job_id] = WatchedJob(job_id, run, set())
+                if row["reported_health"]:
+                    found[job_id].reported.add(HealthReportKey(row["run_id"], row["reported_health"],
+                                                               row["reported_kind"]))
+        return list(found.values())
+
+    def record_health_report(self, job_id: str, key: HealthReportKey, message: str) -> bool:
+        """Remember that ``key`` was reported; False when it already was (two watchers raced)."""
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(schema.health_reports.insert().values(
+                    job_id=job_id, run_id=key.run_id, health=key.health, failure_kind=key.failure_kind,
+                    reported_at=time.time(), message=plain_text(message)[:4000]))
+        except IntegrityError:
+            return False
+        return True
+
+    def forget_health_report(self, job_id: str, key: HealthReportKey) -> None:
+        """The run left the condition: entering it again is a new transition, to be reported again."""
+        table = schema.health_reports
+        with self.engine.begin() as conn:
+            conn.execute(table.delete().where(table.c.job_id == job_id, table.c.run_id == key.run_id,
+                                              table.c.health == key.health, table.c.failure_kind == key.failure_kind))
 
     # -- generations -------------------------------------------------------------------------------
     def ensure_generation(

@@ -12,7 +12,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_stream_provider import diagnosis, local_driver
+from airflow_stream_provider import diagnosis
 from airflow_stream_provider.diagnosis import Thresholds
 
 
@@ -93,9 +93,8 @@ class HealthProbe:
                 lag = self.kafka.lag(self.state.stored_offsets(self.job_id), self.topics)
             except Exception as err:
                 self.state.log.warning("Could not read the Kafka lag of job %s: %r", self.job_id, err)
-        alive = local_driver.process_alive(run["pid"]) if run and StreamDriverHook.is_local(run) else None
+        alive = StreamDriverHook.is_alive(run) if run else None
         return diagnosis.diagnose(self.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
 
     def close(self) -> None:
-        if "store" in self.state.__dict__:
-            self.state.store.dispose()
+        self.state.close()

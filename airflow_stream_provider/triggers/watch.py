@@ -1,0 +1,229 @@
+"""The always-on watcher: the trigger behind each stream job's ``AssetWatcher``.
+
+A scheduled DAG with a time-boxed sensor leaves blind windows between its runs.  This trigger runs in
+the triggerer for as long as a DAG is scheduled on the job's asset, and turns every transition of a run
+into DEAD, STUCK or FAILED into one asset event that carries the diagnosis; the health DAG runs on it.
+
+* One poll, one query: every watcher of the same state database shares one poll loop (Airflow's shared
+  streams), which reads the latest run of every job in one state-database query and diagnoses each with
+  the shared pure :func:`~airflow_stream_provider.diagnosis.diagnose`.  Each watcher then picks its own
+  job out of that snapshot.
+* Never twice: an event is keyed on (run, health, failure kind).  The key is recorded in the state
+  database one poll after the event left the trigger (time for Airflow to store the event), so a condition
+  that persists never fires again, not even after a triggerer restart; a triggerer killed in that second
+  reports it again rather than never.  A run that leaves the condition (a stuck query that moves again)
+  has its report forgotten, so entering it again is a new transition.
+* Nothing lost: what was reported lives in the state database, not in memory, so a job that died while
+  the triggerer was down is reported when it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from airflow.triggers.base import BaseEventTrigger, TriggerEvent
+
+from airflow_stream_provider import diagnosis
+from airflow_stream_provider.diagnosis import Diagnosis, Health, Thresholds
+from airflow_stream_provider.hooks.driver import StreamDriverHook
+from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
+from airflow_stream_provider.hooks.state import StreamStateHook
+from airflow_stream_provider.state.store import HealthReportKey, WatchedJob
+
+log = logging.getLogger(__name__)
+
+#: What the watcher reports by default: the healths that need someone to act.
+FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value)
+
+
+@dataclass
+class Snapshot:
+    """One poll of the state database: every job's diagnosis, or why there is none."""
+
+    at: float
+    diagnoses: dict[str, Diagnosis] = field(default_factory=dict)
+    reported: dict[str, set[HealthReportKey]] = field(default_factory=dict)
+    error: str | None = None
+
+
+class JobsWatch:
+    """The blocking half of the shared poll, run in a thread so the triggerer's event loop stays free."""
+
+    def __init__(self, state_conn_id: str, kafka_conn_id: str, thresholds: Thresholds):
+        self.state_conn_id = state_conn_id
+        self.state = StreamStateHook(state_conn_id)
+        self.kafka = KafkaOffsetsHook(kafka_conn_id)
+        self.thresholds = thresholds
+
+    def poll(self) -> Snapshot:
+        now = time.time()
+        try:
+            jobs = self.state.store.watched_jobs()
+        except Exception as err:  # the watcher keeps running; the subscribers report the outage once
+            return Snapshot(now, error=f"cannot read the state database of connection {self.state_conn_id!r}: "
+                            f"{_one_line(err)}. Health is unknown until it answers again; the watcher keeps "
+                            "polling.")
+        snapshot = Snapshot(now)
+        for job in jobs:
+            snapshot.diagnoses[job.job_id] = self.diagnose(job, now)
+            snapshot.reported[job.job_id] = job.reported
+        return snapshot
+
+    def diagnose(self, job: WatchedJob, now: float) -> Diagnosis:
+        lag = self._lag(job) if diagnosis.lag_matters(job.run, self.thresholds, now) else None
+        alive = StreamDriverHook.is_alive(job.run) if job.run else None
+        return diagnosis.diagnose(job.job_id, job.run, driver_alive=alive, lag=lag, thresholds=self.thresholds,
+                                  now=now)
+
+    def _lag(self, job: WatchedJob) -> int | None:
+        """Kafka records not applied yet; read only for a query idle past ``stuck_after``."""
+        try:
+            stored = self.state.stored_offsets(job.job_id)
+            topics = _topics(job.run) or sorted({topic for topic, _ in stored})
+            return self.kafka.lag(stored, topics) if topics else None
+        except Exception as err:
+            log.warning("Could not read the Kafka lag of job %s: %s", job.job_id, _one_line(err))
+            return None
+
+    def close(self) -> None:
+        self.state.close()
+
+
+class StreamJobWatchTrigger(BaseEventTrigger):
+    """Report each transition of ``job_id``'s runs into one of ``fire_on`` as an event carrying the
+    diagnosis; never again while the condition merely persists.
+
+    For an ``AssetWatcher`` (see :func:`airflow_stream_provider.assets.stream_job_asset`).  Watchers that
+    share the state connection and thresholds share one poll loop in the triggerer.
+    """
+
+    def __init__(self, *, job_id: str, state_conn_id: str = StreamStateHook.default_conn_name,
+                 kafka_conn_id: str = KafkaOffsetsHook.default_conn_name, fire_on: Sequence[str] = FIRE_ON,
+                 heartbeat_timeout: float = 30.0, stuck_after: float = 300.0, poll_interval: float = 2.0):
+        super().__init__()
+        unknown = sorted(set(fire_on) - set(FIRE_ON))
+        if unknown:
+            raise ValueError(f"fire_on {unknown} are not healths that need action; choose from {list(FIRE_ON)}")
+        self.job_id = job_id
+        self.state_conn_id = state_conn_id
+        self.kafka_conn_id = kafka_conn_id
+        self.fire_on = list(fire_on)
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self.stuck_after = float(stuck_after)
+        self.poll_interval = float(poll_interval)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}", {
+            "job_id": self.job_id, "state_conn_id": self.state_conn_id, "kafka_conn_id": self.kafka_conn_id,
+            "fire_on": self.fire_on, "heartbeat_timeout": self.heartbeat_timeout,
+            "stuck_after": self.stuck_after, "poll_interval": self.poll_interval})
+
+    # -- one poll for every watcher of the same database --------------------------------------------------
+    def shared_stream_key(self) -> Hashable:
+        return ("stream-job-watch", self.state_conn_id, self.kafka_conn_id, self.heartbeat_timeout,
+                self.stuck_after, self.poll_interval)
+
+    @classmethod
+    async def open_shared_stream(cls, kwargs: dict[str, Any]) -> AsyncIterator[Snapshot]:
+        watch = JobsWatch(kwargs["state_conn_id"], kwargs["kafka_conn_id"],
+                          Thresholds(kwargs["heartbeat_timeout"], kwargs["stuck_after"]))
+        try:
+            while True:
+                yield await asyncio.to_thread(watch.poll)
+                await asyncio.sleep(kwargs["poll_interval"])
+        finally:
+            watch.close()
+
+    async def filter_shared_stream(self, shared_stream: AsyncIterator[Snapshot]) -> AsyncIterator[TriggerEvent]:
+        reporter = _Reporter(self.job_id, self.fire_on)
+        state = StreamStateHook(self.state_conn_id)  # its engine is built on the first report only
+        try:
+            async for snapshot in shared_stream:
+                if reporter.unrecorded:  # fired one poll ago: Airflow has stored those events by now
+                    await asyncio.to_thread(reporter.record, state)
+                for payload in reporter.events(snapshot):
+                    (self.log.error if payload["status"] == "error" else self.log.warning)(
+                        "%s", payload["message"])
+                    yield TriggerEvent(payload)
+        finally:
+            state.close()
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Standalone (a triggerer without shared streams, or a test): the same poll, one subscriber."""
+        async for event in self.filter_shared_stream(self.open_shared_stream(self.serialize()[1])):
+            yield event
+
+
+class _Reporter:
+    """One watcher's memory between polls: what it fired and has not recorded yet, and which error it
+    already reported.  Pure apart from ``record``."""
+
+    def __init__(self, job_id: str, fire_on: Sequence[str]):
+        self.job_id = job_id
+        self.fire_on = set(fire_on)
+        self.fired: set[HealthReportKey] = set()
+        #: reports to persist (with their message) or to forget (None), one poll after they were decided
+        self.unrecorded: list[tuple[HealthReportKey, str | None]] = []
+        self.error: str | None = None
+
+    def events(self, snapshot: Snapshot) -> list[dict[str, Any]]:
+        if snapshot.error or self.job_id not in snapshot.diagnoses:
+            error = snapshot.error or (
+                f"job {self.job_id!r} is unknown to the state database: no run of it was ever recorded. "
+                "Check the job id of this watcher against the job's spec, or deploy the job; the watcher "
+                "keeps polling and reports the job once it runs.")
+            first = error != self.error
+            self.error = error
+            return [{"status": "error", "job_id": self.job_id, "message": error, "at": snapshot.at}] if first else []
+        if self.error:
+            log.info("Watching job %s again: %s", self.job_id, "the state database answers")
+            self.error = None
+        found = snapshot.diagnoses[self.job_id]
+        key = HealthReportKey(found.run_id or "", found.health.value,
+                              found.failure_kind.value if found.failure_kind else "")
+        # The run left a reported condition (a STUCK query moving again, a slow start that was not a
+        # death): forget it, so that entering it again is a new transition.
+        reported = snapshot.reported.get(self.job_id, set()) | self.fired
+        for stale in sorted(k for k in reported if k.run_id == key.run_id and k != key):
+            self.fired.discard(stale)
+            self.unrecorded.append((stale, None))
+        if found.health.value not in self.fire_on or key in reported:
+            return []
+        self.fired.add(key)
+        self.unrecorded.append((key, found.summary()))
+        return [{"status": "fired", "job_id": self.job_id, "message": found.summary(),
+                 "diagnosis": found.to_dict(), "at": snapshot.at}]
+
+    def record(self, state: StreamStateHook) -> None:
+        """Persist what was fired (and forget what was left), in order; what cannot be written now
+        (database away) is tried at the next poll."""
+        pending, self.unrecorded = self.unrecorded, []
+        for position, (key, message) in enumerate(pending):
+            try:
+                if message is None:
+                    state.store.forget_health_report(self.job_id, key)
+                else:
+                    state.store.record_health_report(self.job_id, key, message)
+            except Exception as err:
+                log.warning("Could not update the report %s of job %s yet: %s", key, self.job_id, _one_line(err))
+                self.unrecorded = pending[position:] + self.unrecorded
+                return
+
+
+def _topics(run: dict[str, Any] | None) -> list[str]:
+    """The topics a run reads, from the spec its launcher recorded."""
+    try:
+        return list(json.loads(run["spec"])["kafka"]["topics"]) if run and run.get("spec") else []
+    except (ValueError, KeyError, TypeError):
+        return []
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300] if text else ''}"
