@@ -1,57 +1,62 @@
-"""Scheduled every 5 minutes: watch the stream job, and act on what the watch finds.
+"""Watch the stream job continuously, and act on what the watch finds.
 
-The sensor defers (no worker slot) for up to 4 minutes, looking every 2 seconds (one state-database
-query and a process check in the triggerer), and fires when the job is DEAD, STUCK or FAILED;
-a healthy job makes it time out softly, and the run ends skipped: nothing to do. Then:
+The job's asset ``stream://<job_id>`` has an always-on watcher in the triggerer: every transition of a
+run into DEAD, STUCK or FAILED becomes one asset event carrying the diagnosis, and this DAG runs on it
+within seconds.  A persisting condition does not fire again.  Once an hour the DAG also runs without an
+event, as a safety net, and takes the same decision.
 
-* DATA_LOSS: fail loudly with the lost offset ranges; no automatic action can be right;
-* CHECKPOINT_INCOMPATIBLE: reset to a new generation from the stored offsets when the Variable
-  ``stream_reset_policy`` is ``auto``, otherwise fail saying how to decide;
-* anything else (dead driver, stuck query, transient or user-code failure): recover, within the restart
-  budget (RecoverStreamingJobOperator's table says what it does for each).
+Each run diagnoses the job afresh (the reported event is evidence: a run queued behind another may find
+the job already repaired), then acts as ``stream_job.act_on`` says: recover a dead, stuck or failed job
+within the restart budget; reset an incompatible checkpoint when ``stream_reset_policy`` is ``auto``;
+fail loudly with the evidence where a person must decide (data loss, a poison record); nothing for a
+healthy job.
+
+The watcher needs the job id when this file is parsed, from the Variable ``stream_job_spec``; until it
+is set, only the hourly sweep runs.
 """
 
 from __future__ import annotations
 
-import datetime as dt
+import logging
+from typing import Any
 
-from airflow.providers.standard.operators.empty import EmptyOperator
-from airflow.sdk import DAG, Variable, task
+from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, task
 from airflow.sdk.exceptions import AirflowFailException
-from stream_job import DAG_ARGS, JOB, WATCH
+from stream_job import DAG_ARGS, WATCH, act_on, parse_time_variable
 
-from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
-from airflow_stream_provider.operators.reset import ResetStreamingJobOperator
-from airflow_stream_provider.sensors.health import StreamHealthSensor
+from airflow_stream_provider.assets.stream import stream_job_asset
+from airflow_stream_provider.diagnosis import Thresholds
+from airflow_stream_provider.triggers.health import HealthProbe
 
-with DAG("stream_health", schedule=dt.timedelta(minutes=5), max_active_runs=1, doc_md=__doc__, **DAG_ARGS):
-    health = StreamHealthSensor(task_id="health", timeout=dt.timedelta(minutes=4).total_seconds(),
-                                soft_fail=True, poke_interval=2, **WATCH)
+log = logging.getLogger(__name__)
+SWEEP = CronTriggerTimetable("17 * * * *", timezone="UTC")  # the safety net: hourly, off the hour
+SPEC = parse_time_variable("stream_job_spec")
+WATCH_SETTINGS = parse_time_variable("stream_watch") or {}
+SCHEDULE = (AssetOrTimeSchedule(timetable=SWEEP, assets=stream_job_asset(SPEC["job_id"], **WATCH_SETTINGS))
+            if SPEC else SWEEP)
 
-    @task.branch
-    def choose(diagnosis: dict) -> str:
-        kind = diagnosis.get("failure_kind")
-        if diagnosis["health"] in ("HEALTHY", "STARTING", "STOPPED"):
-            return "healthy"
-        if kind in ("DATA_LOSS", "POISON"):
-            return "needs_a_decision"
-        if kind == "CHECKPOINT_INCOMPATIBLE":
-            policy = Variable.get("stream_reset_policy", default="after_preflight")
-            return "reset" if policy == "auto" else "needs_a_decision"
-        return "recover"
+with DAG("stream_health", schedule=SCHEDULE, max_active_runs=1, doc_md=__doc__, **DAG_ARGS):
 
     @task
-    def needs_a_decision(diagnosis: dict) -> None:
-        """Fail with the evidence (for data loss: the exact lost ranges) and what to do."""
-        raise AirflowFailException(
-            f"job {diagnosis['job_id']}: {diagnosis['health']}/{diagnosis.get('failure_kind')} "
-            f"({diagnosis.get('error_class')}). Evidence: {'; '.join(diagnosis.get('evidence', []))}. "
-            f"What to do: {diagnosis.get('advice')}")
+    def diagnose(job_id: str, topics: list[str], triggering_asset_events=None) -> dict[str, Any]:
+        """A fresh diagnosis, with the events that woke this run as evidence."""
+        reported = [event.extra.get("payload", {}) for events in (triggering_asset_events or {}).values()
+                    for event in events]
+        for payload in reported:
+            log.info("The watcher reported: %s", payload.get("message"))
+        settings = {**{"heartbeat_timeout": 30.0, "stuck_after": 300.0}, **WATCH_SETTINGS}
+        probe = HealthProbe(job_id, topics, "stream_state_default", "stream_kafka_default",
+                            Thresholds(settings["heartbeat_timeout"], settings["stuck_after"]))
+        try:
+            found = probe.check().to_dict()
+        finally:
+            probe.close()
+        errors = [p["message"] for p in reported if p.get("status") == "error"]
+        if errors and found["run_id"] is None:  # the watcher could not place the job: say why, loudly
+            raise AirflowFailException(f"job {job_id}: {errors[-1]}")
+        found["reported"] = reported
+        log.info("Diagnosis now: job %s: %s %s: %s", job_id, found["health"], found.get("failure_kind") or "",
+                 "; ".join(found["evidence"]))
+        return found
 
-    choice = choose(health.output)
-    choice >> [
-        EmptyOperator(task_id="healthy"),
-        RecoverStreamingJobOperator(task_id="recover", **JOB),
-        ResetStreamingJobOperator(task_id="reset", reason="checkpoint incompatible (stream_health)", **JOB),
-        needs_a_decision(health.output),
-    ]
+    act_on(diagnose(**WATCH))

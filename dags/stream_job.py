@@ -14,6 +14,10 @@ Variables:
   environment), ``stream_driver_log_dir``, ``stream_checkpoint_conn_id``, ``stream_reset_policy``
   (``auto`` | ``after_preflight`` | ``never``).
 
+``stream_health`` also reads ``stream_job_spec`` when its file is parsed: the job's asset, and its
+always-on watcher, need the job id then.  Optional ``stream_watch`` (JSON) sets the watcher's
+``heartbeat_timeout``, ``stuck_after`` and ``poll_interval``.
+
 This module holds no DAG: the DAG files import it (Airflow's BundleDagBag puts the bundle's folder
 on ``sys.path``).
 """
@@ -21,6 +25,13 @@ on ``sys.path``).
 from __future__ import annotations
 
 import datetime as dt
+
+from airflow.providers.standard.operators.empty import EmptyOperator
+from airflow.sdk import Variable, task
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
+from airflow_stream_provider.operators.reset import ResetStreamingJobOperator
 
 #: Operator arguments, rendered when a task runs, so a Variable change applies to the next run.
 JOB = {
@@ -42,3 +53,47 @@ START = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 #: Native rendering: the spec renders to a dict, the topics to a list.
 DAG_ARGS = {"start_date": START, "catchup": False, "render_template_as_native_obj": True,
             "tags": ["stream"]}
+
+
+def parse_time_variable(key: str):
+    """A JSON Variable read while the DAG file is parsed; None when it is not set."""
+    return Variable.get(key, default=None, deserialize_json=True)
+
+
+def act_on(diagnosis) -> None:
+    """What a health DAG does with a diagnosis (an XCom of it), in the DAG being defined:
+
+    * DATA_LOSS, POISON: fail loudly with the lost offset ranges or the record;
+    * CHECKPOINT_INCOMPATIBLE: reset to a new generation from the stored offsets when the Variable
+      ``stream_reset_policy`` is ``auto``, otherwise fail saying how to decide;
+    * anything else that needs action (dead driver, stuck query, transient or user-code failure):
+      recover, within the restart budget;
+    * a healthy, starting or stopped job: nothing.
+    """
+
+    @task.branch
+    def choose(diagnosis: dict) -> str:
+        kind = diagnosis.get("failure_kind")
+        if diagnosis["health"] in ("HEALTHY", "STARTING", "STOPPED"):
+            return "healthy"
+        if kind in ("DATA_LOSS", "POISON"):
+            return "needs_a_decision"
+        if kind == "CHECKPOINT_INCOMPATIBLE":
+            policy = Variable.get("stream_reset_policy", default="after_preflight")
+            return "reset" if policy == "auto" else "needs_a_decision"
+        return "recover"
+
+    @task
+    def needs_a_decision(diagnosis: dict) -> None:
+        """Fail with the evidence (for data loss: the exact lost ranges) and what to do."""
+        raise AirflowFailException(
+            f"job {diagnosis['job_id']}: {diagnosis['health']}/{diagnosis.get('failure_kind')} "
+            f"({diagnosis.get('error_class')}). Evidence: {'; '.join(diagnosis.get('evidence', []))}. "
+            f"What to do: {diagnosis.get('advice')}")
+
+    choose(diagnosis) >> [
+        EmptyOperator(task_id="healthy"),
+        RecoverStreamingJobOperator(task_id="recover", **JOB),
+        ResetStreamingJobOperator(task_id="reset", reason="checkpoint incompatible (stream_health)", **JOB),
+        needs_a_decision(diagnosis),
+    ]

@@ -4,9 +4,9 @@ all four of them with ``dag.test()`` against the real local stack (``make demo``
 from __future__ import annotations
 
 import ast
-import datetime as dt
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -20,19 +20,42 @@ DAGS = REPO / "dags"
 
 def test_every_example_dag_loads_without_import_errors(monkeypatch):
     from airflow.dag_processing.dagbag import DagBag
+    from airflow.sdk import AssetOrTimeSchedule, CronTriggerTimetable
 
     monkeypatch.syspath_prepend(str(DAGS))  # as Airflow's BundleDagBag does
+    monkeypatch.setenv("AIRFLOW_VAR_STREAM_JOB_SPEC", '{"job_id": "events", "kafka": {"topics": ["events"]}}')
+    monkeypatch.setenv("AIRFLOW_VAR_STREAM_WATCH", '{"heartbeat_timeout": 20, "stuck_after": 120}')
 
     bag = DagBag(str(DAGS))
     assert bag.import_errors == {}
     assert set(bag.dag_ids) == {"stream_deploy", "stream_health", "stream_stop", "stream_upgrade"}
     health = bag.dags["stream_health"]
     assert health.max_active_runs == 1 and health.catchup is False
-    assert health.schedule == dt.timedelta(minutes=5)
+    # Event-driven on the job's asset, with an hourly sweep as the safety net.
+    assert isinstance(health.schedule, AssetOrTimeSchedule)
+    assert health.schedule.timetable == CronTriggerTimetable("17 * * * *", timezone="UTC")
+    asset = health.schedule.asset_condition
+    assert asset.uri == "stream://events"
+    (watcher,) = asset.watchers
+    classpath, kwargs = watcher.trigger.serialize()
+    assert classpath == "airflow_stream_provider.triggers.watch.StreamJobWatchTrigger"
+    assert (kwargs["job_id"], kwargs["heartbeat_timeout"], kwargs["stuck_after"]) == ("events", 20, 120)
     for dag_id in ("stream_deploy", "stream_stop", "stream_upgrade"):
         assert bag.dags[dag_id].schedule is None, f"{dag_id} is triggered by hand"
     upgrade = bag.dags["stream_upgrade"]
     assert {"application", "version", "reset_policy"} <= set(upgrade.params)
+
+
+def test_without_a_job_spec_the_health_dag_runs_only_the_hourly_sweep(monkeypatch):
+    """The watcher needs the job id at parse time; until the Variable is set, the DAG still loads."""
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.sdk import CronTriggerTimetable
+
+    monkeypatch.syspath_prepend(str(DAGS))
+    monkeypatch.delenv("AIRFLOW_VAR_STREAM_JOB_SPEC", raising=False)
+    bag = DagBag(str(DAGS / "stream_health.py"))
+    assert bag.import_errors == {}
+    assert bag.dags["stream_health"].schedule == CronTriggerTimetable("17 * * * *", timezone="UTC")
 
 
 @pytest.mark.parametrize("path", sorted(DAGS.glob("*.py")), ids=lambda p: p.name)
@@ -50,7 +73,8 @@ def test_no_path_or_host_is_hard_coded_in_a_dag_file(path):
 
 
 def test_demo_tells_the_whole_story_exactly_once(tmp_path):
-    """``make demo``'s scenario: deploy, SIGKILL, stream_health recovers, incompatible upgrade, stop."""
+    """``make demo``'s scenario on a real Airflow: deploy through the REST API, two SIGKILLs that Airflow
+    notices and repairs by itself, an incompatible upgrade, a graceful stop; nothing left running."""
     workdir = tmp_path / "demo"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
     done = subprocess.run([sys.executable, "-m", "demo", "--events", "4000", "--workdir", str(workdir)],
@@ -63,9 +87,23 @@ def test_demo_tells_the_whole_story_exactly_once(tmp_path):
     assert result["duplicates"] == "0" and result["lost"] == "0", done.stdout[-3000:]
     assert int(result["produced"]) >= 4000 and int(result["dead_letters"]) == malformed > 0, result
     assert int(result["applied"]) + malformed == int(result["produced"]), result
-    assert int(result["recoveries"]) >= 2, result  # the restart after SIGKILL and the upgrade's reset
-    assert "stream_health saw DEAD; recover: restart" in done.stdout
+    assert int(result["recoveries"]) >= 3, result  # two restarts after SIGKILL and the upgrade's reset
+    assert done.stdout.count("stream_health ran on the watcher's event and saw DEAD; recover: restart") == 2
+    assert len(re.findall(r"processing again [\d.]+s after the kill", done.stdout)) == 2
     assert "preflight: incompatible (STREAMING_STATEFUL_OPERATOR_MISSING_STATE_DIRECTORY)" in done.stdout
-    leftovers = [p.info for p in psutil.process_iter(["pid", "cmdline"])
-                 if any(str(workdir) in part for part in (p.info["cmdline"] or []))]
+
+    # Nothing left: no process names the work directory or runs with an AIRFLOW_HOME in it, and neither
+    # Airflow's API port nor the broker's port answers (the api-server's title hides its environment).
+    leftovers = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            home = process.environ().get("AIRFLOW_HOME", "")
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            home = ""
+        if home.startswith(str(workdir)) or any(str(workdir) in part for part in process.info["cmdline"] or []):
+            leftovers.append(process.info)
     assert leftovers == [], f"the demo left processes behind: {leftovers}"
+    for port in (re.search(r"Airflow is up at http://127.0.0.1:(\d+)", done.stdout).group(1),
+                 re.search(r"broker at 127.0.0.1:(\d+)", done.stdout).group(1)):
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", int(port))) != 0, f"port {port} still answers"

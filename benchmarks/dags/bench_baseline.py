@@ -29,7 +29,7 @@ with DAG("bench_baseline", schedule=None, start_date=dt.datetime(2026, 1, 1, tzi
         env_vars="{{ params.env_vars }}",
         conn_id="spark_default",
         name="baseline-{{ run_id }}",
-        retries=8,
+        retries=30,  # enough for every kill of the benchmarks' longest series
         retry_delay=RETRY_DELAY,
         retry_exponential_backoff=False,
     )
