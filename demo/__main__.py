@@ -1,30 +1,32 @@
-"""``make demo``: the main job's whole life, end to end, on the embedded default stack.
+"""``make demo``: the main job's whole life, end to end, on the embedded default stack, under a real
+Airflow.
 
 Local Spark (the driver is a real ``spark-submit`` process), SQLite for the results and state, a local
-Kafka-protocol broker (Tansu), and Airflow with its own SQLite running the four DAGs of ``dags/``:
+Kafka-protocol broker (Tansu), and a real Airflow 3 (scheduler, triggerer, dag-processor and api-server
+as separate processes on free loopback ports, LocalExecutor, its own SQLite) running the four DAGs of
+``dags/``:
 
 1. a producer writes events, about 1% of them malformed;
-2. ``stream_deploy`` submits the job;
-3. the driver is killed with SIGKILL in the middle of the stream;
-4. ``stream_health`` sees it DEAD and recovers it from the checkpoint;
-5. ``stream_upgrade`` moves to ``spark_jobs/events_job_v2.py``, whose checkpoint is incompatible:
+2. ``stream_deploy`` is triggered through Airflow's REST API and submits the job;
+3. the driver is killed with SIGKILL in the middle of the stream, and again right after it was
+   repaired: the always-on watcher in the triggerer reports it, ``stream_health`` runs on that event
+   and restarts the job from its checkpoint.  The demo only observes, and prints the time from each
+   kill to the job processing again;
+4. ``stream_upgrade`` moves to ``spark_jobs/events_job_v2.py``, whose checkpoint is incompatible:
    preflight, archive, new generation from the stored offsets;
-6. ``stream_stop`` stops it gracefully.
+5. ``stream_stop`` stops it gracefully.
 
-The closing figures are read from the database and the broker, not from counters kept here.
-Every process the demo starts is stopped at the end, also on failure.
+The closing figures are read from the database and the broker, not from counters kept here.  Every
+process the demo starts is stopped at the end, also on failure, unless ``--keep`` asks to leave the
+stack running for a look around (the UI address and login are printed).
 
-    python -m demo [--events 6000] [--workdir .demo]
+    python -m demo [--events 6000] [--workdir .demo] [--keep]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,110 +36,64 @@ TOPIC = "events"
 JOB_ID = "events"
 
 
-def kill_driver(pid: int) -> None:
-    """SIGKILL to the driver's whole process group (the JVM and the Python driver): a machine dying."""
-    from airflow_stream_provider import local_driver
-
-    try:
-        local_driver.signal_group(os.getpgid(pid), signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def say(message: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def configure(workdir: Path, broker_port: int) -> dict:
-    """Airflow's home, DAGs folder and connections; must happen before airflow is imported."""
-    sys.path.insert(0, str(REPO))
-    from tests.stack.jobs import TEST_SPARK_CONF, spark_env
-
-    env = spark_env()
-    os.environ.update(
-        AIRFLOW_HOME=str(workdir / "airflow"),
-        AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "dags"),
-        AIRFLOW__CORE__LOAD_EXAMPLES="False",
-        AIRFLOW__LOGGING__LOGGING_LEVEL="WARNING",
-        PATH=env["PATH"],  # spark-submit of the driver environment
-        AIRFLOW_CONN_STREAM_STATE_DEFAULT=json.dumps(
-            {"conn_type": "stream_state", "extra": {"url": f"sqlite:///{workdir / 'stream.db'}"}}),
-        AIRFLOW_CONN_STREAM_KAFKA_DEFAULT=json.dumps(
-            {"conn_type": "stream_kafka", "host": "127.0.0.1", "port": broker_port}),
-        AIRFLOW_CONN_SPARK_DEFAULT=json.dumps(
-            {"conn_type": "spark", "host": "local[2]",
-             "extra": {"deploy-mode": "client", "spark-binary": "spark-submit"}}),
-    )
-    return {
-        "stream_job_spec": {"job_id": JOB_ID, "version": "1.0", "checkpoint_root": str(workdir / "checkpoints"),
-                            "trigger_interval": "1 second", "heartbeat_seconds": 1.0,
-                            "kafka": {"topics": [TOPIC], "source": "python", "max_offsets_per_trigger": 2000}},
-        "stream_job_application": str(REPO / "spark_jobs" / "events_job.py"),
-        "stream_spark_conf": TEST_SPARK_CONF,
-        "stream_driver_env": {k: env[k] for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_LOCAL_IP")},
-        "stream_driver_log_dir": str(workdir / "driver-logs"),
-        "stream_reset_policy": "after_preflight",
-    }
-
-
 class Story:
     def __init__(self, workdir: Path, events: int):
+        sys.path.insert(0, str(REPO))
         from tests.stack.broker import Broker
 
         self.workdir = workdir
         self.events = events
         self.broker = Broker(workdir / "tansu.log")
+        self.deployment = None
+        self.kills: list[float] = []
 
     # -- the stack ----------------------------------------------------------------------------------
     def start(self) -> None:
-        say(f"starting the local Kafka-protocol broker (Tansu); work directory {self.workdir}")
-        self.broker.start()
-        variables = configure(self.workdir, self.broker.port)
-        self.broker.create_topic(TOPIC, 3)
-        say("migrating Airflow's metadata database (SQLite)")
-        airflow = Path(sys.executable).parent / "airflow"
-        subprocess.run([str(airflow), "db", "migrate"], check=True, capture_output=True, timeout=600)
-        from airflow.models.variable import Variable
-
-        for key, value in variables.items():
-            Variable.set(key, value, serialize_json=not isinstance(value, str))
-        from airflow.dag_processing.dagbag import DagBag
-
-        sys.path.append(str(REPO / "dags"))  # as Airflow's BundleDagBag does for the DAGs' shared module
-        bag = DagBag(str(REPO / "dags"))
-        if bag.import_errors:
-            raise RuntimeError(f"DAG import errors: {bag.import_errors}")
-        self.dags = bag.dags
-        from airflow_stream_provider.hooks.state import StreamStateHook
+        from tests.stack.deployment import StreamDeployment
         from tests.stack.events import EventProducer
 
-        self.state = StreamStateHook()
+        say(f"starting the local Kafka-protocol broker (Tansu); work directory {self.workdir}")
+        self.broker.start()
+        say(f"broker at {self.broker.bootstrap}")
+        self.broker.create_topic(TOPIC, 3)
+        self.deployment = StreamDeployment(self.workdir, self.broker, JOB_ID, TOPIC)
+        say("starting Airflow: scheduler, triggerer, dag-processor, api-server (LocalExecutor, SQLite)")
+        started = time.monotonic()
+        self.deployment.start()
+        say(f"Airflow is up at {self.deployment.airflow.url} after {time.monotonic() - started:.0f}s; "
+            "the four DAGs are parsed and unpaused")
+        self.store = self.deployment.store
         self.producer = EventProducer(self.broker, TOPIC, seed=11)
 
-    def stop(self) -> None:
-        state = getattr(self, "state", None)
-        if state is not None:
-            from tests.stack.dagruns import runs
-
-            for run in runs(state, JOB_ID):
-                if run["pid"] and run["status"] in ("STARTING", "RUNNING", "STOPPING"):
-                    kill_driver(run["pid"])
-            state.store.dispose()
+    def stop(self, keep: bool) -> None:
+        if keep and self.deployment is not None:
+            user, password = self.deployment.airflow.login()
+            say(f"--keep: the stack stays up. Airflow UI: {self.deployment.airflow.url}  login: {user} / "
+                f"{password}")
+            say(f"stop everything with: python -m demo --stop --workdir {self.workdir}")
+            (self.workdir / "broker.pid").write_text(str(self.broker.process.pid))
+            return
         if getattr(self, "producer", None) is not None:
             self.producer.close()
+        if self.deployment is not None:
+            self.deployment.stop()
         self.broker.stop()
         say("stopped every process the demo started")
 
     # -- steps ----------------------------------------------------------------------------------------
     def trigger(self, dag_id: str, **conf) -> dict:
-        say(f"triggering {dag_id}" + (f" with {conf}" if conf else ""))
+        say(f"triggering {dag_id} through the REST API" + (f" with {conf}" if conf else ""))
         started = time.monotonic()
-        dag_run = self.dags[dag_id].test(run_conf=conf or None)
-        tasks = {ti.task_id: (ti.state, ti.xcom_pull(task_ids=ti.task_id)) for ti in dag_run.get_task_instances()}
-        say(f"{dag_id} ended {dag_run.state} in {time.monotonic() - started:.0f}s: "
+        tasks = self.deployment.trigger(dag_id, **conf)
+        state, run_id = tasks.pop("_run")
+        say(f"{dag_id} ended {state} in {time.monotonic() - started:.0f}s: "
             + ", ".join(f"{task}={task_state}" for task, (task_state, _) in sorted(tasks.items())))
-        if dag_run.state != "success":
-            raise RuntimeError(f"{dag_id} failed: {tasks}")
+        if state != "success":
+            raise RuntimeError(f"{dag_id} failed: {tasks}\n{self.deployment.explain(dag_id, run_id)}")
         return {task: value for task, (_, value) in tasks.items()}
 
     def produce(self, count: int) -> None:
@@ -145,19 +101,28 @@ class Story:
         say(f"produced {count} events (total {self.producer.sent})")
 
     def wait_caught_up(self, timeout: float = 300) -> None:
-        end = {(TOPIC, p): o for p, o in self.producer.produced.end_offsets.items()}
-        deadline = time.monotonic() + timeout
-        last = -1
-        while time.monotonic() < deadline:
-            stored = self.state.stored_offsets(JOB_ID)
-            done = sum(stored.get(tp, 0) for tp in end)
-            if done != last:
-                say(f"  applied through offset sum {done} of {sum(end.values())}")
-                last = done
-            if all(stored.get(tp, 0) >= offset for tp, offset in end.items()):
-                return
-            time.sleep(1)
-        raise RuntimeError(f"the job did not catch up within {timeout:.0f}s")
+        self.deployment.wait_caught_up(self.producer.produced, timeout, progress=say)
+
+    def kill_and_watch(self, when: str) -> None:
+        """SIGKILL the live driver; Airflow alone must notice and repair it.  Report what it did."""
+        from tests.stack.deployment import kill_driver
+        from tests.stack.events import Trickle
+
+        with Trickle(self.producer, chunk=10, pause_s=0.5):  # a live topic: "processing" is a committed batch
+            victim = self.deployment.processing()
+            killed_at = time.time()
+            say(f"SIGKILL to the driver (pid {victim['pid']}, run {victim['run_id'][:12]}) {when}")
+            kill_driver(victim["pid"])
+            recovered = self.deployment.processing(timeout=300, other_than=victim["run_id"], after=killed_at)
+        seconds = recovered["committed_at"] - killed_at
+        self.kills.append(seconds)
+        runs = [r for r in self.deployment.health_runs(since=killed_at - 5) if r["run_type"] == "asset_triggered"]
+        if runs:
+            tasks = self.deployment.tasks("stream_health", runs[0]["dag_run_id"])
+            found, recover = tasks.get("diagnose", (None, {}))[1] or {}, tasks.get("recover", (None, {}))[1] or {}
+            say(f"stream_health ran on the watcher's event and saw {found.get('health')}; recover: "
+                f"{recover.get('action')} (run {str(recover.get('run_id'))[:12]}, generation {recover.get('generation')})")
+        say(f"processing again {seconds:.1f}s after the kill (run {recovered['run_id'][:12]})")
 
     def run(self) -> None:
         first = self.events // 2
@@ -166,14 +131,9 @@ class Story:
         say(f"driver pid {submitted['pid']} runs generation {submitted['generation']}, epoch {submitted['epoch']}")
         self.wait_caught_up()
 
-        self.produce(self.events // 6)
-        time.sleep(2)  # let it start on the new records
-        run = self.state.latest_run(JOB_ID)
-        say(f"SIGKILL to the driver (pid {run['pid']}, run {run['run_id'][:12]}) in the middle of the stream")
-        kill_driver(run["pid"])
-        recovered = self.trigger("stream_health")
-        say(f"stream_health saw {recovered['health']['health']}; recover: {recovered['recover']['action']} "
-            f"(run {recovered['recover']['run_id'][:12]}, generation {recovered['recover']['generation']})")
+        self.kill_and_watch("in the middle of the stream")
+        time.sleep(10)
+        self.kill_and_watch("10 s after it was repaired")
         self.wait_caught_up()
 
         self.produce(self.events // 6)
@@ -204,7 +164,7 @@ class Story:
         finally:
             consumer.close()
         produced = sum(latest.values())
-        with self.state.store.engine.connect() as conn:
+        with self.store.engine.connect() as conn:
             def one(sql: str) -> int:
                 return int(conn.execute(text(sql), {"job": JOB_ID}).scalar() or 0)
 
@@ -234,27 +194,73 @@ class Story:
                             ("recoveries (restart/reset)", recoveries),
                             ("malformed records produced", len(self.producer.produced.malformed))]:
             print(f"{name:<34}{value:>8}")
+        kills = ", ".join(f"{seconds:.1f}s" for seconds in self.kills)
+        print(f"{'kill -9 -> processing again':<34}{kills:>8}")
         result = {"produced": produced, "applied": applied, "duplicates": duplicates, "lost": lost,
                   "dead_letters": dead, "recoveries": recoveries}
         print("\nRESULT " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
         return result
 
 
+def stop_leftovers(workdir: Path) -> int:
+    """Stop what a demo run with ``--keep`` left in ``workdir``: Airflow's components and the tasks they
+    started, the drivers (their command line names the work directory) and the broker."""
+    import os
+    import signal
+
+    import psutil
+
+    sys.path.insert(0, str(REPO))
+    from tests.stack.real_airflow import stop_left_running
+
+    stopped = stop_left_running(workdir / "airflow")
+    groups = set()
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(str(workdir) in part for part in process.info["cmdline"] or []):
+                groups.add(os.getpgid(process.pid))
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+    groups.discard(os.getpgrp())  # this demo, and whatever started it
+    broker = workdir / "broker.pid"
+    if broker.exists():
+        try:
+            os.kill(int(broker.read_text()), signal.SIGKILL)
+            stopped += 1
+        except ProcessLookupError:
+            pass
+        broker.unlink()
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return stopped + len(groups)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=6000, help="events to produce in all")
     parser.add_argument("--workdir", type=Path, default=REPO / ".demo", help="scratch directory (emptied)")
+    parser.add_argument("--keep", action="store_true",
+                        help="leave the stack running at the end and print the Airflow UI address and login")
+    parser.add_argument("--stop", action="store_true", help="stop what an earlier --keep left running, and exit")
     args = parser.parse_args(argv)
     workdir = args.workdir.resolve()
+    if args.stop:
+        say(f"stopped {stop_leftovers(workdir)} process groups of the demo in {workdir}")
+        return 0
+    stop_leftovers(workdir)  # a kept stack of an earlier run
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     story = Story(workdir, args.events)
+    result = None
     try:
         story.start()
         story.run()
         result = story.report()
     finally:
-        story.stop()
+        story.stop(keep=args.keep)
     return 0 if result["duplicates"] == 0 and result["lost"] == 0 else 1
 
 

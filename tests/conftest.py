@@ -42,6 +42,22 @@ def database_url(request, tmp_path):
 
 
 @pytest.fixture
+def state_store(database_url, monkeypatch, broker):
+    """A state database (SQLite and PostgreSQL) that the Airflow side reaches through its default
+    connections, as sensors and triggers do; the Kafka connection points at the test broker."""
+    from airflow_stream_provider.state.store import StateStore
+
+    monkeypatch.setenv(*airflow_stack.connection_env("stream_state_default", conn_type="stream_state",
+                                                     extra={"url": database_url}))
+    monkeypatch.setenv(*airflow_stack.connection_env("stream_kafka_default", conn_type="stream_kafka",
+                                                     host="127.0.0.1", port=broker.port))
+    instance = StateStore.from_url(database_url)
+    instance.ensure_schema()
+    yield instance
+    instance.dispose()
+
+
+@pytest.fixture
 def job_id(request) -> str:
     return f"{request.node.originalname.replace('test_', '')[:40]}-{uuid.uuid4().hex[:6]}".replace("_", "-")
 
@@ -102,7 +118,7 @@ def pytest_terminal_summary(terminalreporter):
 
 #: Files whose tests each run several Spark drivers: started first, so that the two workers do not end
 #: the run waiting on one long scenario each.
-_HEAVY = ("test_upgrades.py", "test_runtime_e2e.py", "test_example_dags.py", "test_faults.py",
+_HEAVY = ("test_real_airflow.py", "test_upgrades.py", "test_runtime_e2e.py", "test_example_dags.py", "test_faults.py",
           "test_provider_dags.py", "test_outages.py", "test_standalone_cluster.py", "test_bad_input.py",
           "test_security.py")
 
