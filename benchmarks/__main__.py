@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import recovery, report, throughput
+from benchmarks import real_airflow, recovery, report, throughput
 from benchmarks.audit import Audit
-from benchmarks.report import SECTIONS
+from benchmarks.report import OPTIONAL_SECTIONS, SECTIONS
 from benchmarks.stack import REPO, Stack, say
 
 #: The default profile takes about 26 minutes on a 2-core machine (budget: 30): about 40 driver starts
@@ -28,10 +28,10 @@ from benchmarks.stack import REPO, Stack, say
 PROFILES = {
     "default": {"cold": 3, "mttr": 3, "baseline": 3, "upgrade": 2, "throughput_repeats": 1, "backlog": 60_000,
                 "max_offsets": 10_000, "raw_repeats": 3, "rss_backlogs": [15_000, 60_000, 150_000],
-                "history": [10, 100, 1000], "partitions": [1, 8, 32]},
+                "history": [10, 100, 1000], "partitions": [1, 8, 32], "real_airflow_kills": 10},
     "quick": {"cold": 1, "mttr": 1, "baseline": 1, "upgrade": 1, "throughput_repeats": 1, "backlog": 6_000,
               "max_offsets": 2_000, "raw_repeats": 1, "rss_backlogs": [4_000, 6_000],
-              "history": [5, 20], "partitions": [1, 4]},
+              "history": [5, 20], "partitions": [1, 4], "real_airflow_kills": 1},
 }
 
 
@@ -56,7 +56,7 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
 
     if section("cold", f"driver spawn -> first committed batch, {profile['cold']} runs"):
         samples["cold_start_s"] = recovery.cold_start(stack, profile["cold"], total)
-    if section("mttr", f"kill -9 under stream_health + recover, {profile['mttr']} runs"):
+    if section("mttr", f"kill -9 under the polling health DAG + recover (dag.test), {profile['mttr']} runs"):
         samples["detect_kill9_s"], samples["mttr_kill9_s"] = recovery.mttr_provider(stack, profile["mttr"], total)
     if section("baseline", f"kill -9 under SparkSubmitOperator + retries, {profile['baseline']} runs"):
         samples["baseline_mttr_kill9_s"] = recovery.mttr_baseline(stack, profile["baseline"], total)
@@ -101,6 +101,10 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
         samples["scaling"]["history"] = recovery.by_history(stack, profile["history"], total)
     if section("partitions", f"recovery and reset with {profile['partitions']} partitions"):
         samples["scaling"]["partitions"] = recovery.by_partitions(stack, profile["partitions"], total)
+    if section("mttr_real_airflow", f"kill -9 under a real Airflow, {profile['real_airflow_kills']} kills each: "
+                                    f"{', '.join(real_airflow.VARIANTS)}"):
+        for variant, seconds in real_airflow.run(stack, profile["real_airflow_kills"], total).items():
+            samples[f"mttr_real_airflow/{variant}"] = seconds
     close_section()
     samples.update(lost=total.lost, duplicated=total.duplicated, audited_records=total.produced)
     return samples
@@ -109,7 +113,9 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="default")
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, help="run these sections only")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS + OPTIONAL_SECTIONS,
+                        help=f"run these sections only ({', '.join(OPTIONAL_SECTIONS)} runs only when named: "
+                             "about an hour)")
     parser.add_argument("--out", type=Path, help="results directory (default benchmarks/results; quick: "
                                                  "<workdir>/results)")
     parser.add_argument("--workdir", type=Path, default=REPO / ".bench", help="scratch directory (emptied)")
@@ -166,7 +172,8 @@ def _updated(previous: Path, samples: dict, minutes: float, section_minutes: dic
     replaced = sum(old_sections.get(name, 0.0) for name in section_minutes)
     total = before["meta"]["minutes"] - replaced + sum(section_minutes.values()) if old_sections else \
         before["meta"]["minutes"] + minutes
-    all_sections = [s for s in SECTIONS if s in set(before["meta"].get("sections", [])) | set(sections)]
+    all_sections = [s for s in SECTIONS + OPTIONAL_SECTIONS
+                    if s in set(before["meta"].get("sections", [])) | set(sections)]
     return merged, round(total, 1), {**old_sections, **section_minutes}, all_sections
 
 

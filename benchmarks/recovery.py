@@ -43,7 +43,7 @@ def _processing(job: Job) -> dict:
 
 
 class _Watching:
-    """Set when ``stream_health``'s deferred sensor starts polling.  ``dag.test()`` runs the trigger in
+    """Set when the polling health DAG's deferred sensor starts polling.  ``dag.test()`` runs the trigger in
     this process, so wrapping the trigger class's ``run`` observes it without changing what it does."""
 
     event = threading.Event()
@@ -106,9 +106,10 @@ def cold_start(stack: Stack, repeats: int, total: Audit) -> list[float]:
 
 # -- kill -9 with this provider ----------------------------------------------------------------------
 def kill_and_recover(stack: Stack, job: Job) -> tuple[float, float, float]:
-    """While ``stream_health``'s sensor is deferred, SIGKILL the driver at a random moment of the poll
-    interval; return (kill -> diagnosis DEAD, kill -> first batch committed by the recovered run, the
-    crash-loop backoff the recover operator slept, which is part of the second)."""
+    """While ``bench_polling_health``'s sensor is deferred (under ``dag.test()``: the best case), SIGKILL
+    the driver at a random moment of the poll interval; return (kill -> diagnosis DEAD, kill -> first
+    batch committed by the recovered run, the crash-loop backoff the recover operator slept, which is part
+    of the second)."""
     victim = _processing(job)
     killed_at: list[float] = []
     _Watching.install()
@@ -123,11 +124,11 @@ def kill_and_recover(stack: Stack, job: Job) -> tuple[float, float, float]:
 
     killer = threading.Thread(target=kill_when_watched, daemon=True)
     killer.start()
-    tasks = stack.trigger_ok("stream_health")
+    tasks = stack.trigger_ok("bench_polling_health")
     killer.join(30)
     diagnosis, recovered = tasks["health"], tasks["recover"]
     if not killed_at or diagnosis["health"] != "DEAD" or diagnosis["run_id"] != victim["run_id"]:
-        raise RuntimeError(f"stream_health did not see the killed run DEAD: {diagnosis}")
+        raise RuntimeError(f"bench_polling_health did not see the killed run DEAD: {diagnosis}")
     first = job.wait_first_commit(run_id=recovered["run_id"])
     return diagnosis["diagnosed_at"] - killed_at[0], first - killed_at[0], recovered.get("backoff_s") or 0.0
 

@@ -4,6 +4,7 @@ table with the targets, and PNG plots.  Pure: takes the collected samples, touch
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,10 @@ def summarise(samples: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         runs[f"eos_msgs_s/{database}"] = len(samples.get(f"eos_msgs_s/{database}", []))
         runs[f"alo_msgs_s/{database}"] = len(samples.get(f"alo_msgs_s/{database}", []))
     result["by_database"] = by_database
+    result["mttr_real_airflow"] = {
+        variant: {"runs": len(values), "p50": percentile(values, 50), "p95": percentile(values, 95),
+                  "max": percentile(values, 100)}
+        for variant in REAL_AIRFLOW_VARIANTS if (values := samples.get(f"mttr_real_airflow/{variant}"))}
     result["baseline_upgrade_incompatible"] = samples.get("baseline_upgrade_incompatible", "not measured")
     result["lost"] = samples.get("lost", 0)
     result["duplicated"] = samples.get("duplicated", 0)
@@ -54,6 +59,17 @@ def summarise(samples: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
 #: (``SECTIONS``, in the order they run).
 BUDGET_MINUTES = 30
 SECTIONS = ("cold", "mttr", "baseline", "upgrade", "throughput", "rss", "history", "partitions")
+#: Run only when named (``--only``): about an hour, most of it waiting for the 5-minute polling DAG.
+OPTIONAL_SECTIONS = ("mttr_real_airflow",)
+REAL_AIRFLOW_VARIANTS = ("watcher", "polling", "spark_submit")
+
+
+def percentile(samples: list[float], q: float) -> float | None:
+    """Nearest rank: with 10 samples, p95 is the largest (no interpolation past what was measured)."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return round(ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)], 2)
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -77,6 +93,11 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             spread = flatness(values)
             found.append(check(f"{column} flat across checkpoint history (largest / smallest)", spread, 1.5,
                                spread <= 1.5))
+    watcher = r.get("mttr_real_airflow", {}).get("watcher")
+    if watcher and r["cold_start_s"] is not None:
+        limit = round(r["cold_start_s"] + 5, 3)
+        found.append(check("mttr_real_airflow watcher p95 <= cold_start_s + 5", watcher["p95"], limit,
+                           watcher["p95"] <= limit))
     rss = r["scaling"].get("rss_vs_backlog", {}).get("peak_rss_mb") or []
     if len(rss) >= 2:
         spread = flatness(rss)
@@ -87,8 +108,11 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     meta = r.get("meta") or {}
     whole = set(meta.get("sections", ())) >= set(SECTIONS)
     if meta.get("profile") == "default" and whole and meta.get("minutes") is not None:
-        found.append(check(f"whole default profile under {BUDGET_MINUTES} min", meta["minutes"],
-                           BUDGET_MINUTES, meta["minutes"] < BUDGET_MINUTES))
+        # The sections run only when named are no part of the default profile's budget.
+        optional = sum((meta.get("section_minutes") or {}).get(name, 0.0) for name in OPTIONAL_SECTIONS)
+        minutes = round(meta["minutes"] - optional, 1)
+        found.append(check(f"whole default profile under {BUDGET_MINUTES} min", minutes, BUDGET_MINUTES,
+                           minutes < BUDGET_MINUTES))
     return found
 
 
@@ -127,8 +151,8 @@ def markdown(r: dict[str, Any]) -> str:
         "|---|---:|---:|---|",
         f"| `cold_start_s` | {_fmt(r['cold_start_s'])} | {runs['cold_start_s']} | spawn of a driver on an existing "
         "checkpoint -> first committed batch: the floor for any restart |",
-        f"| `detect_kill9_s` | {_fmt(r['detect_kill9_s'])} | {runs['detect_kill9_s']} | SIGKILL -> `stream_health`'s "
-        "deferred sensor diagnoses DEAD (looks every 2 s) |",
+        f"| `detect_kill9_s` | {_fmt(r['detect_kill9_s'])} | {runs['detect_kill9_s']} | SIGKILL -> the polling health "
+        "DAG's deferred sensor diagnoses DEAD (looks every 2 s; `dag.test()`, so the sensor is always watching) |",
         f"| `mttr_kill9_s` | {_fmt(r['mttr_kill9_s'])} | {runs['mttr_kill9_s']} | SIGKILL -> first batch committed by "
         "the run `RecoverStreamingJobOperator` started |",
         f"| `baseline_mttr_kill9_s` | {_fmt(r['baseline_mttr_kill9_s'])} | {runs['baseline_mttr_kill9_s']} | the "
@@ -171,6 +195,18 @@ def markdown(r: dict[str, Any]) -> str:
                   for b, m, j, p, s in zip(rss["backlog"], rss["peak_rss_mb"], *split, rss["msgs_s"], strict=True)]
         lines += ["", "The Python share is the driver's interpreter and Spark's Python workers (one per running "
                   "task, reused); the JVM's heap is capped by spark.driver.memory.", ""]
+    real = r.get("mttr_real_airflow")
+    if real:
+        labels = {"watcher": "always-on watcher -> `stream_health` on the asset event (as shipped)",
+                  "polling": "the old `stream_health`: every 5 min, a 4-min deferred sensor (`bench_polling_health`)",
+                  "spark_submit": "`SparkSubmitOperator` + task retries (`retry_delay` 5 s)"}
+        lines += ["## `mttr_real_airflow`: SIGKILL -> processing again under a real Airflow", "",
+                  "Scheduler, triggerer, dag-processor and api-server as separate processes (LocalExecutor); "
+                  "kills at uniformly random moments, one fresh deployment per way.", "",
+                  "| how the job is watched | p50 s | p95 s | max s | kills |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {labels[v]} | {_fmt(x['p50'])} | {_fmt(x['p95'])} | {_fmt(x['max'])} | {x['runs']} |"
+                  for v, x in real.items()]
+        lines += ["", "p95 is the nearest rank: with 10 kills, the largest.", ""]
     lines += ["## Exactly-once over every run", "",
               f"{r['audited_records']:,} records audited: lost **{r['lost']}**, duplicated **{r['duplicated']}**.", "",
               "## Targets", "", "| target | value | limit | met |", "|---|---:|---:|:-:|"]

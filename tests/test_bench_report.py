@@ -90,3 +90,17 @@ def test_minutes_per_section_are_reported():
             "section_minutes": {"stack": 0.4, "cold": 1.25, "history": 1.85}}
     markdown = report.markdown(report.summarise(SAMPLES, meta))
     assert "Minutes per section: stack 0.4, cold 1.2, history 1.9." in markdown
+
+
+def test_real_airflow_percentiles_table_and_target():
+    watcher = [30.0, 28.0, 31.0, 29.0, 27.0, 33.0, 30.5, 29.5, 28.5, 32.0]
+    samples = {**SAMPLES, "mttr_real_airflow/watcher": watcher,
+               "mttr_real_airflow/polling": [40.0, 260.0, 35.0], "mttr_real_airflow/spark_submit": [31.0]}
+    r = report.summarise(samples, {"profile": "test"})
+    assert r["mttr_real_airflow"]["watcher"] == {"runs": 10, "p50": 29.5, "p95": 33.0, "max": 33.0}
+    assert r["mttr_real_airflow"]["polling"]["p50"] == 40.0 and r["mttr_real_airflow"]["polling"]["max"] == 260.0
+    verdict = {t["target"]: t for t in r["targets"]}["mttr_real_airflow watcher p95 <= cold_start_s + 5"]
+    assert verdict["limit"] == 18.0 and verdict["met"] is False  # cold start median 13 s
+    text = report.markdown(r)
+    assert "## `mttr_real_airflow`" in text and "| 29.50 | 33.00 | 33.00 | 10 |" in text
+    assert "mttr_real_airflow" not in report.markdown(report.summarise(SAMPLES, {"profile": "test"}))
