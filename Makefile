@@ -39,7 +39,9 @@ demo: install
 	$(VENV)/bin/python -m demo $(DEMO_ARGS)
 
 # Recovery time, throughput and scaling against the baseline; writes benchmarks/results/ (about 26 min on
-# 2 cores; BENCH_ARGS="--profile quick" checks the whole path in a few minutes).
+# 2 cores; BENCH_ARGS="--profile quick" checks the whole path in a few minutes).  Recovery under a real
+# Airflow, against the former polling DAG and SparkSubmitOperator, runs only when named (about an hour):
+# BENCH_ARGS="--only cold mttr_real_airflow --update".
 bench: install $(VENV)/.bench-installed
 	$(VENV)/bin/python -m benchmarks $(BENCH_ARGS)
 
