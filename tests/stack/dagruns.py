@@ -6,6 +6,7 @@ Imported by conftest before Airflow is configured, so Airflow modules are import
 
 from __future__ import annotations
 
+import copy
 import signal
 
 from sqlalchemy import select
@@ -53,9 +54,17 @@ def runs(state, job_id: str) -> list[dict]:
         return [dict(r) for r in conn.execute(select(schema.runs).where(schema.runs.c.job_id == job_id)).mappings()]
 
 
+#: Each DAG's declared params, read before its first run.  ``dag.test()`` runs the tasks in this process,
+#: and resolving a run's conf writes each value into the DAG's own ``Param`` objects (a real Airflow parses
+#: the DAG afresh for every task), so a value one test overrides, e.g. ``if_running="replace"``, would
+#: become the default of the next test's run in the same worker.  Every run passes all of them.
+_DECLARED: dict[str, dict] = {}
+
+
 def run_dag(dag, params: dict, **overrides):
     """Trigger ``dag`` with the job's params; return (state, {task_id: (state, xcom)})."""
-    dag_run = dag.test(run_conf={**params, **overrides})
+    declared = _DECLARED.setdefault(dag.dag_id, copy.deepcopy(dag.params.dump()))
+    dag_run = dag.test(run_conf={**declared, **params, **overrides})
     tasks = {ti.task_id: (ti.state, ti.xcom_pull(task_ids=ti.task_id)) for ti in dag_run.get_task_instances()}
     return dag_run.state, tasks
 
