@@ -42,6 +42,17 @@ def database_url(request, tmp_path):
 
 
 @pytest.fixture
+def store(database_url):
+    """A state database with its schema, on SQLite and PostgreSQL: the runtime's side of it."""
+    from airflow_stream_provider.state.store import StateStore
+
+    instance = StateStore.from_url(database_url)
+    instance.ensure_schema()
+    yield instance
+    instance.dispose()
+
+
+@pytest.fixture
 def state_store(database_url, monkeypatch, broker):
     """A state database (SQLite and PostgreSQL) that the Airflow side reaches through its default
     connections, as sensors and triggers do; the Kafka connection points at the test broker."""

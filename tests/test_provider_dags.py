@@ -54,6 +54,18 @@ def test_kill9_is_detected_by_a_deferred_sensor_and_recovered(stream, broker, fi
 
     producer.send(800)
     caught_up(state, job_id, producer)
+
+    # A second kill of the job, healthy again (its restarted run committed batches): no crash loop, so
+    # neither backoff nor budget (Kubernetes' CrashLoopBackOff resets after a successful run, too).
+    StreamDriverHook._signal(state.store.get_run(recovered["run_id"]), signal.SIGKILL)
+    status, tasks = run_dag(dags.health, params, max_restarts=1)
+    assert status == "success", tasks
+    again = tasks["recover"][1]
+    assert again["action"] == "restart" and (recovered["backoff_s"], again["backoff_s"]) == (0, 0), again
+    assert state.store.get_run(recovered["run_id"])["status"] == "DEAD", "a killed run must not stay RUNNING"
+    producer.send(400)
+    caught_up(state, job_id, producer)
+
     status, tasks = run_dag(dags.stop, params)
     assert status == "success" and tasks["stop"][1]["outcome"] == "stopped", tasks
     assert tasks["stop"][1]["exit_code"] == failures.EXIT_STOPPED

@@ -10,9 +10,10 @@ from airflow.sdk import BaseHook
 from sqlalchemy import insert, select
 from sqlalchemy.engine import make_url
 
+from airflow_stream_provider.diagnosis import Diagnosis, Health
 from airflow_stream_provider.kafka_offsets import Offsets
 from airflow_stream_provider.state import schema
-from airflow_stream_provider.state.store import StateStore
+from airflow_stream_provider.state.store import ACTIVE_STATUSES, StateStore
 
 
 class StreamStateHook(BaseHook):
@@ -80,6 +81,13 @@ class StreamStateHook(BaseHook):
 
     def stored_offsets(self, job_id: str) -> Offsets:
         return self.store.stored_offsets(job_id)
+
+    def record_death(self, run: dict[str, Any] | None, found: Diagnosis) -> bool:
+        """A driver killed -9 records nothing itself: once diagnosed DEAD, its run says so in the history
+        (status DEAD, with the evidence) instead of staying RUNNING whatever happens next."""
+        if found.health != Health.DEAD or run is None or run["status"] not in ACTIVE_STATUSES:
+            return False
+        return self.store.mark_dead(run["run_id"], "found dead: " + "; ".join(found.evidence))
 
     def current_generation(self, job_id: str) -> int:
         """The newest generation not archived; 1 for a job that never ran."""

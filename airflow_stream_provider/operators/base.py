@@ -26,6 +26,7 @@ from airflow_stream_provider.hooks.checkpoint import CheckpointHook
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
+from airflow_stream_provider.kafka_offsets import LostRange, Offsets
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state.store import ACTIVE_STATUSES
 
@@ -142,7 +143,9 @@ class StreamJobOperator(BaseOperator):
             self.log.warning("Could not read Kafka lag for job %s: %r", job.job_id, err)
             lag = None
         alive = self.driver.is_alive(run) if run else None
-        return diagnosis.diagnose(job.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
+        found = diagnosis.diagnose(job.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
+        self.state.record_death(run, found)
+        return found
 
     def live_run(self) -> dict[str, Any] | None:
         """The latest run if its driver is alive (by process check or fresh heartbeat)."""
@@ -241,7 +244,7 @@ class StreamJobOperator(BaseOperator):
         live = self.live_run()
         if live is not None:
             self.stop_run(live)
-        stored, lost = self.resume_point(job, allow_data_loss=allow_data_loss)
+        resume, lost = self.resume_point(job, allow_data_loss=allow_data_loss)
         generation = self.state.current_generation(job.job_id)
         archive_path = None
         active = {g.generation for g in self.checkpoints.list_generations(job.job_id) if not g.archived}
@@ -258,11 +261,12 @@ class StreamJobOperator(BaseOperator):
             self.log.info("Generation %s of job %s was archived to %s by an earlier reset that did not start "
                           "generation %s: starting it now", generation, job.job_id, archive_path, generation + 1)
         faults.maybe_crash("reset_after_archive")
-        starting = kafka_offsets.to_spark_json(stored) if stored else None
-        if lost:  # accepted loss: start where Kafka still has data
-            earliest, latest = self.kafka.watermarks(job.kafka.topics)
-            moved = {tp: min(max(off, earliest.get(tp, off)), latest.get(tp, off)) for tp, off in stored.items()}
-            starting = kafka_offsets.to_spark_json(moved)
+        if lost:  # accepted loss: recorded with the offsets it moves, before anything reads from there
+            self.state.store.accept_loss(job.job_id, generation + 1, lost, resume, reason)
+            self.log.warning("Job %s: accepted the loss of %s; generation %s starts at %s", job.job_id,
+                             "; ".join(r.describe() for r in lost), generation + 1,
+                             kafka_offsets.to_spark_json(resume))
+        starting = kafka_offsets.to_spark_json(resume) if resume else None
         result = self.launch(generation=generation + 1, starting_offsets=starting, spec=job,
                              application=application)
         self.state.record_restart(job.job_id, "reset", reason, None, result["run_id"])
@@ -285,17 +289,33 @@ class StreamJobOperator(BaseOperator):
         recorded.update(database_url=current.database_url, dry_run=False)
         return application, StreamJobSpec.from_dict(recorded)
 
-    def resume_point(self, job: StreamJobSpec, *, allow_data_loss: bool = False):
-        """The stored offsets and the ranges of them Kafka no longer holds; fails on loss unless allowed."""
+    def resume_point(self, job: StreamJobSpec, *,
+                     allow_data_loss: bool = False) -> tuple[Offsets, list[LostRange]]:
+        """Where a new generation resumes, checked against Kafka (invariant 5), and the ranges of it Kafka
+        no longer holds; fails on loss unless allowed, and then resumes past the loss.
+
+        The stored offsets, for every topic the sink accounts for (a second stream's too).  A partition
+        no batch ever committed resumes where the last generation began, not at the spec's default:
+        with ``latest`` that would skip everything since.
+        """
         stored = self.state.stored_offsets(job.job_id)
-        lost = self.kafka.lost_ranges(stored, job.kafka.topics) if stored else []
+        resume = {**self.state.store.recorded_start(job.job_id), **stored}
+        if not resume:
+            return {}, []
+        topics = sorted(set(job.kafka.topics) | {topic for topic, _ in resume})
+        earliest, latest = self.kafka.watermarks(topics)
+        lost = kafka_offsets.find_lost_ranges(resume, earliest, latest)
         if lost and not allow_data_loss:
             raise AirflowFailException(
-                f"job {job.job_id}: cannot resume from the stored offsets {kafka_offsets.to_spark_json(stored)}: "
+                f"job {job.job_id}: cannot resume from the stored offsets {kafka_offsets.to_spark_json(resume)}: "
                 + "; ".join(r.describe() for r in lost)
                 + ". Nothing was archived or started. Restore the data, or rerun with allow_data_loss=True "
                 "to accept the loss.")
-        return stored, lost
+        # Past an accepted loss: below retention, or on a log that went backwards (a recreated topic: all it
+        # holds is unread), from the earliest offset Kafka has, as the Python source does with
+        # failOnDataLoss=false; a partition that is gone is dropped.
+        return {tp: off if earliest[tp] <= off <= latest[tp] else earliest[tp]
+                for tp, off in resume.items() if tp in latest}, lost
 
     # -- stopping --------------------------------------------------------------------------------------
     def stop_run(self, run: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from airflow.sdk.exceptions import AirflowFailException
+
 from airflow_stream_provider.operators.base import StreamJobOperator
 
 
@@ -11,11 +13,13 @@ class ResetStreamingJobOperator(StreamJobOperator):
     """Archive the current checkpoint generation (never delete it), validate the offsets stored with the
     results against Kafka, and start generation n+1 with them as ``startingOffsets``.
 
-    :param allow_data_loss: accept stored offsets that fell out of Kafka's retention and resume at the
-        earliest offsets Kafka still has; the lost ranges are reported in the result.
+    :param allow_data_loss: accept stored offsets Kafka no longer holds (out of retention, a recreated
+        topic, a partition gone) and resume where Kafka still has data.  Each lost range is recorded in
+        ``stream_accepted_losses`` with the reason, in the transaction that moves the stored offsets past
+        it, and reported in the result.
     """
 
-    template_fields = (*StreamJobOperator.template_fields, "reason")
+    template_fields = (*StreamJobOperator.template_fields, "reason", "allow_data_loss")
 
     def __init__(self, *, allow_data_loss: bool = False, reason: str = "manual reset", **kwargs):
         super().__init__(**kwargs)
@@ -23,4 +27,14 @@ class ResetStreamingJobOperator(StreamJobOperator):
         self.reason = reason
 
     def execute(self, context) -> dict[str, Any]:
-        return self.reset_and_resume(self.reason, allow_data_loss=self.allow_data_loss)
+        return self.reset_and_resume(self.reason, allow_data_loss=_flag(self.allow_data_loss, "allow_data_loss"))
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A templated flag renders to the string "False" without native rendering: never read that as yes."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "false"):
+        return text == "true"
+    raise AirflowFailException(f"{name}={value!r}: expected true or false")

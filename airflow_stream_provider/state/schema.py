@@ -117,6 +117,25 @@ batches = Table(
     Column("committed_at", Float),
 )
 
+#: Ranges a reset gave up with ``allow_data_loss`` (fell out of retention, topic recreated, partition gone).
+#: Written in the transaction that moves the stored offsets past them, so results, ledger and accepted
+#: losses always add up to the stored offsets.  ``resume_offset`` is where the new generation starts the
+#: partition (None: the partition no longer exists).
+accepted_losses = Table(
+    "stream_accepted_losses",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("job_id", String(100), nullable=False, index=True),
+    Column("generation", Integer, nullable=False),
+    Column("topic", String(249), nullable=False),
+    Column("partition", Integer, nullable=False),
+    Column("start_offset", BigInteger, nullable=False),
+    Column("end_offset", BigInteger),
+    Column("resume_offset", BigInteger),
+    Column("reason", Text, nullable=False),
+    Column("accepted_at", Float, nullable=False),
+)
+
 #: Records the job could not turn into results, kept byte for byte with the reason.
 dead_letters = Table(
     "dead_letters",

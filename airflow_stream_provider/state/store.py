@@ -11,7 +11,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,8 @@ from sqlalchemy import Engine, and_, create_engine, event, func, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
-from airflow_stream_provider.kafka_offsets import Offsets
+from airflow_stream_provider import kafka_offsets
+from airflow_stream_provider.kafka_offsets import LostRange, Offsets
 from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV
 from airflow_stream_provider.state import schema
 
@@ -252,7 +253,9 @@ class StateStore:
         if not include_dry_runs:
             query = query.where(schema.runs.c.dry_run.is_(False))
         with self.engine.connect() as conn:
-            row = conn.execute(query.order_by(schema.runs.c.started_at.desc()).limit(1)).mappings().first()
+            # By epoch, which the database hands out in order: the driver hosts' clocks may disagree.
+            row = conn.execute(query.order_by(schema.runs.c.epoch.desc(), schema.runs.c.started_at.desc())
+                               .limit(1)).mappings().first()
             return dict(row) if row else None
 
     def watched_jobs(self) -> list[WatchedJob]:
@@ -260,7 +263,8 @@ class StateStore:
         however many jobs the database holds, so an always-on watcher costs one round trip per poll."""
         runs, reports = schema.runs, schema.health_reports
         ranked = (select(runs, func.row_number().over(partition_by=runs.c.job_id,
-                                                      order_by=runs.c.started_at.desc()).label("rank"))
+                                                      order_by=(runs.c.epoch.desc(), runs.c.started_at.desc()))
+                                       .label("rank"))
                   .where(runs.c.dry_run.is_(False)).subquery())
         query = (select(schema.jobs.c.job_id.label("watched_job_id"), ranked,
                         reports.c.health.label("reported_health"),
@@ -336,7 +340,47 @@ class StateStore:
             .first()
         )
 
+    def recorded_start(self, job_id: str) -> Offsets:
+        """Where the newest generation that recorded a start began (its batch 0): what a reset resumes
+        from for partitions no batch ever committed, instead of the spec's earliest/latest default."""
+        table = schema.generations
+        with self.engine.connect() as conn:
+            text = conn.execute(select(table.c.starting_offsets)
+                                .where(table.c.job_id == job_id, table.c.starting_offsets.is_not(None))
+                                .order_by(table.c.generation.desc()).limit(1)).scalar()
+        return kafka_offsets.from_spark_json(text) if text else {}
+
     # -- offsets -----------------------------------------------------------------------------------
+    def accept_loss(self, job_id: str, generation: int, lost: Sequence[LostRange], resume: Offsets,
+                    reason: str) -> None:
+        """Record ranges given up with ``allow_data_loss`` and move the stored offsets to ``resume`` (where
+        ``generation`` starts) in ONE transaction: the stored offsets then still equal what the ledger
+        applied plus what was knowingly skipped.  A partition missing from ``resume`` no longer exists in
+        Kafka: its stored offset is removed.  Moving back is allowed here only: a recreated topic's
+        offsets begin again below the stored ones."""
+        now = time.time()
+        offsets, losses = schema.offsets, schema.accepted_losses
+        with self.engine.begin() as conn:
+            conn.execute(select(schema.jobs.c.epoch).where(schema.jobs.c.job_id == job_id).with_for_update())
+            for r in lost:
+                tp = (r.topic, r.partition)
+                conn.execute(losses.insert().values(
+                    job_id=job_id, generation=generation, topic=r.topic, partition=r.partition,
+                    start_offset=r.start, end_offset=r.end, resume_offset=resume.get(tp),
+                    reason=f"{r.reason}; accepted: {plain_text(reason)}"[:4000], accepted_at=now))
+                conn.execute(offsets.delete().where(offsets.c.job_id == job_id, offsets.c.topic == r.topic,
+                                                    offsets.c.partition == r.partition))
+                if tp in resume:
+                    conn.execute(offsets.insert().values(job_id=job_id, topic=r.topic, partition=r.partition,
+                                                         next_offset=resume[tp], generation=generation,
+                                                         batch_id=None, updated_at=now))
+
+    def accepted_losses(self, job_id: str) -> list[dict[str, Any]]:
+        table = schema.accepted_losses
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(table).where(table.c.job_id == job_id).order_by(table.c.id)).mappings()
+            return [dict(r) for r in rows]
+
     def stored_offsets(self, job_id: str, conn=None) -> Offsets:
         query = select(
             schema.offsets.c.topic, schema.offsets.c.partition, schema.offsets.c.next_offset

@@ -94,7 +94,9 @@ class HealthProbe:
             except Exception as err:
                 self.state.log.warning("Could not read the Kafka lag of job %s: %r", self.job_id, err)
         alive = StreamDriverHook.is_alive(run) if run else None
-        return diagnosis.diagnose(self.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
+        found = diagnosis.diagnose(self.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
+        self.state.record_death(run, found)
+        return found
 
     def close(self) -> None:
         self.state.close()

@@ -30,7 +30,8 @@ WATCH = {"job_id": "{{ params.spec.job_id }}", "topics": "{{ params.spec.kafka.t
          "stuck_after": "{{ params.stuck_after }}"}
 PARAMS = {"spec": {}, "application": "", "conf": {}, "env_vars": {}, "driver_log_dir": "", "ready_timeout": 240,
           "heartbeat_timeout": 15, "stop_timeout": 90, "stuck_after": 300, "if_running": "fail",
-          "max_restarts": 3, "reason": "test", "reset_policy": "after_preflight", "preflight_timeout": 240}
+          "max_restarts": 3, "reason": "test", "reset_policy": "after_preflight", "preflight_timeout": 240,
+          "allow_data_loss": False}
 
 
 def _dag(dag_id: str) -> DAG:
@@ -51,6 +52,10 @@ with _dag("test_stream_watch") as watch:
 with _dag("test_stream_incompatible") as incompatible:
     CheckpointIncompatibilitySensor(task_id="checkpoint", **WATCH) >> ResetStreamingJobOperator(
         task_id="reset", reason="{{ params.reason }}", **JOB)
+
+with _dag("test_stream_reset") as reset:
+    ResetStreamingJobOperator(task_id="reset", reason="{{ params.reason }}",
+                              allow_data_loss="{{ params.allow_data_loss }}", **JOB)
 
 with _dag("test_stream_stop") as stop:
     StopStreamingJobOperator(task_id="stop", **JOB)

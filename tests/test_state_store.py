@@ -1,0 +1,59 @@
+"""The state store's own guarantees, on SQLite and PostgreSQL: which run is the latest, how an accepted
+data loss moves the stored offsets, and that a run found dead says so in the history."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+from airflow_stream_provider.diagnosis import Health, Thresholds
+from airflow_stream_provider.kafka_offsets import LostRange
+from airflow_stream_provider.state import schema
+from airflow_stream_provider.triggers.health import HealthProbe
+
+
+def test_latest_run_is_the_newest_epoch_whatever_the_hosts_clocks(state_store):
+    """Drivers on hosts whose clocks disagree: the epoch the database hands out decides, not started_at."""
+    older = state_store.begin_run("job", 1, "1.0")
+    newer = state_store.begin_run("job", 1, "1.0")
+    state_store._update_run(newer.run_id, started_at=1000.0)  # its host's clock is far behind
+    assert newer.epoch > older.epoch
+    assert state_store.latest_run("job")["run_id"] == newer.run_id
+    [watched] = state_store.watched_jobs()
+    assert watched.run["run_id"] == newer.run_id
+
+
+def test_an_accepted_loss_moves_the_offsets_with_its_record_in_one_transaction(state_store):
+    state_store.begin_run("job", 1, "1.0")
+    with state_store.engine.begin() as conn:
+        conn.execute(schema.offsets.insert(), [
+            {"job_id": "job", "topic": "t", "partition": p, "next_offset": 300, "generation": 1, "batch_id": 4}
+            for p in (0, 1, 2)])
+    lost = [LostRange("t", 0, 300, 350, "fell out of retention (earliest available offset is 350)"),
+            LostRange("t", 1, 12, 300, "offsets went backwards"),
+            LostRange("t", 2, 300, None, "partition no longer exists in Kafka")]
+    state_store.accept_loss("job", 2, lost, {("t", 0): 350, ("t", 1): 12}, "upgrade to 2.0")
+
+    assert state_store.stored_offsets("job") == {("t", 0): 350, ("t", 1): 12}
+    rows = state_store.accepted_losses("job")
+    assert [(r["partition"], r["start_offset"], r["end_offset"], r["resume_offset"], r["generation"])
+            for r in rows] == [(0, 300, 350, 350, 2), (1, 12, 300, 12, 2), (2, 300, None, None, 2)]
+    assert all("accepted: upgrade to 2.0" in r["reason"] for r in rows)
+
+
+def test_a_run_found_dead_is_recorded_dead(state_store):
+    """A driver killed -9 writes nothing: the health check that finds it gone records DEAD with the
+    evidence, so the history never shows a dead run as RUNNING."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    ticket = state_store.begin_run("job", 1, "1.0", host=socket.gethostname(), pid=gone.pid)
+    state_store.mark_query_started(ticket.run_id)
+    probe = HealthProbe("job", ["events"], "stream_state_default", "stream_kafka_default", Thresholds())
+    try:
+        found = probe.check()
+    finally:
+        probe.close()
+    assert found.health == Health.DEAD
+    run = state_store.get_run(ticket.run_id)
+    assert run["status"] == "DEAD" and f"pid {gone.pid}" in run["termination_message"], run
