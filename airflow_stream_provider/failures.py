@@ -167,6 +167,15 @@ SIGNATURES: tuple[Signature, ...] = (
         advice="A record could not be handled nor dead-lettered: inspect it at the topic/partition/offset "
         "in the evidence, fix the job or the dead-letter table, then restart.",
     ),
+    Signature(
+        name="offsets-log-mismatch",
+        kind=_CK,
+        error_classes=("STREAM_BATCH_RANGE_MISMATCH", "STREAM_OFFSET_LOG_MISSING"),
+        patterns=(),
+        advice="The checkpoint's offsets log does not say which records a batch read (an entry is missing, "
+        "or was rewritten, e.g. by a second driver on the checkpoint); the sink refused the batch, so the "
+        f"stored offsets still match the results: make sure only one driver runs on it, then {_RESET}.",
+    ),
     # -- two writers on one checkpoint ----------------------------------------------------------------
     Signature(
         name="concurrent-query",

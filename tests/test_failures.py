@@ -39,6 +39,12 @@ SAMPLES: dict[str, tuple[str, ...]] = {
     ),
     "offset-gap": ("[STREAM_OFFSET_GAP] batch starts at events/0:120 but the stored next offset is 100",),
     "poison-record": ("[STREAM_POISON_RECORD] events/0:57 could not be handled nor dead-lettered",),
+    "offsets-log-mismatch": (
+        "[STREAM_BATCH_RANGE_MISMATCH] job j batch 7: partition events-0: the offsets log gives the batch "
+        "[100, 150) (offsets/6 to offsets/7) but the records Spark handed it span offsets 100 to 199.",
+        "[STREAM_OFFSET_LOG_MISSING] job j batch 7: offsets log entry offsets/6 (where the batch starts) is "
+        "missing from /ckpt/j/gen-1/offsets",
+    ),
     "concurrent-query": (
         (
             "[CONCURRENT_QUERY] Another instance of this query was just started by a concurrent session. "
@@ -398,6 +404,11 @@ PYTHON_PROXY = (
             "offset-gap",
         ),
         ("RuntimeError: [STREAM_POISON_RECORD] events/0:57", FailureKind.POISON, "poison-record"),
+        (
+            "airflow_stream_provider.runtime.sink.BatchRangeError: [STREAM_BATCH_RANGE_MISMATCH] job j batch 7",
+            FailureKind.CHECKPOINT_INCOMPATIBLE,
+            "offsets-log-mismatch",
+        ),
         (
             "psycopg.OperationalError: connection failed: Connection refused",
             FailureKind.TRANSIENT,

@@ -19,17 +19,8 @@ from airflow_stream_provider.runtime.transaction import (
     plan,
 )
 from airflow_stream_provider.state import schema
-from airflow_stream_provider.state.store import StateStore
 
 T = "events-topic"
-
-
-@pytest.fixture
-def store(database_url):
-    instance = StateStore.from_url(database_url)
-    instance.ensure_schema()
-    yield instance
-    instance.dispose()
 
 
 @pytest.fixture

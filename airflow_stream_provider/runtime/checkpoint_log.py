@@ -16,7 +16,9 @@ class OffsetLog:
     def __init__(self, spark: SparkSession, checkpoint_path: str):
         jvm = spark._jvm
         self._jvm = jvm
-        self._dir = jvm.org.apache.hadoop.fs.Path(f"{checkpoint_path.rstrip('/')}/offsets")
+        #: the log's directory, for messages
+        self.path = f"{checkpoint_path.rstrip('/')}/offsets"
+        self._dir = jvm.org.apache.hadoop.fs.Path(self.path)
         self._fs = self._dir.getFileSystem(spark._jsc.hadoopConfiguration())
 
     def source_offsets(self, batch_id: int) -> Offsets | None:

@@ -79,6 +79,7 @@ class StreamHarness:
         self._stop_signalled = False
         #: A dry run (upgrade preflight) stops by itself once one batch ran through the sink.
         self._preflight_done = False
+        self._rerun_of_batch_0 = False
         log.info(
             "job %s version %s generation %s: run %s holds epoch %s%s",
             spec.job_id,
@@ -90,6 +91,11 @@ class StreamHarness:
         )
         self.spark: SparkSession | None = None
         self._generation_start: kafka_offsets.Offsets = {}
+        #: the generation's recorded start (None: not recorded yet) and what to record once every stream
+        #: resolved its start; whether the checkpoint lost every batch the generation committed
+        self._recorded_start: kafka_offsets.Offsets | None = None
+        self._start_to_record: kafka_offsets.Offsets = {}
+        self._checkpoint_lost = False
         #: What the sink needs to isolate a poison record (see ``run`` and ``sink``).
         self.on_poison = "dead_letter"
         self._transform: Callable[[DataFrame], DataFrame] | None = None
@@ -144,6 +150,7 @@ class StreamHarness:
             self._start_spark()
             self._generation_start = self._resolve_generation_start()
             records = transform(self._source())
+            self._record_generation_start()
             missing = [c for c in DEAD_LETTER_COLUMNS if c not in records.columns]
             if missing:
                 raise StartupError(
@@ -182,42 +189,65 @@ class StreamHarness:
         self.spark.sparkContext.setLogLevel(os.environ.get("STREAM_SPARK_LOG_LEVEL", "WARN"))
 
     def _resolve_generation_start(self) -> kafka_offsets.Offsets:
-        """The concrete offsets where this generation's batch 0 starts, recorded once per generation.
+        """The concrete offsets where this generation's batch 0 starts for the job's own topics.
 
-        Recording them makes a restart before batch 0 committed plan the same batch again, and gives
-        the sink the start of batch 0.  A new generation's offsets are checked against what Kafka
-        still holds (invariant 5): a position out of retention is DATA_LOSS with the exact ranges.
+        Recorded once per generation with every other stream's start (``_record_generation_start``):
+        that makes a restart before batch 0 committed plan the same batch again, and gives the sink the
+        start of batch 0.  A new generation's offsets are checked against what Kafka still holds
+        (invariant 5): a position out of retention is DATA_LOSS with the exact ranges.
         """
         spec = self.spec
         known = self.store.get_generation(spec.job_id, spec.generation)
         if known is not None and known["starting_offsets"]:
-            return kafka_offsets.from_spark_json(known["starting_offsets"])
+            self._recorded_start = kafka_offsets.from_spark_json(known["starting_offsets"])
+            self._check_checkpoint(self._recorded_start)
+        return self._stream_start(spec.kafka.topics, spec.kafka.starting_offsets, "kafka.topics: topics")
+
+    def _stream_start(self, topics: Sequence[str], default: str, what: str) -> kafka_offsets.Offsets:
+        """Where one stream's batch 0 starts: the recorded start, else resolved from the spec's explicit
+        starting offsets for these topics (a reset names every topic the sink accounted for), else from
+        the stream's own ``default``.  With a lost checkpoint, from the stored offsets past it."""
+        recorded = {tp: o for tp, o in (self._recorded_start or {}).items() if tp[0] in topics}
+        start = recorded or self._resolve_start(topics, default, what)
+        if not recorded:
+            self._start_to_record.update(start)
+        if self._checkpoint_lost:  # the stored offsets say what was applied; the records below are replays
+            stored = self.store.stored_offsets(self.spec.job_id)
+            start = {tp: max(o, stored.get(tp, o)) for tp, o in start.items()}
+        return start
+
+    def _resolve_start(self, topics: Sequence[str], default: str, what: str) -> kafka_offsets.Offsets:
+        spec = self.spec
         client = kafka_client.consumer(spec.kafka.bootstrap_servers, dict(spec.kafka.client_options))
         try:
-            earliest, latest = kafka_client.watermarks(client, spec.kafka.topics)
+            earliest, latest = kafka_client.watermarks(client, topics)
         except Exception as err:
             raise StartupError(
                 failures.FailureKind.TRANSIENT,
-                f"cannot read partitions of {list(spec.kafka.topics)} from "
+                f"cannot read partitions of {list(topics)} from "
                 f"kafka.bootstrap_servers={spec.kafka.bootstrap_servers}: {err!r}. Check the broker "
                 f"list and that the brokers are up",
             ) from err
         present = {topic for topic, _ in latest}
-        absent = [t for t in spec.kafka.topics if t not in present]
+        absent = [t for t in topics if t not in present]
         if absent:
             raise StartupError(
                 None,
-                f"kafka.topics: topics {absent} do not exist on "
-                f"{spec.kafka.bootstrap_servers}. Create them or fix the job spec",
+                f"{what} {absent} do not exist on {spec.kafka.bootstrap_servers}. Create them or fix the job spec",
                 failures.EXIT_CONFIG,
             )
-        starting = spec.kafka.starting_offsets
-        if starting in ("earliest", "latest"):
-            requested = starting
-        else:  # stored offsets may name a second stream's topics too: this source takes its own
-            requested = {
-                tp: o for tp, o in kafka_offsets.from_spark_json(starting).items() if tp[0] in spec.kafka.topics
+        requested: str | kafka_offsets.Offsets = default
+        if spec.kafka.starting_offsets not in ("earliest", "latest"):
+            # stored offsets name every stream's topics: each stream takes its own part
+            named = {
+                tp: o
+                for tp, o in kafka_offsets.from_spark_json(spec.kafka.starting_offsets).items()
+                if tp[0] in topics
             }
+            if named or list(topics) == list(spec.kafka.topics):
+                requested = named
+        if requested not in ("earliest", "latest") and isinstance(requested, str):
+            requested = kafka_offsets.from_spark_json(requested)
         resolved = kafka_offsets.resolve(requested, earliest, latest)
         lost = kafka_offsets.find_lost_ranges(resolved, earliest, latest)
         if lost and spec.kafka.fail_on_data_loss:
@@ -228,14 +258,70 @@ class StreamHarness:
                 + "; ".join(r.describe() for r in lost)
                 + ". Decide whether to accept the loss (failOnDataLoss=false) or restore the data",
             )
-        if not spec.dry_run:  # a preflight runs on a copy and must not record anything for the job
-            self.store.ensure_generation(
-                spec.job_id, spec.generation, spec.checkpoint_path, kafka_offsets.to_spark_json(resolved)
+        if lost:
+            log.warning(
+                "starting offsets no longer in Kafka, skipped (failOnDataLoss=false): %s",
+                "; ".join(r.describe() for r in lost),
             )
         return resolved
 
+    def _record_generation_start(self) -> None:
+        """Record where every stream of a new generation starts, before its query starts."""
+        spec = self.spec
+        if spec.kafka.starting_offsets not in ("earliest", "latest"):
+            read = {topic for topic, _ in self._generation_start}
+            unread = sorted({t for t, _ in kafka_offsets.from_spark_json(spec.kafka.starting_offsets)} - read)
+            if unread:  # e.g. a reset after an upgrade that dropped a second stream
+                log.warning("kafka.starting_offsets names topics no stream of this job reads: %s", unread)
+        if self._recorded_start is None and not spec.dry_run:  # a preflight must not record anything
+            self.store.ensure_generation(
+                spec.job_id, spec.generation, spec.checkpoint_path, kafka_offsets.to_spark_json(self._start_to_record)
+            )
+        elif self._start_to_record and not spec.dry_run:
+            log.warning(
+                "generation %s recorded no start for %s (recorded by an older version): batch 0 starts "
+                "them at %s", spec.generation, sorted({t for t, _ in self._start_to_record}),
+                kafka_offsets.to_spark_json(self._start_to_record),
+            )
+
+    def _check_checkpoint(self, recorded: kafka_offsets.Offsets) -> None:
+        """Compare the checkpoint with the stored offsets.  A checkpoint that was lost, or restored from an
+        older copy, makes Spark number its batches again and re-plan ranges the sink already applied: the
+        stored offsets, not the checkpoint, say what was applied.  A lost one starts at the stored
+        offsets; an older one replays, and the sink skips whatever lies below the stored offsets."""
+        spec = self.spec
+        try:
+            position = _newest_checkpoint_position(self.spark, spec.checkpoint_path)
+        except Exception as err:  # Spark itself reports an unreadable checkpoint, with its own error
+            log.warning("could not read the offsets log of %s: %r", spec.checkpoint_path, err)
+            return
+        stored = self.store.stored_offsets(spec.job_id)
+        topics = {t for t, _ in recorded}
+        if position is None:
+            ahead = {tp: o for tp, o in stored.items() if tp[0] in topics and o > recorded.get(tp, 0)}
+            if ahead:
+                self._checkpoint_lost = True
+                log.warning(
+                    "the checkpoint %s of generation %s is behind the stored offsets: it holds no batch "
+                    "although the generation committed up to %s (lost or deleted). The query starts again "
+                    "from the stored offsets; records below them are replays of applied batches and are not "
+                    "applied again",
+                    spec.checkpoint_path, spec.generation, kafka_offsets.to_spark_json(ahead),
+                )
+            return
+        behind = {tp: o for tp, o in stored.items() if tp in position and o > position[tp]}
+        if behind:
+            log.warning(
+                "the checkpoint %s of generation %s is behind the stored offsets (restored from an older "
+                "copy?): its newest batch ends at %s, the results cover up to %s. Batches below the stored "
+                "offsets are replays and are skipped; the records past them are applied once",
+                spec.checkpoint_path, spec.generation,
+                kafka_offsets.to_spark_json({tp: position[tp] for tp in behind}),
+                kafka_offsets.to_spark_json(behind),
+            )
+
     def _source(self) -> DataFrame:
-        return self.kafka_stream(self.spec.kafka.topics, kafka_offsets.to_spark_json(self._generation_start))
+        return self._stream(self.spec.kafka.topics, kafka_offsets.to_spark_json(self._generation_start))
 
     def kafka_stream(self, topics: Sequence[str], starting_offsets: str = "earliest") -> DataFrame:
         """A Kafka stream with the job's brokers, client options and source kind.
@@ -243,7 +329,17 @@ class StreamHarness:
         The job's own records come from ``spec.kafka.topics``; a job that needs a second stream (a
         control topic, a join partner) asks for it here so both share one configuration.  Every
         stream's positions are in the offsets log, and the sink applies each record once.
+        ``starting_offsets`` applies to a new generation that the spec starts from earliest/latest; a
+        reset resumes the stream from its stored offsets.  Either way the concrete start is recorded
+        with the generation's, so batch 0 covers this stream too.
         """
+        if set(topics) - set(self.spec.kafka.topics):
+            start = self._stream_start(topics, starting_offsets, "topics of the job's second stream")
+            self._generation_start.update(start)
+            starting_offsets = kafka_offsets.to_spark_json(start)
+        return self._stream(topics, starting_offsets)
+
+    def _stream(self, topics: Sequence[str], starting_offsets: str) -> DataFrame:
         kind = self.spec.kafka.source
         if kind == "auto":
             kind = "jvm" if self._jvm_connector_present() else "python"
@@ -280,7 +376,11 @@ class StreamHarness:
         checkpoint = spec.checkpoint_path
         self.listener = StateListener(self.store, self.run_id)
         self.spark.streams.addListener(self.listener)
-        self.sink = self._new_sink(run, OffsetLog(self.spark, checkpoint), results)
+        offset_log = OffsetLog(self.spark, checkpoint)
+        # A preflight copy that holds batch 0 with its commit dropped re-runs batch 0 on the old code's
+        # checkpoint: that batch is the verdict, no later one need wait for new records.
+        self._rerun_of_batch_0 = spec.dry_run and offset_log.source_offsets(0) is not None
+        self.sink = self._new_sink(run, offset_log, results)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         return (
             records.writeStream.queryName(f"{spec.job_id}-gen{spec.generation}")
@@ -323,8 +423,9 @@ class StreamHarness:
         self.store.record_progress(self.run_id, outcome.batch_id, None, committed=True)
         if self.spec.dry_run:  # leave no other trace
             # Done once a batch that reads the previous batch's state ran: batch 0 starts from empty
-            # state, so a stateful change shows only from batch 1 on.
-            self._preflight_done = outcome.batch_id >= 1
+            # state, so a stateful change shows only from batch 1 on.  A re-run of the copy's batch 0
+            # is all an idle stream offers: the verdict says it proved no state.
+            self._preflight_done = outcome.batch_id >= 1 or self._rerun_of_batch_0
             return
         try:  # make progress visible to standard Kafka lag tooling; the database stays the truth
             kafka_client.commit_group(
@@ -429,6 +530,17 @@ class StreamHarness:
                 "run %s ended: exit %s (%s) %s", self.run_id, exit_code, kind and kind.value, message[:2000]
             )
         return exit_code
+
+
+def _newest_checkpoint_position(spark: SparkSession, checkpoint: str) -> kafka_offsets.Offsets | None:
+    """The end of the newest batch in a checkpoint's offsets log; None when it holds no batch."""
+    jvm = spark._jvm
+    directory = jvm.org.apache.hadoop.fs.Path(f"{checkpoint.rstrip('/')}/offsets")
+    fs = directory.getFileSystem(spark._jsc.hadoopConfiguration())
+    if not fs.exists(directory):
+        return None
+    ids = [int(name) for name in (s.getPath().getName() for s in fs.listStatus(directory)) if name.isdigit()]
+    return OffsetLog(spark, checkpoint).source_offsets(max(ids)) if ids else None
 
 
 def _describe(err: BaseException) -> str:

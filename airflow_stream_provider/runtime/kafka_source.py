@@ -108,18 +108,41 @@ class KafkaStreamReader(DataSourceStreamReader):
             tp = (r.topic, r.partition)
             if tp not in latest:
                 del moved[tp]
-            else:  # below retention: jump to earliest; beyond the log's end: restart at its end
-                moved[tp] = earliest[tp] if position[tp] < earliest[tp] else latest[tp]
+            else:  # below retention, or the log went backwards (topic recreated): everything Kafka holds
+                # from its earliest offset on is unread
+                moved[tp] = earliest[tp]
         return moved
 
     def partitions(self, start: dict, end: dict) -> list[KafkaRange]:
         begin = kafka_offsets.from_spark_json(start)
         finish = kafka_offsets.from_spark_json(end)
+        if not self.fail_on_data_loss:
+            begin = self._skip_lost_starts(begin, finish)
         return [
             KafkaRange(topic, partition, begin.get((topic, partition), 0), stop)
             for (topic, partition), stop in sorted(finish.items())
             if stop > begin.get((topic, partition), 0)
         ]
+
+    def _skip_lost_starts(self, begin, finish):
+        """With failOnDataLoss=false a batch may start where Kafka holds nothing any more (below retention,
+        or past the end of a log that went backwards: ``latestOffset`` then planned the end from the
+        earliest offset): read from the earliest offset Kafka still has.  The offsets log keeps the batch's
+        planned start, so a replay of the batch reads the same records."""
+        earliest, _ = kafka_client.watermarks(self._consumer(), self.topics)
+        moved = dict(begin)
+        for tp, stop in finish.items():
+            first = begin.get(tp)
+            if first is None or tp not in earliest:
+                continue
+            if first < earliest[tp] or stop < first:
+                moved[tp] = earliest[tp]
+                lost_end = earliest[tp] if first < earliest[tp] else "end of the old log"
+                log.warning(
+                    "Skipping %s-%s [%s, %s): no longer in Kafka (failOnDataLoss=false); reading from offset %s",
+                    tp[0], tp[1], first, lost_end, earliest[tp],
+                )
+        return moved
 
     def commit(self, end: dict) -> None:
         """Nothing to do: the sink commits the consumer group after the results are durable."""

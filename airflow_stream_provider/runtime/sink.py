@@ -2,8 +2,11 @@
 
 The job hands it the parsed records (Kafka provenance columns plus an ``error`` column that is null for
 a good record) and a function from good records to result tables.  Per batch it reads the batch's
-range from the offsets log, drops replayed records, computes the results with Spark, and commits
-results + dead letters + offsets + ledger in one database transaction (see ``transaction``).
+range from the offsets log, refuses the batch when the records Spark handed it lie outside that range
+(the log does not describe what was read: storing its offsets would not match the results), drops
+replayed records, computes the results with Spark, and commits results + dead letters + offsets +
+ledger in one database transaction (see ``transaction``).  A batch that read nothing is no replay: a
+stateful query's no-data batch emits what its state releases, and that is committed once too.
 
 Poison records.  A record the job's own code cannot handle (a UDF raises on it, an ANSI cast
 overflows, the database refuses the row its results make) would otherwise fail the batch on every
@@ -90,6 +93,12 @@ _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 TopicPartition = tuple[str, int]
 
 
+class BatchRangeError(RuntimeError):
+    """The offsets log cannot say which records a batch holds: an entry is missing, or the records Spark
+    handed the batch lie outside the range it gives (``[STREAM_OFFSET_LOG_MISSING]``,
+    ``[STREAM_BATCH_RANGE_MISMATCH]``).  Nothing of the batch is written.  Not a record's fault."""
+
+
 @dataclass(frozen=True)
 class Result:
     """One result table the job writes: ``frame``'s rows are upserted on ``key``; ``increments`` columns
@@ -156,47 +165,69 @@ class TransactionalSink:
             plan = transaction.whole_batch(batch)
         else:
             plan = transaction.plan(self.store, self.run.job_id, batch)
-            if plan.is_replay:
-                self._evaluate_replay(records, batch_id)
-                log.info("batch %s is a replay of committed offsets (or empty): skipped", batch_id)
+            # A batch that read nothing is no replay: a stateful query's no-data batch (run to move the
+            # watermark) emits what its state releases (outer-join rows, closed windows, timers).
+            if plan.is_replay and not batch.is_empty:
+                self._evaluate_replay(records, plan)
+                log.info("batch %s is a replay of committed offsets: skipped", batch_id)
                 return
-        fresh = _only_fresh(records, plan).persist()
+        handed = records.persist()
         try:
-            outcome = self._apply(fresh, plan)
+            outcome = self._apply(handed, plan)
         finally:
-            fresh.unpersist()
+            handed.unpersist()
         if outcome is not None and self.after_commit is not None:
             self.after_commit(outcome)
 
-    def _evaluate_replay(self, records: DataFrame, batch_id: int) -> None:
+    def _evaluate_replay(self, records: DataFrame, plan: transaction.BatchPlan) -> None:
         """Nothing to apply, but a stateful query's state stores commit only when every partition of the
-        batch is evaluated (Spark 4 fails the query otherwise): run it, discard it.  A stateless query
-        needs no evaluation, so a record that fails the job's code again (a poison record dead-lettered
-        when the batch first ran) does not stop it."""
+        batch is evaluated (Spark 4 fails the query otherwise): run it, keep only the records' positions
+        to check them against the batch's range.  A stateless query needs no evaluation, so a record that
+        fails the job's code again (a poison record dead-lettered when the batch first ran) does not
+        stop it."""
         try:
-            records.write.format("noop").mode("append").save()
+            table = _arrow(records.select(*PROVENANCE))
         except Exception as err:
             if self.stateful or not may_be_record_error(err):
                 raise
             log.warning("replayed batch %s fails in the job's code (%s); it is committed and the query keeps "
-                        "no state: nothing to evaluate", batch_id, reason(err))
+                        "no state: nothing to evaluate", plan.range.batch_id, reason(err))
+            return
+        # a log rewritten to end below the stored offsets makes a batch look committed: the records it
+        # holds beyond that end would be skipped for good
+        _Bounds(plan, self.stateful).check(_span(table), self.run.job_id)
 
     def _batch_range(self, batch_id: int) -> transaction.BatchRange:
         end = self.offset_log.source_offsets(batch_id)
         if end is None:
-            raise RuntimeError(f"offsets log entry {batch_id} is missing: the checkpoint is not readable")
+            raise self._missing_entry(batch_id, batch_id, "where the batch ends")
+        if batch_id == 0:  # only batch 0 starts where the generation starts
+            return transaction.BatchRange(batch_id, self.generation_start, end)
         start = self.offset_log.source_offsets(batch_id - 1)
-        return transaction.BatchRange(batch_id, self.generation_start if start is None else start, end)
+        if start is None:  # the generation's start would make the batch claim records it never read
+            raise self._missing_entry(batch_id, batch_id - 1, "where the batch starts")
+        return transaction.BatchRange(batch_id, start, end)
+
+    def _missing_entry(self, batch_id: int, entry: int, role: str) -> BatchRangeError:
+        return BatchRangeError(
+            f"[STREAM_OFFSET_LOG_MISSING] job {self.run.job_id} batch {batch_id}: offsets log entry "
+            f"offsets/{entry} ({role}) is missing from {self.offset_log.path}, so the sink cannot tell which "
+            f"records the batch holds; nothing was written and the stored offsets did not move. Restore the "
+            f"entry from a copy of the checkpoint, or reset the job to a new generation from the stored "
+            f"offsets."
+        )
 
     # -- one batch: compute, commit, isolate poison records when either fails on a record ---------------
-    def _apply(self, fresh: DataFrame, plan: transaction.BatchPlan) -> transaction.BatchOutcome | None:
-        """``fresh`` is persisted: its first evaluation runs the job's transform on the batch (inside the
+    def _apply(self, handed: DataFrame, plan: transaction.BatchPlan) -> transaction.BatchOutcome | None:
+        """``handed`` is persisted: its first evaluation runs the job's transform on the batch (inside the
         stream: Spark hands ``foreachBatch`` the stream's output) and keeps the result."""
         batch_id = plan.range.batch_id
+        bounds = _Bounds(plan, self.stateful)
         poison: list[Poison] = []
+        fresh = bounds.select(handed)
         source: Source = Source(fresh.where)
         try:
-            tally = _tally(fresh)
+            tally = _tally(handed, bounds)
         except Exception as err:  # the job's transform failed inside the stream
             if not may_be_record_error(err):
                 raise
@@ -206,8 +237,9 @@ class TransactionalSink:
                 raise poison_error(poison, "the query keeps state, so its batch cannot be completed without "
                                     "the record") from err
         else:
+            bounds.check(tally.span, self.run.job_id)  # before anything is computed from the records
             try:
-                computed = self._compute(fresh, tally)
+                computed = self._compute(fresh, bounds, tally)
             except Exception as err:  # the job's results failed on the batch's records
                 if not may_be_record_error(err):
                     raise
@@ -222,6 +254,9 @@ class TransactionalSink:
                 len(poison),
             )
             return transaction.BatchOutcome(batch_id, read=computed.read)
+        if plan.is_replay and not poison and not computed.dead and not any(w.rows for w in computed.writes):
+            log.info("batch %s read nothing and its state released nothing: nothing to commit", batch_id)
+            return None
         letters = self._poison_letters(source, poison)
         faults.maybe_crash("before_db_commit", batch_id)
         try:
@@ -250,6 +285,9 @@ class TransactionalSink:
                         from again
                 raise
         faults.maybe_crash("after_db_commit", batch_id)
+        if outcome.skipped_replay:  # a batch that read nothing, run again after it was committed
+            log.info("batch %s read nothing and was committed already: skipped", batch_id)
+            return outcome
         log.info(
             "batch %s committed: read %s, dead %s%s, offsets %s",
             batch_id,
@@ -260,9 +298,9 @@ class TransactionalSink:
         )
         return outcome
 
-    def _compute(self, frame: DataFrame, tally: _Tally | None = None) -> _Computed:
+    def _compute(self, frame: DataFrame, bounds: _Bounds, tally: _Tally | None = None) -> _Computed:
         """Evaluate records: counts, dead letters, result rows.  Nothing is written."""
-        tally = _tally(frame) if tally is None else tally
+        tally = _tally(frame, bounds) if tally is None else tally
         good = frame.where(F.col("error").isNull())
         return _Computed(tally.read, tally.dead, self._writes(self.results(good)))
 
@@ -339,6 +377,7 @@ class TransactionalSink:
         """
         batch_id = plan.range.batch_id
         space = PositionSpace(plan)
+        bounds = _Bounds(plan, self.stateful)
         log.warning(
             "batch %s failed while %s (%s); isolating the record(s) it fails on among %s positions",
             batch_id,
@@ -360,7 +399,7 @@ class TransactionalSink:
             frame = source.select(condition).persist()
             try:
                 if full:
-                    computed = self._compute(frame)
+                    computed = self._compute(frame, bounds)
                 else:  # run every column of the transform (and of each result), keep nothing
                     computed = None
                     frame.write.format("noop").mode("overwrite").save()
@@ -502,36 +541,121 @@ class TransactionalSink:
         return table
 
 
-def _only_fresh(records: DataFrame, plan: transaction.BatchPlan) -> DataFrame:
-    """Drop replayed records.  Usually every planned partition starts fresh and no filter is needed."""
-    start, end = plan.range.start, plan.range.end
-    planned = {tp for tp, stop in end.items() if stop > start.get(tp, 0)}
-    if planned == set(plan.apply_from) and all(plan.apply_from[tp] == start.get(tp, 0) for tp in planned):
-        return records
-    conditions: list[Column] = [
-        (F.col("topic") == topic) & (F.col("partition") == partition) & (F.col("offset") >= first)
-        for (topic, partition), first in plan.apply_from.items()
-    ]
-    return records.where(reduce(lambda a, b: a | b, conditions))
+class _Bounds:
+    """Which of the rows Spark hands a batch the sink applies, from the batch's range and plan.
+
+    Per partition of the range [start, end): records at or past the plan's first offset are applied,
+    those below it are replays.  A stateful query may also emit rows of records read by earlier batches
+    (outer-join rows, closed windows, timers: its state releases them now), so rows below ``start`` are
+    its output, not replays.  No query can hand over a record at or past ``end``: Spark has not read it.
+    """
+
+    def __init__(self, plan: transaction.BatchPlan, stateful: bool):
+        self.range = plan.range
+        self.stateful = stateful
+        # a range ending below its start is a log that went backwards (recreated topic), read from its
+        # beginning: no lower bound
+        self.start = {
+            tp: start if start <= end else 0
+            for tp, end in plan.range.end.items()
+            for start in [plan.range.start.get(tp, 0)]
+        }
+        self.first = {tp: plan.apply_from.get(tp, end) for tp, end in plan.range.end.items()}
+        #: some partition's range holds replayed records: drop them (usually every record is fresh)
+        self.needs_filter = any(
+            self.first[tp] != self.start[tp] for tp, end in plan.range.end.items() if end > self.start[tp]
+        )
+
+    def check(self, span: dict[TopicPartition, tuple[int, int]], job_id: str) -> None:
+        """Refuse the batch when its records' lowest/highest offset per partition contradict the range:
+        the offsets log does not describe what Spark read (e.g. rewritten by a second driver), and
+        committing would store offsets that do not match the results."""
+        for tp, (low, high) in sorted(span.items(), key=str):
+            if tp[0] is None or tp[1] is None or low is None:
+                continue  # no record's row (a stateful operator's own output): no position to check
+            end = self.range.end.get(tp)
+            if end is not None and high < end and (self.stateful or low >= self.start[tp]):
+                continue
+            batch = self.range.batch_id
+            logged = (
+                "no range for this partition"
+                if end is None
+                else f"[{self.start[tp]}, {end}) "
+                + (f"(offsets/{batch - 1} to offsets/{batch})" if batch else "(generation start to offsets/0)")
+            )
+            raise BatchRangeError(
+                f"[STREAM_BATCH_RANGE_MISMATCH] job {job_id} batch {batch}: partition {tp[0]}-{tp[1]}: the "
+                f"offsets log gives the batch {logged} but the records Spark handed it span offsets {low} to "
+                f"{high}. The offsets log does not describe what Spark read (rewritten, e.g. by a second "
+                f"driver on this checkpoint); nothing was written and the stored offsets did not move. Make "
+                f"sure only one driver runs on this checkpoint, then reset the job to a new generation from "
+                f"the stored offsets (or restart it: Spark replays the batch with the logged range)."
+            )
+
+    def select(self, records: DataFrame) -> DataFrame:
+        """The rows to apply (after ``check``): all of them unless a range holds replayed records."""
+        if not self.needs_filter:
+            return records
+        offset = F.col("offset")
+        conditions: list[Column] = [offset.isNull()] if self.stateful else []
+        for (topic, partition), end in self.range.end.items():
+            keep = (offset >= self.first[(topic, partition)]) & (offset < end)
+            if self.stateful:
+                keep = keep | (offset < self.start[(topic, partition)])
+            conditions.append((F.col("topic") == topic) & (F.col("partition") == partition) & keep)
+        return records.where(reduce(lambda a, b: a | b, conditions) if conditions else F.lit(False))
+
+    def mask(self, table: pa.Table) -> pa.ChunkedArray | pa.Array:
+        """``select`` on rows already on the driver."""
+        tps = list(self.range.end)
+        names = pa.array([f"{t}\x00{p}" for t, p in tps], pa.string())
+        keys = pc.binary_join_element_wise(
+            pc.cast(table["topic"], pa.string()), pc.cast(table["partition"], pa.string()), "\x00"
+        )
+        index = pc.index_in(keys, value_set=names)
+
+        def per_row(values: dict[TopicPartition, int]):
+            return pc.take(pa.array([values[tp] for tp in tps], pa.int64()), index)
+
+        offset = table["offset"]
+        keep = pc.and_(pc.greater_equal(offset, per_row(self.first)), pc.less(offset, per_row(self.range.end)))
+        if self.stateful:
+            keep = pc.or_kleene(pc.or_kleene(keep, pc.less(offset, per_row(self.start))), pc.is_null(offset))
+        return pc.fill_null(keep, False)
 
 
 @dataclass(frozen=True)
 class _Tally:
     read: dict[TopicPartition, int]
     dead: list[dict]
+    #: lowest and highest offset per partition among all rows handed to the batch
+    span: dict[TopicPartition, tuple[int, int]]
 
 
-def _tally(frame: DataFrame) -> _Tally:
-    """Records per partition and the dead letters, in one Spark job without a shuffle: each record's
-    position comes back, its raw key and value only when it is malformed.  Evaluating it runs the job's
-    transform on every record of the batch, so a transform that fails on a record fails here."""
+def _tally(frame: DataFrame, bounds: _Bounds) -> _Tally:
+    """Records per partition, the dead letters and each partition's offset span, in one Spark job without
+    a shuffle: each record's position comes back, its raw key and value only when it is malformed.
+    Evaluating it runs the job's transform on every record of the batch, so a transform that fails on a
+    record fails here.  Counts and dead letters cover the rows the sink applies (``bounds``)."""
     bad = F.col("error").isNotNull()
     raw = (F.when(bad, F.col(c)).alias(c) for c in ("key", "value"))
     table = _arrow(frame.select(*PROVENANCE, *raw, "error"))
-    counts = table.group_by(["topic", "partition"]).aggregate([("offset", "count")]).to_pylist()
-    read = {(row["topic"], row["partition"]): row["offset_count"] for row in counts}
-    dead = table.filter(pc.is_valid(table["error"])).to_pylist()
-    return _Tally(read, [_dead_letter(row) for row in dead])
+    stats = _stats(table, "count", "min", "max")
+    kept = table.filter(bounds.mask(table)) if bounds.needs_filter else table
+    counts = _stats(kept, "count") if bounds.needs_filter else stats
+    read = {tp: row["offset_count"] for tp, row in counts.items()}
+    dead = kept.filter(pc.is_valid(kept["error"])).to_pylist()
+    return _Tally(read, [_dead_letter(row) for row in dead], _span(table, stats))
+
+
+def _stats(table: pa.Table, *aggregates: str) -> dict[TopicPartition, dict]:
+    rows = table.group_by(["topic", "partition"]).aggregate([("offset", a) for a in aggregates]).to_pylist()
+    return {(row["topic"], row["partition"]): row for row in rows}
+
+
+def _span(table: pa.Table, stats: dict[TopicPartition, dict] | None = None) -> dict[TopicPartition, tuple[int, int]]:
+    stats = _stats(table, "min", "max") if stats is None else stats
+    return {tp: (row["offset_min"], row["offset_max"]) for tp, row in stats.items()}
 
 
 def _dead_letter(row: dict) -> dict:

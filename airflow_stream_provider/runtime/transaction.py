@@ -15,18 +15,21 @@ Pure database code (no pyspark): the Spark side hands it plain rows.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sqlalchemy import Table, select
+from sqlalchemy import Table, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from airflow_stream_provider import kafka_offsets
 from airflow_stream_provider.kafka_offsets import Offsets
 from airflow_stream_provider.state import schema
 from airflow_stream_provider.state.store import StateStore
+
+log = logging.getLogger(__name__)
 
 TopicPartition = tuple[str, int]
 
@@ -51,6 +54,12 @@ class BatchRange:
     start: Offsets
     end: Offsets
 
+    @property
+    def is_empty(self) -> bool:
+        """Nothing was read: every partition's range is empty (e.g. the batch a stateful query runs without
+        new data to move its watermark; what it emits comes from its state)."""
+        return all(end == self.start.get(tp, 0) for tp, end in self.end.items())
+
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -59,6 +68,9 @@ class BatchPlan:
     stored: Offsets
     #: per partition with a non-empty range, the first offset to apply (records below it are replays)
     apply_from: dict[TopicPartition, int]
+    #: partitions whose log went backwards (topic recreated) and that the source restarted: only a job
+    #: that accepts data loss gets such a batch; its stored offset moves back, the loss is recorded
+    restarted: frozenset[TopicPartition] = frozenset()
 
     @property
     def is_replay(self) -> bool:
@@ -103,7 +115,12 @@ class BatchOutcome:
 
 def plan(store: StateStore, job_id: str, batch: BatchRange) -> BatchPlan:
     stored = store.stored_offsets(job_id)
-    return BatchPlan(batch, stored, _apply_from(job_id, batch, stored))
+    restarted = _restarted(batch, stored)
+    apply_from = _apply_from(job_id, batch, stored, restarted)
+    backwards = {tp for tp, end in batch.end.items() if end < batch.start.get(tp, end)}
+    if backwards:  # the source read these from the new log's start, not from the old log's end (also on replay)
+        batch = replace(batch, start={**batch.start, **{tp: 0 for tp in backwards}})
+    return BatchPlan(batch, stored, apply_from, frozenset(restarted))
 
 
 def whole_batch(batch: BatchRange) -> BatchPlan:
@@ -112,11 +129,27 @@ def whole_batch(batch: BatchRange) -> BatchPlan:
     return BatchPlan(batch, {}, apply_from)
 
 
-def _apply_from(job_id: str, batch: BatchRange, stored: Offsets) -> dict[TopicPartition, int]:
+def _restarted(batch: BatchRange, stored: Offsets) -> set[TopicPartition]:
+    """Partitions the batch reads from a log that went backwards: the range ends below its start, which a
+    source plans only when failOnDataLoss=false, and the stored offset is past that end (once committed,
+    the stored offset equals the end and a replay of the batch is skipped as usual)."""
+    return {
+        tp
+        for tp, end in batch.end.items()
+        if batch.start.get(tp) is not None and end < batch.start[tp] and stored.get(tp, end + 1) > end
+    }
+
+
+def _apply_from(
+    job_id: str, batch: BatchRange, stored: Offsets, restarted: set[TopicPartition] = frozenset()
+) -> dict[TopicPartition, int]:
     apply_from = {}
     for tp, end in sorted(batch.end.items()):
         start = batch.start.get(tp)
         position = stored.get(tp)
+        if tp in restarted:  # the batch holds the new log's records below ``end``, all fresh; even with
+            apply_from[tp] = 0  # none, the commit must move the stored offset back to the new log
+            continue
         if end <= (start if start is not None else 0):
             continue  # nothing planned for this partition (e.g. an empty second stream)
         if position is None:
@@ -161,9 +194,13 @@ def commit(
                 f"from {kafka_offsets.to_spark_json(batch_plan.stored)} to {kafka_offsets.to_spark_json(stored)} "
                 f"while the batch was being computed; another driver is committing for this job."
             )
-        if batch_plan.is_replay:
+        # A batch that read nothing has nothing to replay, but its output (from state) is written once:
+        # recorded in the ledger at its position, so that Spark running it again is recognised.
+        empty = batch_plan.is_replay and batch_plan.range.is_empty
+        if batch_plan.is_replay and (not empty or _empty_batch_committed(conn, run, batch_plan.range)):
             outcome.skipped_replay = True
             return outcome
+        ledger_batch = _ledger_batch_id(conn, run, batch_plan.range.batch_id)
         for write in writes:
             if write.rows:
                 conn.execute(_upsert(conn.dialect.name, write), _dedupe(write))
@@ -175,21 +212,22 @@ def commit(
                         **row,
                         "job_id": run.job_id,
                         "generation": run.generation,
-                        "batch_id": batch_plan.range.batch_id,
+                        "batch_id": ledger_batch,
                         "recorded_at": now,
                     }
                     for row in dead_letters
                 ],
             )
         ledger = []
-        for tp, first in batch_plan.apply_from.items():
+        for tp, first in (batch_plan.range.end if empty else batch_plan.apply_from).items():
             end = batch_plan.range.end[tp]
-            outcome.committed_offsets[tp] = end
+            if not empty:  # an empty batch moves no offset
+                outcome.committed_offsets[tp] = end
             ledger.append(
                 {
                     "job_id": run.job_id,
                     "generation": run.generation,
-                    "batch_id": batch_plan.range.batch_id,
+                    "batch_id": ledger_batch,
                     "topic": tp[0],
                     "partition": tp[1],
                     "start_offset": first,
@@ -202,9 +240,70 @@ def commit(
                     "committed_at": now,
                 }
             )
-        conn.execute(schema.batches.insert(), ledger)
-        _advance_offsets(conn, run, batch_plan.range.batch_id, stored, outcome.committed_offsets, now)
+        if ledger:
+            conn.execute(schema.batches.insert(), ledger)
+        _record_restarts(conn, run, batch_plan, stored, now)
+        _advance_offsets(conn, run, ledger_batch, stored, outcome.committed_offsets, now, batch_plan.restarted)
     return outcome
+
+
+def _empty_batch_committed(conn, run: RunContext, batch: BatchRange) -> bool:
+    """Was this batch that read nothing committed already (Spark runs it again after a crash)?  Then it is
+    the newest batch of the generation's ledger, recorded at the same positions; matched by position too
+    because ledger ids can run ahead of Spark's (see ``_ledger_batch_id``)."""
+    table = schema.batches
+    mine = (table.c.job_id == run.job_id, table.c.generation == run.generation)
+    newest = conn.execute(select(func.max(table.c.batch_id)).where(*mine)).scalar()
+    if newest is None or newest < batch.batch_id:
+        return False
+    rows = conn.execute(
+        select(table.c.topic, table.c.partition, table.c.start_offset, table.c.end_offset)
+        .where(*mine, table.c.batch_id == newest)
+    ).all()
+    return all(r.start_offset == r.end_offset == batch.end.get((r.topic, r.partition)) for r in rows)
+
+
+def _ledger_batch_id(conn, run: RunContext, batch_id: int) -> int:
+    """Spark's batch id, unless this generation's ledger already holds it.  A lost checkpoint (or one
+    restored from an older copy) numbers its batches again from 0 (or from the copy's last batch); the
+    batches below the stored offsets are skipped as replays, but the first partly fresh one would reuse
+    an id.  It takes the next free id instead: ledger ids stay unique and in commit order."""
+    table = schema.batches
+    last = conn.execute(
+        select(func.max(table.c.batch_id)).where(table.c.job_id == run.job_id, table.c.generation == run.generation)
+    ).scalar()
+    if last is None or batch_id > last:
+        return batch_id
+    log.warning(
+        "batch %s of generation %s: the ledger already holds batches up to %s, committed from an earlier "
+        "state of the checkpoint (lost or restored from an older copy); the records past the stored offsets "
+        "are applied once and recorded as ledger batch %s",
+        batch_id, run.generation, last, last + 1,
+    )
+    return last + 1
+
+
+def _record_restarts(conn, run: RunContext, batch_plan: BatchPlan, stored: Offsets, now: float) -> None:
+    """A restarted partition's records from its stored offset to the end of the old log are gone: the job
+    accepts that (failOnDataLoss=false), and the loss is recorded in the transaction that moves the stored
+    offset back, so results, ledger and accepted losses still add up to the stored offsets."""
+    for tp in sorted(batch_plan.restarted):
+        position = stored.get(tp)
+        if position is None:
+            continue
+        reason = (
+            f"offsets went backwards: stored position {position}, the log now ends at "
+            f"{batch_plan.range.end[tp]} (topic recreated or truncated); accepted: failOnDataLoss=false, "
+            f"batch {batch_plan.range.batch_id} resumed the partition at its earliest offset"
+        )
+        log.warning("job %s %s-%s: %s", run.job_id, tp[0], tp[1], reason)
+        conn.execute(
+            schema.accepted_losses.insert().values(
+                job_id=run.job_id, generation=run.generation, topic=tp[0], partition=tp[1],
+                start_offset=position, end_offset=None, resume_offset=batch_plan.apply_from[tp],
+                reason=reason, accepted_at=now,
+            )
+        )
 
 
 def _check_epoch(conn, run: RunContext) -> None:
@@ -219,11 +318,14 @@ def _check_epoch(conn, run: RunContext) -> None:
         )
 
 
-def _advance_offsets(conn, run: RunContext, batch_id: int, stored: Offsets, new: Offsets, now: float) -> None:
+def _advance_offsets(
+    conn, run: RunContext, batch_id: int, stored: Offsets, new: Offsets, now: float, moved_back=frozenset()
+) -> None:
     dialect = conn.dialect.name
     rows = []
     for tp, end in new.items():
-        if end < stored.get(tp, 0):  # invariant 2: offsets only move forward
+        # invariant 2: offsets only move forward, except on a log that went backwards (recorded as a loss)
+        if end < stored.get(tp, 0) and tp not in moved_back:
             raise AssertionError(f"stored offset of {tp} would move backwards: {stored[tp]} -> {end}")
         rows.append(
             {
