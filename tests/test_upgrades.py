@@ -199,3 +199,32 @@ def test_compatible_upgrades_keep_the_checkpoint_and_a_broken_one_is_rolled_back
     _no_preflight_left(stream)
     figures.record("upgrade: 3 compatible versions on one checkpoint, then a rollback", preflight_s=seconds,
                    **counts)
+
+
+def test_an_idle_stream_upgrades_without_waiting_for_data(stream, broker, figures):
+    """A caught-up stream whose generation holds only batch 0: no record is coming, so neither the
+    preflight nor the verification may wait for one (each has a 240 s timeout here).  The preflight
+    re-runs batch 0 and says why that cannot prove state compatibility; the new run is verified as
+    running as soon as it is clear the stream is caught up."""
+    producer = EventProducer(broker, stream["topic"])
+    producer.send(500)  # one batch (maxOffsetsPerTrigger 1500): generation 1 holds batch 0 only
+    params = _version(stream["params"], "running_count_by_user.py", "1.0")
+    assert run_dag(dags.deploy, params)[0] == "success"
+    caught_up(stream["state"], stream["job_id"], producer)
+
+    status, tasks = run_dag(dags.upgrade, _version(params, "running_count_by_user.py", "1.1"))
+    assert status == "success", tasks
+    outcome = tasks["upgrade"][1]
+    preflight, verified = outcome["preflight"], outcome["verified"]
+    assert preflight["verdict"] == "inconclusive" and "no committed batch whose state" in preflight["detail"], \
+        preflight
+    assert outcome["decision"] == "reuse" and outcome["generation"] == 1, outcome
+    assert verified["idle"] is True and verified["batch_id"] is None, verified
+    timeout = params["ready_timeout"]
+    assert preflight["seconds"] < timeout and verified["seconds"] < timeout, outcome
+    figures.record("upgrade of an idle stream", preflight_s=preflight["seconds"], verify_s=verified["seconds"])
+
+    producer.send(300)  # the upgraded version goes on from where version 1.0 stopped
+    caught_up(stream["state"], stream["job_id"], producer)
+    status, tasks = run_dag(dags.stop, params)
+    assert status == "success", tasks

@@ -19,6 +19,23 @@ from airflow_stream_provider.upgrade import Action, Preflight, Verdict
 
 #: How long a preflight waits for a live run to commit its second batch (it needs one to re-run).
 STATE_HISTORY_WAIT_S = 60.0
+#: Caught up (no Kafka record beyond the stored offsets) for this long: no batch is coming, so waiting
+#: for one (to verify a new run, or for a dry run to run one) would only wait out the timeout.
+IDLE_CONFIRM_S = 5.0
+
+
+class _IdleClock:
+    """Whether the job stayed caught up for IDLE_CONFIRM_S, polled as often as the caller likes."""
+
+    def __init__(self, caught_up):
+        self._caught_up, self._since = caught_up, None
+
+    def confirmed(self) -> bool:
+        if not self._caught_up():
+            self._since = None
+            return False
+        self._since = self._since or time.monotonic()
+        return time.monotonic() - self._since >= IDLE_CONFIRM_S
 
 
 class UpgradeStreamingJobOperator(StreamJobOperator):
@@ -121,14 +138,17 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             # committed batch when an older one stays committed; with only batch 0 committed, keep it, and
             # batch 1 (on new data) is that batch.  With nothing committed no batch can show it.
             committed = self.checkpoints.latest_committed(copy)
-            replayed = self.checkpoints.drop_latest_commit(copy) if committed else None
+            # Only batch 0 and no record for a batch 1: re-run batch 0 for a verdict now (it shows a changed
+            # source or plan, not yet state) rather than wait out the timeout for data that is not coming.
+            replay = committed is not None and (committed > 0 or self._caught_up())
+            replayed = self.checkpoints.drop_latest_commit(copy) if replay else None
             reads_old_state = None if committed is None else max(committed, 1)
             dry = replace(new.with_generation(generation), checkpoint_root=root, dry_run=True)
             run_id = uuid.uuid4().hex
             self.log.info("Preflight of version %s on a copy of generation %s (%s; batch %s replayed): run %s",
                           new.version, generation, copy, replayed, run_id)
             submitted = self.driver.submit(self.application, dry, run_id, self.state.password)
-            run = self._wait_dry_run(submitted)
+            run = self._wait_dry_run(submitted, data_needed=replayed is None)
             verdict = _verdict(run, submitted.log_path, reads_old_state)
             return replace(verdict, run_id=run_id, log_path=submitted.log_path,
                            seconds=round(time.monotonic() - started, 1))
@@ -140,15 +160,27 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         """Give a live run that has committed only its first batch a moment to commit a second one, so the
         copy holds a batch to re-run on top of the old code's state (see ``preflight``)."""
         deadline = time.monotonic() + min(float(self.preflight_timeout), STATE_HISTORY_WAIT_S)
-        while (self.checkpoints.latest_committed(path) or 0) < 1 and self.live_run() is not None:
+        while ((self.checkpoints.latest_committed(path) or 0) < 1 and self.live_run() is not None
+               and not self._caught_up()):  # caught up, no second batch is coming
             if time.monotonic() > deadline:
                 self.log.warning("The live run committed no second batch within %.0fs: the preflight may be "
                                  "inconclusive for stateful changes", STATE_HISTORY_WAIT_S)
                 return
             time.sleep(0.5)
 
-    def _wait_dry_run(self, submitted) -> dict[str, Any] | None:
-        state, run = self.watch_submission(submitted, float(self.preflight_timeout))
+    def _wait_dry_run(self, submitted, *, data_needed: bool) -> dict[str, Any] | None:
+        """``data_needed``: no batch was left to re-run, so the dry run's batch waits for new records; on a
+        caught-up stream it ends as soon as that is clear, as IDLE."""
+        idle = _IdleClock(self._caught_up)
+        state, run = self.watch_submission(
+            submitted, float(self.preflight_timeout),
+            (lambda r: r["query_started_at"] and r["last_batch_id"] is None and idle.confirmed())
+            if data_needed else None)
+        if state == "ready":
+            self.log.info("Preflight run %s: the stream is caught up, no record for a batch to run on: "
+                          "stopping it", submitted.run_id)
+            self.stop_run(run)
+            return {**(self.state.store.get_run(run["run_id"]) or run), "status": "IDLE"}
         if state == "ended":
             if run is not None:  # its checkpoint copy is removed next: let the driver exit first
                 self._wait_ended(run, self.kill_grace)
@@ -184,11 +216,11 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
                                          allow_data_loss=allow_data_loss, spec=spec, application=application)
 
     def verify(self, started: dict[str, Any]) -> dict[str, Any]:
-        """The new run must commit a batch within the timeout.  A stream that stays idle (no lag at any
-        poll) the whole time cannot prove more than a running query, and passes as ``idle``."""
+        """The new run must commit a batch within the timeout, or be caught up: a query that runs with no
+        record to read cannot prove more, and passes as ``idle`` as soon as that is clear."""
         timeout = float(self.verify_timeout if self.verify_timeout is not None else self.ready_timeout)
         began = time.monotonic()
-        idle = True
+        idle = _IdleClock(self._caught_up)
         while time.monotonic() - began < timeout:
             run = self.state.store.get_run(started["run_id"])
             if run["last_batch_id"] is not None:
@@ -197,12 +229,11 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
                 time.sleep(0.5)
                 run = self.state.store.get_run(started["run_id"])
                 raise self._start_failure(self.job, started.get("log_path"), run)
-            idle = idle and self._caught_up()
+            if run["query_started_at"] and idle.confirmed():
+                self.log.info("Run %s is running and the stream is caught up: verified as running (a batch of "
+                              "new records will be the first to show more)", started["run_id"])
+                return {"batch_id": None, "idle": True, "seconds": round(time.monotonic() - began, 1)}
             time.sleep(0.5)
-        if idle:
-            self.log.warning("Run %s is running but no record arrived in %.0fs: verified as running only",
-                             started["run_id"], timeout)
-            return {"batch_id": None, "idle": True, "seconds": round(time.monotonic() - began, 1)}
         raise StreamJobError(f"run {started['run_id']} committed no batch within {timeout:.0f}s although Kafka "
                              f"had records for it. Driver log: {started.get('log_path')}")
 
@@ -269,6 +300,9 @@ def _verdict(run: dict[str, Any] | None, log_path: str | None, reads_old_state: 
             return Preflight(Verdict.INCONCLUSIVE, f"batch {run['last_batch_id']} ran on the copy, but the copy "
                                                    "had no committed batch whose state it could read")
         return Preflight(Verdict.COMPATIBLE, f"batch {run['last_batch_id']} ran on the copy")
+    if run["status"] == "IDLE":
+        return Preflight(Verdict.INCONCLUSIVE, "the stream is caught up: no record arrived for the dry run's "
+                                               "batch, and the copy held no committed batch to re-run")
     if run["status"] == "TIMEOUT" or run["status"] == STOPPED:
         return Preflight(Verdict.INCONCLUSIVE, "the dry run ran no batch before it ended")
     kind, error_class = run.get("failure_kind"), run.get("error_class")
