@@ -57,3 +57,27 @@ def test_a_run_found_dead_is_recorded_dead(state_store):
     assert found.health == Health.DEAD
     run = state_store.get_run(ticket.run_id)
     assert run["status"] == "DEAD" and f"pid {gone.pid}" in run["termination_message"], run
+
+
+def test_a_lost_checkpoint_is_named_in_the_recovery_diagnosis(state_store, tmp_path):
+    """A run that committed batches, then failed, on a generation whose checkpoint holds no batch any
+    more: the recover task's diagnosis says the checkpoint was lost before it restarts."""
+    from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
+
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path / "checkpoints"),
+            "kafka": {"topics": ["events"]}}
+    ticket = state_store.begin_run("job", 1, "1.0")
+    state_store.mark_query_started(ticket.run_id)
+    state_store.record_progress(ticket.run_id, 7, None, committed=True)
+    state_store.finish_run(ticket.run_id, status="FAILED", exit_code=6, failure_kind="TRANSIENT",
+                           message="broker gone")
+    recover = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="job.py")
+
+    found = recover.diagnose()
+    assert found.health == Health.FAILED
+    assert any("holds no batch although run" in line and "it was lost" in line for line in found.evidence), found
+
+    offsets = tmp_path / "checkpoints" / "job" / "gen-1" / "offsets"
+    offsets.mkdir(parents=True)
+    (offsets / "7").write_text("v1\n{}\n{}\n")
+    assert not any("it was lost" in line for line in recover.diagnose().evidence)

@@ -145,7 +145,24 @@ class StreamJobOperator(BaseOperator):
         alive = self.driver.is_alive(run) if run else None
         found = diagnosis.diagnose(job.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
         self.state.record_death(run, found)
+        if found.health.needs_action and run is not None and run["last_batch_id"] is not None:
+            found.evidence.extend(self._lost_checkpoint(run))
         return found
+
+    def _lost_checkpoint(self, run: dict[str, Any]) -> list[str]:
+        """A run that committed batches on a generation whose checkpoint now holds none: the checkpoint was
+        lost (deleted, or a restore missed it).  A restart still resumes exactly from the stored offsets,
+        and the diagnosis says why Spark starts over."""
+        try:
+            path = self.checkpoints.generation_path(run["job_id"], run["generation"])
+            if self.checkpoints.has_checkpoint(path):
+                return []
+        except Exception as err:  # the diagnosis stands without this fact
+            self.log.warning("Could not check the checkpoint of run %s: %r", run["run_id"], err)
+            return []
+        return [f"the checkpoint of generation {run['generation']} ({path}) holds no batch although run "
+                f"{run['run_id']} committed up to batch {run['last_batch_id']}: it was lost; a restart resumes "
+                f"from the stored offsets"]
 
     def live_run(self) -> dict[str, Any] | None:
         """The latest run if its driver is alive (by process check or fresh heartbeat)."""
