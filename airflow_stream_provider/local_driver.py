@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV, StreamJobSpec
 
 
@@ -108,18 +110,22 @@ def start_detached(
     return proc
 
 
-def process_alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
+#: Clock slack between a process's creation time and the moment its run was registered
+PID_REUSE_SLACK_S = 2.0
+
+
+def process_alive(pid: int, registered_at: float | None = None) -> bool:
+    """True while the process exists and is not a zombie.  With ``registered_at`` (when the driver
+    registered its run, after it started), a process created later is not the driver: the system
+    reused the pid of a driver that is gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return registered_at is None or process.create_time() <= registered_at + PID_REUSE_SLACK_S
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][:1] != "Z"
-    except (OSError, IndexError):
+    except psutil.AccessDenied:  # it exists, owned by someone else: its start time is still readable
         return True
 
 

@@ -104,7 +104,7 @@ class StreamDriverHook(BaseHook):
     def is_alive(run: dict[str, Any]) -> bool | None:
         """True/False where the process can be checked from here, None where only heartbeats can tell."""
         if StreamDriverHook.is_local(run):
-            return local_driver.process_alive(run["pid"])
+            return local_driver.process_alive(run["pid"], run.get("started_at"))
         return None
 
     def terminate(self, run: dict[str, Any]) -> bool:
