@@ -60,4 +60,14 @@ def test_a_dry_run_proves_compatibility_only_on_state_the_old_code_wrote(last_ba
     from airflow_stream_provider.operators.upgrade import _verdict
 
     run = {"status": "STOPPED", "last_batch_id": last_batch}
-    assert _verdict(run, None, reads_old_state).verdict == verdict
+    assert _verdict(run, "ended", None, reads_old_state).verdict == verdict
+
+
+def test_a_dry_run_stopped_early_is_inconclusive_and_says_why():
+    from airflow_stream_provider.operators.upgrade import _verdict
+
+    stopped = {"status": "STOPPED", "last_batch_id": None}
+    idle = _verdict(stopped, "idle", None, None)
+    assert idle.verdict == Verdict.INCONCLUSIVE and "caught up" in idle.detail
+    timed_out = _verdict(None, "timeout", None, 1)
+    assert timed_out.verdict == Verdict.INCONCLUSIVE and "ran no batch" in timed_out.detail

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -17,6 +17,9 @@ from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.store import ACTIVE_STATUSES, STOPPED
 from airflow_stream_provider.upgrade import Action, Preflight, Verdict
 
+#: How a preflight's dry run ended: by itself, stopped as idle (caught up, nothing to run a batch on), or
+#: stopped at the timeout.
+DryRunEnd = Literal["ended", "idle", "timeout"]
 #: How long a preflight waits for a live run to commit its second batch (it needs one to re-run).
 STATE_HISTORY_WAIT_S = 60.0
 #: Caught up (no Kafka record beyond the stored offsets) for this long: no batch is coming, so waiting
@@ -148,8 +151,8 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             self.log.info("Preflight of version %s on a copy of generation %s (%s; batch %s replayed): run %s",
                           new.version, generation, copy, replayed, run_id)
             submitted = self.driver.submit(self.application, dry, run_id, self.state.password)
-            run = self._wait_dry_run(submitted, data_needed=replayed is None)
-            verdict = _verdict(run, submitted.log_path, reads_old_state)
+            ending, run = self._wait_dry_run(submitted, data_needed=replayed is None)
+            verdict = _verdict(run, ending, submitted.log_path, reads_old_state)
             return replace(verdict, run_id=run_id, log_path=submitted.log_path,
                            seconds=round(time.monotonic() - started, 1))
         finally:
@@ -168,9 +171,9 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
                 return
             time.sleep(0.5)
 
-    def _wait_dry_run(self, submitted, *, data_needed: bool) -> dict[str, Any] | None:
-        """``data_needed``: no batch was left to re-run, so the dry run's batch waits for new records; on a
-        caught-up stream it ends as soon as that is clear, as IDLE."""
+    def _wait_dry_run(self, submitted, *, data_needed: bool) -> tuple[DryRunEnd, dict[str, Any] | None]:
+        """How the dry run ended, and its run row.  ``data_needed``: no batch was left to re-run, so the dry
+        run's batch waits for new records; on a caught-up stream it is stopped as soon as that is clear."""
         idle = _IdleClock(self._caught_up)
         state, run = self.watch_submission(
             submitted, float(self.preflight_timeout),
@@ -180,16 +183,16 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             self.log.info("Preflight run %s: the stream is caught up, no record for a batch to run on: "
                           "stopping it", submitted.run_id)
             self.stop_run(run)
-            return {**(self.state.store.get_run(run["run_id"]) or run), "status": "IDLE"}
+            return "idle", self.state.store.get_run(run["run_id"]) or run
         if state == "ended":
             if run is not None:  # its checkpoint copy is removed next: let the driver exit first
                 self._wait_ended(run, self.kill_grace)
-            return run
+            return "ended", run
         if run is not None:  # no batch within the timeout: end it, the verdict is inconclusive
             self.log.warning("Preflight run %s ran no batch within %ss: stopping it", submitted.run_id,
                              self.preflight_timeout)
             self.stop_run(run)
-        return {**(run or {}), "status": "TIMEOUT"}
+        return "timeout", run
 
     # -- start, verify, roll back ----------------------------------------------------------------------
     def _start(self, new: StreamJobSpec, decision: upgrade.Decision) -> dict[str, Any]:
@@ -289,9 +292,15 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
                 "To do that, rerun with reset_policy='after_preflight' (or use ResetStreamingJobOperator).")
 
 
-def _verdict(run: dict[str, Any] | None, log_path: str | None, reads_old_state: int | None) -> Preflight:
+def _verdict(run: dict[str, Any] | None, ending: DryRunEnd, log_path: str | None,
+             reads_old_state: int | None) -> Preflight:
     """``reads_old_state``: the first batch of the dry run that reads state the old code committed (None:
     the copy had no committed batch, so none does)."""
+    if ending == "idle":
+        return Preflight(Verdict.INCONCLUSIVE, "the stream is caught up: no record arrived for the dry run's "
+                                               "batch, and the copy held no committed batch to re-run")
+    if ending == "timeout":
+        return Preflight(Verdict.INCONCLUSIVE, "the dry run ran no batch before it ended")
     if run is None:
         return Preflight(Verdict.FAILED, f"the dry-run driver exited before registering its run: "
                                          f"{_first_lines(_log_tail(log_path, 5), 5)}")
@@ -300,10 +309,7 @@ def _verdict(run: dict[str, Any] | None, log_path: str | None, reads_old_state: 
             return Preflight(Verdict.INCONCLUSIVE, f"batch {run['last_batch_id']} ran on the copy, but the copy "
                                                    "had no committed batch whose state it could read")
         return Preflight(Verdict.COMPATIBLE, f"batch {run['last_batch_id']} ran on the copy")
-    if run["status"] == "IDLE":
-        return Preflight(Verdict.INCONCLUSIVE, "the stream is caught up: no record arrived for the dry run's "
-                                               "batch, and the copy held no committed batch to re-run")
-    if run["status"] == "TIMEOUT" or run["status"] == STOPPED:
+    if run["status"] == STOPPED:
         return Preflight(Verdict.INCONCLUSIVE, "the dry run ran no batch before it ended")
     kind, error_class = run.get("failure_kind"), run.get("error_class")
     detail = _first_lines(run.get("termination_message") or "no termination message", 3)

@@ -7,6 +7,7 @@ instead of failing with "database is locked" halfway through.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import time
@@ -24,11 +25,30 @@ from airflow_stream_provider.kafka_offsets import LostRange, Offsets
 from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV
 from airflow_stream_provider.state import schema
 
-#: run statuses written by the driver
-STARTING, RUNNING, STOPPING, STOPPED, FAILED = "STARTING", "RUNNING", "STOPPING", "STOPPED", "FAILED"
-#: A driver that died without recording its end (kill -9, lost machine), as found by the Airflow side.
-DEAD = "DEAD"
-ACTIVE_STATUSES = (STARTING, RUNNING, STOPPING)
+
+class RunStatus(enum.StrEnum):
+    """A run's status in ``stream_runs``.  The driver writes STARTING -> RUNNING -> STOPPING -> STOPPED or
+    FAILED; DEAD is the Airflow side's finding for a driver that died without recording its end (kill -9,
+    a lost machine).  A StrEnum: it compares equal to the text stored in the database."""
+
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    STOPPING = "STOPPING"
+    STOPPED = "STOPPED"
+    FAILED = "FAILED"
+    DEAD = "DEAD"
+
+    @property
+    def active(self) -> bool:
+        return self in ACTIVE_STATUSES
+
+
+STARTING, RUNNING, STOPPING = RunStatus.STARTING, RunStatus.RUNNING, RunStatus.STOPPING
+STOPPED, FAILED, DEAD = RunStatus.STOPPED, RunStatus.FAILED, RunStatus.DEAD
+#: a driver may still be working: it holds (or is taking) the job's epoch
+ACTIVE_STATUSES = frozenset({STARTING, RUNNING, STOPPING})
+#: the run ended; nothing of it will change again
+TERMINAL_STATUSES = frozenset({STOPPED, FAILED, DEAD})
 
 
 def make_engine(url: str, password: str | None = None) -> Engine:
