@@ -14,14 +14,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select, text
 
-from airflow_stream_provider import failures, kafka_offsets
+from airflow_stream_provider import failures
 from airflow_stream_provider.runtime.transaction import BatchRange, RunContext, commit, plan
 from airflow_stream_provider.state import schema
 from tests.stack.events import EventProducer
 from tests.stack.jobs import check_exactly_once, wait_until
-
-CONTROL_JOB = str(Path(__file__).parent / "fixtures" / "jobs" / "control_topic_from_latest.py")
-
 
 # -- the transaction alone (no Spark) -------------------------------------------------------------------------
 T = "edge-topic"
@@ -109,6 +106,8 @@ def _resume_and_check(runner, producer, expected_read: int) -> None:
     assert "poison" not in log.lower(), runner.log_tail(driver)
 
 
+# The ledger-id rule runs on both databases above, without Spark; end to end one database suffices.
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_lost_checkpoint_resumes_from_stored_offsets(broker, topic, runner):
     _small_batches(runner)
     producer = EventProducer(broker, topic)
@@ -140,7 +139,7 @@ def test_checkpoint_restored_from_older_copy(broker, topic, runner):
     _resume_and_check(runner, producer, 1000)
 
 
-# -- a second stream on a reset ---------------------------------------------------------------------------
+# -- helpers ------------------------------------------------------------------------------------------------
 def _stored(runner) -> dict[tuple[str, int], int]:
     return runner.store.stored_offsets(runner.spec.job_id)
 
@@ -157,75 +156,6 @@ def _caught_up(runner, driver, *producers) -> None:
 
     wait_until(done, 240, "stored offsets to reach the end of both topics",
                on_timeout=lambda: f"stored {_stored(runner)}\nends {_ends(*producers)}\n{runner.log_tail(driver)}")
-
-
-def _check_topics(runner, *producers) -> None:
-    """Exactly once over several topics: events, dead letters, stored offsets and a contiguous ledger."""
-    store, job_id = runner.store, runner.spec.job_id
-    events, malformed = {}, {}
-    for p in producers:
-        events.update(p.produced.events)
-        malformed.update({(p.produced.topic, part, o): v for (part, o), v in p.produced.malformed.items()})
-    with store.engine.connect() as conn:
-        stored_events = [r.event_id for r in conn.execute(text("SELECT event_id FROM events"))]
-        dead = {
-            (r.topic, r.partition, r.offset)
-            for r in conn.execute(select(schema.dead_letters).where(schema.dead_letters.c.job_id == job_id))
-        }
-        ledger = conn.execute(
-            select(schema.batches).where(schema.batches.c.job_id == job_id).order_by(
-                schema.batches.c.topic, schema.batches.c.partition, schema.batches.c.generation,
-                schema.batches.c.batch_id)
-        ).all()
-    assert len(stored_events) == len(set(stored_events))
-    missing, extra = set(events) - set(stored_events), set(stored_events) - set(events)
-    assert not missing and not extra, f"events: {len(missing)} missing, {len(extra)} unexpected"
-    assert dead == set(malformed)
-    assert _stored(runner) == _ends(*producers)
-    position: dict[tuple[str, int], int] = {}
-    for row in ledger:
-        tp = (row.topic, row.partition)
-        assert row.start_offset == position.get(tp, 0), f"ledger gap/overlap at {row}"
-        position[tp] = row.end_offset
-    assert position == _ends(*producers)
-    assert sum(r.rows_read for r in ledger) == sum(p.produced.total for p in producers)
-
-
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-def test_reset_resumes_second_stream_from_stored_offsets(broker, topic, runner):
-    control_topic = f"{topic}-control"
-    broker.create_topic(control_topic, 2)
-    runner.application = CONTROL_JOB
-    main = EventProducer(broker, topic)
-    control = EventProducer(broker, control_topic, seed=3, malformed_ratio=0.05)
-    control.sent = 100_000  # event ids distinct from the main topic's
-
-    main.send(300)
-    driver = runner.start()
-    _caught_up(runner, driver, main)  # the control stream has resolved its start by now
-    control.send(40)
-    _caught_up(runner, driver, main, control)
-    assert runner.stop(driver) == failures.EXIT_STOPPED
-
-    control.send(50)  # while no driver runs: a start from latest would skip them
-    main.send(200)
-    stored = _stored(runner)
-    shutil.move(runner.spec.checkpoint_path, f"{runner.spec.job_root}/archive/gen-1")
-    gen2 = runner.spec.with_generation(2, starting_offsets=kafka_offsets.to_spark_json(stored))
-    driver = runner.start(gen2)
-    _caught_up(runner, driver, main, control)
-    control.send(30)
-    _caught_up(runner, driver, main, control)
-    assert runner.stop(driver) == failures.EXIT_STOPPED
-    _check_topics(runner, main, control)
-    # every stream's start is recorded with its generation: batch 0 covers (and gap-checks) them all
-    first = kafka_offsets.from_spark_json(runner.store.get_generation(runner.spec.job_id, 1)["starting_offsets"])
-    assert {tp: o for tp, o in first.items() if tp[0] == control_topic} == {(control_topic, 0): 0,
-                                                                              (control_topic, 1): 0}
-    second = kafka_offsets.from_spark_json(runner.store.get_generation(runner.spec.job_id, 2)["starting_offsets"])
-    assert {tp: o for tp, o in second.items() if tp[0] == control_topic} == {
-        tp: o for tp, o in stored.items() if tp[0] == control_topic
-    }
 
 
 # -- the Python source accepting data loss -------------------------------------------------------------------

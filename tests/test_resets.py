@@ -110,16 +110,18 @@ def test_a_reset_with_nothing_committed_resumes_where_the_last_generation_began(
 
 
 def test_a_reset_resumes_every_topic_the_sink_accounts_for(stream, broker):
-    """A job that also reads ``<topic>-control``: the control topic's stored offsets are checked against
-    Kafka with the rest, not taken for a vanished partition that blocks every reset."""
+    """A job that also reads ``<topic>-control``, from ``latest`` on its first start.  The control topic's
+    stored offsets are checked against Kafka with the rest (not taken for a vanished partition that blocks
+    every reset), and the new generation's control stream resumes from them, not from ``latest``: what was
+    sent to it while no driver ran is applied, once."""
     state, job_id, params, topic = stream["state"], stream["job_id"], stream["params"], stream["topic"]
     control_topic = f"{topic}-control"
-    broker.create_topic(control_topic, 1)
-    params = {**params, "application": str(FIXTURE_JOBS / "with_control_topic.py")}
+    broker.create_topic(control_topic, 2)
+    params = {**params, "application": str(FIXTURE_JOBS / "control_topic_from_latest.py")}
     main, control = _producer(broker, topic, 0, seed=7), _producer(broker, control_topic, 50_000, seed=3)
     main.send(400)
+    assert run_dag(dags.deploy, params)[0] == "success"  # every stream's start is resolved by now
     control.send(40)
-    assert run_dag(dags.deploy, params)[0] == "success"
 
     def stored_by_topic() -> dict[str, dict[int, int]]:
         found: dict[str, dict[int, int]] = {}
@@ -134,13 +136,18 @@ def test_a_reset_resumes_every_topic_the_sink_accounts_for(stream, broker):
 
     wait_until(caught_up_both, 240, "both streams to be applied", on_timeout=lambda: str(stored_by_topic()))
     assert run_dag(dags.stop, params)[0] == "success"
+    stored = state.stored_offsets(job_id)
     main.send(200)
-    control.send(20)
+    control.send(20)  # while no driver runs: a start from latest would skip them
 
     status, tasks = run_dag(dags.reset, params, reason="manual")
     assert status == "success", tasks
     starting = kafka_offsets.from_spark_json(tasks["reset"][1]["starting_offsets"])
-    assert {t for t, _ in starting} == {topic, control_topic}
+    assert starting == stored and {t for t, _ in starting} == {topic, control_topic}
+    # Every stream's start is recorded with the generation: batch 0 covers, and gap-checks, them all.
+    recorded = kafka_offsets.from_spark_json(state.store.get_generation(job_id, 2)["starting_offsets"])
+    assert {tp: o for tp, o in recorded.items() if tp[0] == control_topic} == {
+        tp: o for tp, o in stored.items() if tp[0] == control_topic}
     wait_until(caught_up_both, 240, "both streams to be applied after the reset",
                on_timeout=lambda: str(stored_by_topic()))
     _check_applied_once(state, set(main.produced.events) | set(control.produced.events))

@@ -6,6 +6,7 @@ creates its own topics.
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import time
@@ -17,9 +18,29 @@ from kafka.admin import KafkaAdminClient, NewTopic
 
 
 def free_port() -> int:
-    with closing(socket.socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port nothing listens on, below the kernel's ephemeral range.  A port from that range
+    (what binding port 0 gives) can be taken by any outgoing connection in the seconds before the server
+    meant for it binds it: an Airflow api-server starts some 20 s after its port is chosen."""
+    low = _ephemeral_range_start()
+    for _ in range(500):
+        port = _PORTS.randrange(max(1024, low - 12000), low)
+        with closing(socket.socket()) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port below {low}")
+
+
+_PORTS = random.Random()  # seeded by the system: two test workers draw different ports
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def tansu_binary() -> str:
