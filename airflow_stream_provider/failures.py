@@ -31,6 +31,8 @@ __all__ = [
     "SIGNATURES",
     "Classification",
     "FailureKind",
+    "KindFacts",
+    "Recovery",
     "Signature",
     "classify",
     "exit_code_for",
@@ -38,47 +40,113 @@ __all__ = [
     "kind_for_exit_code",
 ]
 
+# Exit codes of the streaming driver. The process exit code is the one piece of evidence that survives
+# even when the state database is unreachable, so the harness encodes the failure kind in it. Those of
+# the failure kinds are among each kind's facts (below); these three belong to no single kind.
+EXIT_STOPPED = 0  # clean stop
+EXIT_FAILED = 1  # USER_CODE / UNKNOWN
+EXIT_CONFIG = 2  # bad configuration, detected before start
+
+_RESET = "archive this checkpoint generation and start a new one from the offsets stored in the sink"
+
+
+class Recovery(enum.StrEnum):
+    """What an automatic recovery does about a run that ended with a failure kind (``recovery.py``)."""
+
+    #: a new run on the same checkpoint: Spark replays the unfinished batch, the sink skips what it has
+    RESTART = "restart"
+    #: archive the checkpoint generation, start a new one from the offsets stored in the sink
+    RESET = "reset"
+    #: none: no automatic action can be right, a person decides from the evidence
+    MANUAL = "manual"
+
+
+@dataclass(frozen=True)
+class KindFacts:
+    """What a failure kind means to both sides of the provider."""
+
+    #: the driver's exit code: distinct per kind (USER_CODE and UNKNOWN share EXIT_FAILED), never 0 or 2,
+    #: and below 128 (129..192 read as "killed by a signal")
+    exit_code: int
+    recovery: Recovery
+    #: whether Airflow's task retries can fix a start failure of this kind: the cause passes by itself
+    retryable: bool
+    #: what on-call should do, where no signature's advice is more specific
+    advice: str
+
 
 class FailureKind(enum.StrEnum):
     """Why a run ended badly; each kind calls for a different recovery (see DESIGN.md, "failure kind").
 
-    A ``str`` subclass, so a kind is stored, logged and compared as its plain name.
+    A ``str`` subclass, so a kind is stored, logged and compared as its plain name. Each kind carries its
+    facts (:class:`KindFacts`): the exit code, the recovery, whether a retry helps, the advice. The
+    harness, the diagnosis and ``recovery.decide_recovery`` read them, so a new kind is one entry here.
     """
 
-    CHECKPOINT_INCOMPATIBLE = "CHECKPOINT_INCOMPATIBLE"
-    DATA_LOSS = "DATA_LOSS"
-    TRANSIENT = "TRANSIENT"
-    POISON = "POISON"
-    RESOURCE = "RESOURCE"
-    CONCURRENT = "CONCURRENT"
-    USER_CODE = "USER_CODE"
-    UNKNOWN = "UNKNOWN"
+    def __new__(cls, value: str, facts: KindFacts) -> FailureKind:
+        kind = str.__new__(cls, value)
+        kind._value_ = value
+        kind.facts = facts
+        return kind
+
+    CHECKPOINT_INCOMPATIBLE = "CHECKPOINT_INCOMPATIBLE", KindFacts(
+        exit_code=3, recovery=Recovery.RESET, retryable=False,
+        advice=f"The job's code cannot continue its checkpoint: roll back the code, or {_RESET}.")
+    DATA_LOSS = "DATA_LOSS", KindFacts(
+        exit_code=4, recovery=Recovery.MANUAL, retryable=False,
+        advice="Records the job still needs are gone from Kafka: find the lost ranges in the evidence and "
+        "decide explicitly whether to accept the loss before restarting.")
+    TRANSIENT = "TRANSIENT", KindFacts(
+        exit_code=6, recovery=Recovery.RESTART, retryable=True,
+        advice="A service the job needs (Kafka, the database, the network) was unreachable: check it; a "
+        "restart with backoff resumes from the checkpoint once it answers.")
+    POISON = "POISON", KindFacts(
+        exit_code=8, recovery=Recovery.MANUAL, retryable=False,
+        advice="A record could not be handled nor dead-lettered: inspect it at the position in the "
+        "evidence, fix the job or the dead-letter table, then restart.")
+    RESOURCE = "RESOURCE", KindFacts(
+        exit_code=7, recovery=Recovery.RESTART, retryable=True,
+        advice="The driver or an executor ran out of memory or disk: give it more, or lower "
+        "maxOffsetsPerTrigger, then restart.")
+    CONCURRENT = "CONCURRENT", KindFacts(
+        exit_code=5, recovery=Recovery.RESTART, retryable=False,
+        advice="Another driver used this job's checkpoint: make sure only one driver of the job runs "
+        "(check for a zombie driver), then restart.")
+    USER_CODE = "USER_CODE", KindFacts(
+        exit_code=EXIT_FAILED, recovery=Recovery.RESTART, retryable=False,
+        advice="The job's code failed: fix the code shown in the traceback and deploy it; restarting the "
+        "same code fails the same way.")
+    UNKNOWN = "UNKNOWN", KindFacts(
+        exit_code=EXIT_FAILED, recovery=Recovery.RESTART, retryable=False,
+        advice="No known signature matched: read the driver log around the evidence line before "
+        "restarting.")
+
+    @property
+    def exit_code(self) -> int:
+        return self.facts.exit_code
+
+    @property
+    def recovery(self) -> Recovery:
+        return self.facts.recovery
+
+    @property
+    def retryable(self) -> bool:
+        return self.facts.retryable
+
+    @property
+    def advice(self) -> str:
+        return self.facts.advice
 
 
-# Exit codes of the streaming driver. The process exit code is the one piece of evidence that survives
-# even when the state database is unreachable, so the harness encodes the failure kind in it.
-EXIT_STOPPED = 0  # clean stop
-EXIT_FAILED = 1  # USER_CODE / UNKNOWN
-EXIT_CONFIG = 2  # bad configuration, detected before start
-EXIT_CHECKPOINT_INCOMPATIBLE = 3
-EXIT_DATA_LOSS = 4
-EXIT_CONCURRENT = 5  # fenced / another query on the checkpoint
-EXIT_TRANSIENT = 6
-EXIT_RESOURCE = 7
-EXIT_POISON = 8
+EXIT_CHECKPOINT_INCOMPATIBLE = FailureKind.CHECKPOINT_INCOMPATIBLE.exit_code
+EXIT_DATA_LOSS = FailureKind.DATA_LOSS.exit_code
+EXIT_CONCURRENT = FailureKind.CONCURRENT.exit_code  # fenced / another query on the checkpoint
+EXIT_TRANSIENT = FailureKind.TRANSIENT.exit_code
+EXIT_RESOURCE = FailureKind.RESOURCE.exit_code
+EXIT_POISON = FailureKind.POISON.exit_code
 
-_EXIT_CODES: dict[FailureKind, int] = {
-    FailureKind.CHECKPOINT_INCOMPATIBLE: EXIT_CHECKPOINT_INCOMPATIBLE,
-    FailureKind.DATA_LOSS: EXIT_DATA_LOSS,
-    FailureKind.TRANSIENT: EXIT_TRANSIENT,
-    FailureKind.POISON: EXIT_POISON,
-    FailureKind.RESOURCE: EXIT_RESOURCE,
-    FailureKind.CONCURRENT: EXIT_CONCURRENT,
-    FailureKind.USER_CODE: EXIT_FAILED,
-    FailureKind.UNKNOWN: EXIT_FAILED,
-}
 _KINDS_BY_EXIT_CODE: dict[int, FailureKind] = {
-    **{code: kind for kind, code in _EXIT_CODES.items() if code != EXIT_FAILED},
+    **{kind.exit_code: kind for kind in FailureKind if kind.exit_code != EXIT_FAILED},
     EXIT_FAILED: FailureKind.UNKNOWN,  # USER_CODE and UNKNOWN share 1: the code alone cannot tell them apart
     EXIT_CONFIG: FailureKind.USER_CODE,  # the job's spec is wrong: no retry fixes it, its author does
 }
@@ -86,7 +154,7 @@ _KINDS_BY_EXIT_CODE: dict[int, FailureKind] = {
 
 def exit_code_for(kind: FailureKind) -> int:
     """The exit code the job harness uses when a run ends with ``kind``."""
-    return _EXIT_CODES[FailureKind(kind)]
+    return FailureKind(kind).exit_code
 
 
 def kind_for_exit_code(code: int) -> FailureKind | None:
@@ -132,7 +200,6 @@ class Classification:
 
 
 _CK = FailureKind.CHECKPOINT_INCOMPATIBLE
-_RESET = "archive this checkpoint generation and start a new one from the offsets stored in the sink"
 # A parse failure whose own stack frames are in Spark's checkpoint log readers: a corrupt offsets/commits
 # file. Only the stack trace tells; the message is just "next on empty iterator" or a Jackson error.
 _CORRUPT_LOG_PARSE = (
@@ -456,9 +523,6 @@ SIGNATURES: tuple[Signature, ...] = (
     ),
 )
 
-_UNKNOWN_ADVICE = (
-    "No known signature matched: read the driver log around the evidence line before restarting."
-)
 # Generic wrappers: reported as the error class only when nothing more specific is in the text.
 _WRAPPER_CLASSES = frozenset({"STREAM_FAILED"})
 _ERROR_CLASS = re.compile(r"\[(_?[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+(?:\.[A-Z][A-Z0-9_]*)*)\]")
@@ -549,7 +613,7 @@ def classify(text: str, error_class: str | None = None) -> Classification:
         signature=None,
         error_class=_reported_class(classes),
         evidence=_first_line(text),
-        advice=_UNKNOWN_ADVICE,
+        advice=FailureKind.UNKNOWN.advice,
     )
 
 

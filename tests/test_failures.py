@@ -22,6 +22,7 @@ from airflow_stream_provider.failures import (
     SIGNATURES,
     Classification,
     FailureKind,
+    Recovery,
     classify,
     exit_code_for,
     find_error_classes,
@@ -587,6 +588,31 @@ def test_exit_codes_are_distinct_except_user_code_and_unknown() -> None:
     others = [code for kind, code in codes.items() if kind not in shared]
     assert len(others) == len(set(others)) and EXIT_FAILED not in others
     assert sorted({*codes.values(), EXIT_STOPPED, EXIT_CONFIG}) == list(range(9))
+
+
+@pytest.mark.parametrize("kind", list(FailureKind), ids=lambda kind: kind.value)
+def test_every_kind_carries_complete_facts(kind: FailureKind) -> None:
+    """A kind is one entry: its exit code, its recovery, whether a retry helps and its advice."""
+    assert kind.value == kind.name and str(kind) == kind.name  # stored and compared as its plain name
+    assert isinstance(kind.exit_code, int) and 0 < kind.exit_code < 128 and kind.exit_code != EXIT_CONFIG
+    assert isinstance(kind.recovery, Recovery) and isinstance(kind.retryable, bool)
+    assert kind.advice.strip() and kind.advice.endswith(".") and "\n" not in kind.advice
+    if kind.exit_code != EXIT_FAILED:  # USER_CODE and UNKNOWN share 1, which reads back as UNKNOWN
+        assert kind_for_exit_code(kind.exit_code) is kind
+
+
+def test_the_exit_code_names_come_from_the_kinds() -> None:
+    from airflow_stream_provider import failures
+
+    for kind in FailureKind:
+        name = f"EXIT_{kind.name}"
+        if hasattr(failures, name):
+            assert getattr(failures, name) == kind.exit_code, name
+    assert failures.EXIT_CONCURRENT == 5 and failures.EXIT_POISON == 8
+
+
+def test_only_passing_causes_are_retried() -> None:
+    assert {kind for kind in FailureKind if kind.retryable} == {FailureKind.TRANSIENT, FailureKind.RESOURCE}
 
 
 @pytest.mark.parametrize("code", [0, -9, -15, 137, 143, 130])

@@ -1,0 +1,113 @@
+"""What recovering a stream job does, decided from its diagnosis, its failure kind and the restart budget.
+
+Pure: the recover operator diagnoses the job and carries the decision out; this module holds the rules,
+so they can be read (and tested) in one place. A failed run's kind says which recovery it calls for
+(``FailureKind.recovery`` in ``failures.py``), so a new kind needs no edit here:
+
+=========================  ===============  ==================================================================
+health / failure kind      on_incompatible  decision
+=========================  ===============  ==================================================================
+STARTING, HEALTHY          any              nothing
+STOPPED                    any              nothing: a clean stop was asked for by someone
+DEAD                       any              restart from the checkpoint (Spark replays the unfinished batch,
+                                            the sink skips what was committed)
+STUCK                      any              stop the live driver (escalating to a kill), then restart from
+                                            the checkpoint
+kind's recovery RESTART:   any              restart from the checkpoint
+TRANSIENT, RESOURCE,
+UNKNOWN, USER_CODE,
+CONCURRENT
+kind's recovery RESET:     reset            reset: archive the generation, a new one from the stored offsets
+CHECKPOINT_INCOMPATIBLE    fail             fail: a person resets when ready
+kind's recovery MANUAL:    any              fail with the evidence: no automatic action can be right
+DATA_LOSS, POISON
+=========================  ===============  ==================================================================
+
+A restart or a reset is first weighed against the restart budget (``budget.py``): out of budget
+(``max_restarts`` restarts within the window whose run never committed a batch), the recovery fails and
+says so; otherwise it waits the crash-loop backoff first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from airflow_stream_provider.budget import RestartBudget, crash_loop_restarts
+from airflow_stream_provider.diagnosis import Diagnosis, Health
+from airflow_stream_provider.failures import Recovery
+
+ON_INCOMPATIBLE = ("reset", "fail")
+
+
+class RecoveryAction(StrEnum):
+    #: the job needs nothing (starting, healthy, or stopped on purpose)
+    NONE = "none"
+    #: a new run on the current generation; a live (STUCK) driver is stopped first
+    RESTART = "restart"
+    #: archive the current generation, start the next one from the offsets stored with the results
+    RESET = "reset"
+    #: no automatic action: the task fails with ``why``
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class RecoveryDecision:
+    action: RecoveryAction
+    #: for FAIL, the message to fail with; otherwise what the decision rests on, for the log
+    why: str
+    #: for RESTART and RESET: the reason recorded with the restart (and the archived generation)
+    reason: str = ""
+    #: seconds to wait before a RESTART or RESET: consecutive restarts back off
+    backoff_s: float = 0.0
+
+
+def check_on_incompatible(value: str) -> str:
+    if value not in ON_INCOMPATIBLE:
+        raise ValueError(f"on_incompatible={value!r} is not one of {', '.join(ON_INCOMPATIBLE)}: 'reset' starts "
+                         "a new generation from the stored offsets when the checkpoint is incompatible, "
+                         "'fail' fails the task for a person to decide")
+    return value
+
+
+def history_since(budget: RestartBudget, now: float) -> float:
+    """How far back the restart history matters (the ``since`` of ``StreamStateHook.restarts_since``):
+    the budget's window, and enough consecutive restarts for the backoff to reach its ceiling."""
+    return now - max(budget.window_s, budget.healthy_reset_s * 10)
+
+
+def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBudget,
+                    history: Sequence[Mapping[str, Any]], now: float) -> RecoveryDecision:
+    """The recovery ``found`` calls for; ``history`` is the job's restarts since ``history_since``."""
+    check_on_incompatible(on_incompatible)
+    if found.health in (Health.STARTING, Health.HEALTHY, Health.STOPPED):
+        return RecoveryDecision(RecoveryAction.NONE, f"the job is {found.health.value}: nothing to do")
+    kind = found.failure_kind
+    recovery = kind.recovery if kind else Recovery.RESTART  # DEAD and STUCK have no kind: restart
+    if recovery == Recovery.MANUAL:
+        return RecoveryDecision(RecoveryAction.FAIL, f"{found.summary()}. {found.advice} No automatic recovery "
+                                                     f"for {kind.value}: it needs a decision.")
+    if recovery == Recovery.RESET:
+        if on_incompatible == "fail":
+            return RecoveryDecision(RecoveryAction.FAIL, f"{found.summary()}. on_incompatible='fail': reset the "
+                                                         "job to a new generation from its stored offsets when "
+                                                         "ready.")
+        # "CHECKPOINT_INCOMPATIBLE" -> "checkpoint incompatible: <Spark's error class>"
+        action, reason = RecoveryAction.RESET, f"{kind.value.replace('_', ' ').lower()}: {found.error_class}"
+        why = f"{kind.value}: reset to a new generation from the stored offsets"
+    else:
+        action, reason = RecoveryAction.RESTART, found.summary()
+        stop = "stop the live driver, then " if found.health == Health.STUCK else ""
+        why = f"{kind.value if kind else found.health.value}: {stop}restart from the checkpoint"
+    times = crash_loop_restarts(history)
+    if budget.exhausted(times, now):
+        used = budget.used(times, now)
+        return RecoveryDecision(
+            RecoveryAction.FAIL,
+            f"job {found.job_id} is out of its restart budget: {len(used)} restarts in the last "
+            f"{budget.window_s / 60:.0f} min whose run never committed a batch (max {budget.max_restarts}); "
+            f"the job keeps failing: {found.summary()}. Fix the cause ({found.advice or 'see the driver log'}), "
+            f"then restart it by hand.")
+    return RecoveryDecision(action, why, reason=reason, backoff_s=budget.backoff(times, now))

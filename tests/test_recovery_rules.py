@@ -1,0 +1,144 @@
+"""The recovery decision table (pure): every row, the restart budget and the backoff."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_stream_provider.budget import RestartBudget
+from airflow_stream_provider.diagnosis import Diagnosis, Health
+from airflow_stream_provider.failures import FailureKind, Recovery
+from airflow_stream_provider.recovery import (
+    RecoveryAction,
+    check_on_incompatible,
+    decide_recovery,
+    history_since,
+)
+
+NOW = 1_800_000_000.0
+BUDGET = RestartBudget(max_restarts=3, window_s=1800, backoff_base_s=5, backoff_max_s=300, healthy_reset_s=600)
+
+
+def _found(health: Health, kind: FailureKind | None = None, **overrides) -> Diagnosis:
+    values = {"run_id": "r1", "generation": 1, "epoch": 3, "lag": 0, "evidence": ["driver exited with code 1"],
+              "advice": "do the thing", "diagnosed_at": NOW, "error_class": None}
+    values.update(overrides)
+    return Diagnosis("j", health, kind, **values)
+
+
+def _decide(found: Diagnosis, on_incompatible: str = "reset", history=()):
+    return decide_recovery(found, on_incompatible=on_incompatible, budget=BUDGET, history=list(history), now=NOW)
+
+
+def _restarts(*ages: float, committed: bool = False) -> list[dict]:
+    return [{"at": NOW - age, "action": "restart", "new_run_committed": committed} for age in sorted(ages, reverse=True)]
+
+
+@pytest.mark.parametrize(
+    ("health", "kind", "on_incompatible", "action"),
+    [
+        (Health.STARTING, None, "reset", RecoveryAction.NONE),
+        (Health.HEALTHY, None, "reset", RecoveryAction.NONE),
+        (Health.STOPPED, None, "fail", RecoveryAction.NONE),
+        (Health.DEAD, None, "reset", RecoveryAction.RESTART),
+        (Health.STUCK, None, "fail", RecoveryAction.RESTART),
+        (Health.FAILED, FailureKind.TRANSIENT, "reset", RecoveryAction.RESTART),
+        (Health.FAILED, FailureKind.RESOURCE, "reset", RecoveryAction.RESTART),
+        (Health.FAILED, FailureKind.UNKNOWN, "reset", RecoveryAction.RESTART),
+        (Health.FAILED, FailureKind.USER_CODE, "reset", RecoveryAction.RESTART),
+        (Health.FAILED, FailureKind.CONCURRENT, "fail", RecoveryAction.RESTART),
+        (Health.FAILED, FailureKind.CHECKPOINT_INCOMPATIBLE, "reset", RecoveryAction.RESET),
+        (Health.FAILED, FailureKind.CHECKPOINT_INCOMPATIBLE, "fail", RecoveryAction.FAIL),
+        (Health.FAILED, FailureKind.DATA_LOSS, "reset", RecoveryAction.FAIL),
+        (Health.FAILED, FailureKind.POISON, "reset", RecoveryAction.FAIL),
+    ],
+)
+def test_decision_table(health, kind, on_incompatible, action):
+    decision = _decide(_found(health, kind), on_incompatible)
+    assert decision.action == action, decision.why
+    assert decision.backoff_s == 0.0
+
+
+def test_every_failure_kind_is_decided_by_its_recovery():
+    """A new kind needs no edit of the rules: its recovery fact decides."""
+    expected = {Recovery.RESTART: RecoveryAction.RESTART, Recovery.RESET: RecoveryAction.RESET,
+                Recovery.MANUAL: RecoveryAction.FAIL}
+    for kind in FailureKind:
+        assert _decide(_found(Health.FAILED, kind)).action == expected[kind.recovery], kind
+
+
+def test_a_restart_passes_the_summary_on_as_its_reason():
+    found = _found(Health.DEAD, evidence=["its driver process (pid 4242 on h) is gone"])
+    decision = _decide(found)
+    assert decision.reason == found.summary() == "job j: DEAD (run r1): its driver process (pid 4242 on h) is gone"
+
+
+def test_a_stuck_driver_is_stopped_before_the_restart():
+    assert "stop the live driver, then restart" in _decide(_found(Health.STUCK)).why
+
+
+def test_a_reset_names_the_error_class():
+    found = _found(Health.FAILED, FailureKind.CHECKPOINT_INCOMPATIBLE,
+                   error_class="STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE")
+    decision = _decide(found, "reset")
+    assert decision.reason == "checkpoint incompatible: STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE"
+
+
+def test_on_incompatible_fail_says_what_to_do_instead():
+    found = _found(Health.FAILED, FailureKind.CHECKPOINT_INCOMPATIBLE)
+    why = _decide(found, "fail").why
+    assert why.startswith(found.summary()) and "on_incompatible='fail': reset the job to a new generation" in why
+
+
+@pytest.mark.parametrize("kind", [FailureKind.DATA_LOSS, FailureKind.POISON])
+def test_data_loss_and_poison_fail_with_the_evidence_and_advice(kind):
+    found = _found(Health.FAILED, kind, evidence=["[STREAM_POISON_RECORD] events/0@41: bad"])
+    why = _decide(found, history=_restarts(10, 20, 30)).why  # decided before, and whatever, the budget
+    assert why == (f"{found.summary()}. do the thing No automatic recovery for {kind.value}: it needs a "
+                   f"decision.")
+
+
+@pytest.mark.parametrize(
+    ("health", "kind"),
+    [(Health.DEAD, None), (Health.FAILED, FailureKind.USER_CODE), (Health.FAILED, FailureKind.CHECKPOINT_INCOMPATIBLE)],
+)
+def test_out_of_budget_fails_and_says_so(health, kind):
+    found = _found(health, kind)
+    decision = _decide(found, history=_restarts(100, 200, 300))
+    assert decision.action == RecoveryAction.FAIL
+    assert decision.why.startswith("job j is out of its restart budget: 3 restarts in the last 30 min whose run "
+                                   "never committed a batch (max 3); the job keeps failing: ")
+    assert decision.why.endswith(f"{found.summary()}. Fix the cause (do the thing), then restart it by hand.")
+
+
+def test_restarts_whose_run_committed_do_not_count():
+    history = _restarts(100, 200, 300, committed=True)
+    assert _decide(_found(Health.DEAD), history=history).action == RecoveryAction.RESTART
+
+
+def test_restarts_outside_the_window_do_not_count():
+    history = _restarts(100, 2000, 4000)
+    assert _decide(_found(Health.DEAD), history=history).action == RecoveryAction.RESTART
+
+
+@pytest.mark.parametrize(("ages", "backoff"), [((), 0.0), ((60,), 5.0), ((60, 120), 10.0), ((60, 1000), 5.0)])
+def test_backoff_is_returned_not_slept(ages, backoff):
+    decision = _decide(_found(Health.FAILED, FailureKind.TRANSIENT), history=_restarts(*ages))
+    assert (decision.action, decision.backoff_s) == (RecoveryAction.RESTART, backoff)
+
+
+def test_a_reset_backs_off_too():
+    decision = _decide(_found(Health.FAILED, FailureKind.CHECKPOINT_INCOMPATIBLE), history=_restarts(60))
+    assert (decision.action, decision.backoff_s) == (RecoveryAction.RESET, 5.0)
+
+
+def test_history_reaches_back_over_the_window_and_the_backoff_chain():
+    assert history_since(BUDGET, NOW) == NOW - 6000  # ten healthy-reset periods outlast a 30 min window
+    assert history_since(RestartBudget(window_s=86400), NOW) == NOW - 86400
+
+
+@pytest.mark.parametrize("value", ["rest", "Reset", "", "never"])
+def test_misspelt_on_incompatible_is_refused_with_the_choices(value):
+    with pytest.raises(ValueError, match="is not one of reset, fail"):
+        check_on_incompatible(value)
+    with pytest.raises(ValueError, match="is not one of reset, fail"):
+        _decide(_found(Health.HEALTHY), value)  # refused even when nothing is to be done
