@@ -13,8 +13,6 @@ import datetime as dt
 import sys
 from collections.abc import Sequence
 
-from sqlalchemy import inspect, select
-
 from airflow_stream_provider import diagnosis, kafka_offsets
 from airflow_stream_provider.state import schema
 from airflow_stream_provider.state.store import StateStore
@@ -34,19 +32,16 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def status(store: StateStore, job_id: str, runs: int = 5) -> str:
-    with store.engine.connect() as conn:
-        run_rows = conn.execute(select(schema.runs).where(schema.runs.c.job_id == job_id)
-                                .order_by(schema.runs.c.started_at.desc()).limit(runs)).mappings().all()
-        generations = conn.execute(select(schema.generations).where(schema.generations.c.job_id == job_id)
-                                   .order_by(schema.generations.c.generation)).mappings().all()
-    latest = next((dict(r) for r in run_rows if not r["dry_run"]), None)
+    run_rows = store.recent_runs(job_id, runs)
+    generations = store.generations(job_id)
+    latest = next((r for r in run_rows if not r.dry_run), None)
     found = diagnosis.diagnose(job_id, latest, driver_alive=None, lag=None)
     out = [f"job {job_id}: {found.health.value}"
            + (f"/{found.failure_kind.value}" if found.failure_kind else ""),
            *(f"  {line}" for line in found.evidence), ""]
-    out.append(_table([[r["run_id"][:12], r["status"], r["generation"], r["epoch"], r["version"],
-                        _when(r["started_at"]), _when(r["heartbeat_at"]), r["last_batch_id"],
-                        r["exit_code"] if r["exit_code"] is not None else "-", r["failure_kind"] or "-"]
+    out.append(_table([[r.run_id[:12], r.status, r.generation, r.epoch, r.version,
+                        _when(r.started_at), _when(r.heartbeat_at), r.last_batch_id,
+                        r.exit_code if r.exit_code is not None else "-", r.failure_kind or "-"]
                        for r in run_rows],
                       ["run", "status", "gen", "epoch", "version", "started", "heartbeat", "batch", "exit",
                        "failure"]))
@@ -95,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _prune(args)
     store = StateStore.from_url(args.database_url)
     try:
-        if not inspect(store.engine).has_table(schema.runs.name):
+        if not store.has_schema():
             print(f"no stream state in {args.database_url}: the table {schema.runs.name} does not exist. "
                   f"Is this the job's state database?", file=sys.stderr)
             return 2

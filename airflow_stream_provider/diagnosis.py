@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from airflow_stream_provider import failures
+from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.store import ACTIVE_STATUSES, DEAD, FAILED, STARTING, STOPPED
 
 
@@ -71,7 +72,7 @@ class Diagnosis:
         return f"job {self.job_id}: {self.health.value}{kind} (run {self.run_id}): " + "; ".join(self.evidence)
 
 
-def diagnose(job_id: str, run: dict[str, Any] | None, *, driver_alive: bool | None, lag: int | None,
+def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, lag: int | None,
              thresholds: Thresholds = Thresholds(), now: float | None = None) -> Diagnosis:
     """Conclude the job's health from its latest run row.
 
@@ -82,43 +83,46 @@ def diagnose(job_id: str, run: dict[str, Any] | None, *, driver_alive: bool | No
     if run is None:
         return Diagnosis(job_id, Health.STOPPED, lag=lag, evidence=["no run recorded for this job"],
                          advice="Submit the job.", diagnosed_at=now)
-    base = {"run_id": run["run_id"], "generation": run["generation"], "epoch": run["epoch"], "lag": lag,
+    base = {"run_id": run.run_id, "generation": run.generation, "epoch": run.epoch, "lag": lag,
             "diagnosed_at": now}
-    heartbeat_age = now - (run["heartbeat_at"] or run["started_at"] or now)
-    status = run["status"]
+    heartbeat_age = now - (run.heartbeat_at or run.started_at or now)
+    status = run.status
     if status == STOPPED:
         return Diagnosis(job_id, Health.STOPPED, **base,
-                         evidence=[f"run stopped cleanly with exit code {run['exit_code']}"],
+                         evidence=[f"run stopped cleanly with exit code {run.exit_code}"],
                          advice="Nothing to do; submit the job to start it again.")
     if status == FAILED:
-        kind = failures.FailureKind(run["failure_kind"]) if run["failure_kind"] else failures.FailureKind.UNKNOWN
-        message = (run["termination_message"] or "").strip()
-        classification = failures.classify(message, run["error_class"])
-        return Diagnosis(job_id, Health.FAILED, kind, run["error_class"], **base,
-                         evidence=[f"driver exited with code {run['exit_code']} ({kind.value})",
+        kind = failures.FailureKind(run.failure_kind) if run.failure_kind else failures.FailureKind.UNKNOWN
+        message = (run.termination_message or "").strip()
+        classification = failures.classify(message, run.error_class)
+        # A signature's advice where the text still shows the recorded kind; else (a start failure's own
+        # message, a message cut short) what the kind itself calls for.
+        advice = classification.advice if classification.kind == kind else kind.advice
+        return Diagnosis(job_id, Health.FAILED, kind, run.error_class, **base,
+                         evidence=[f"driver exited with code {run.exit_code} ({kind.value})",
                                    f"error: {classification.evidence or _first_line(message)}"],
-                         advice=classification.advice)
+                         advice=advice)
     if status == DEAD:
-        return Diagnosis(job_id, Health.DEAD, **base, evidence=[run["termination_message"] or "driver gone"],
+        return Diagnosis(job_id, Health.DEAD, **base, evidence=[run.termination_message or "driver gone"],
                          advice="Restart from the checkpoint: the batch it was running is replayed and the "
                          "sink skips what was already committed.")
     if status not in ACTIVE_STATUSES:
         raise ValueError(f"unknown run status {status!r}")
-    starting = status == STARTING or not run["query_started_at"]
+    starting = status == STARTING or not run.query_started_at
     # Heartbeats begin once the query runs: a starting driver is bounded by the start timeout instead.
     limit = thresholds.start_timeout_s if starting else thresholds.heartbeat_timeout_s
     # A process that is provably alive is never DEAD for a late heartbeat: on a loaded host, or in a long
     # GC pause, heartbeats lag.  Silent past ``stuck_after`` it is STUCK (below) and is restarted as such.
     if driver_alive is False or (driver_alive is None and heartbeat_age > limit):
         if driver_alive is False:
-            gone = f"its driver process (pid {run['pid']} on {run['host']}) is gone"
+            gone = f"its driver process (pid {run.pid} on {run.host}) is gone"
         elif starting:
             gone = f"its query has not started {heartbeat_age:.0f}s after its start (timeout {limit:.0f}s)"
         else:
             gone = f"its last heartbeat is {heartbeat_age:.0f}s old (timeout {limit:.0f}s)"
-        evidence = [f"run {run['run_id']} is recorded as {status} but {gone}"]
-        if run["last_batch_id"] is not None:
-            evidence.append(f"last committed batch {run['last_batch_id']}")
+        evidence = [f"run {run.run_id} is recorded as {status} but {gone}"]
+        if run.last_batch_id is not None:
+            evidence.append(f"last committed batch {run.last_batch_id}")
         return Diagnosis(job_id, Health.DEAD, **base, evidence=evidence,
                          advice="Restart from the checkpoint: the batch it was running is replayed and the "
                          "sink skips what was already committed.")
@@ -127,14 +131,14 @@ def diagnose(job_id: str, run: dict[str, Any] | None, *, driver_alive: bool | No
         silent = (f"its query has not started {heartbeat_age:.0f}s after its start" if starting
                   else f"its last heartbeat is {heartbeat_age:.0f}s old")
         return Diagnosis(job_id, Health.STUCK, **base,
-                         evidence=[f"its driver process (pid {run['pid']} on {run['host']}) is alive but {silent} "
+                         evidence=[f"its driver process (pid {run.pid} on {run.host}) is alive but {silent} "
                                    f"(threshold {silent_limit:.0f}s)"],
                          advice="Stop the driver (it is alive but silent: hung or starved) and restart it from "
                          "the checkpoint; read its log, and a thread dump of its JVM, for where it hangs.")
     if starting:
         return Diagnosis(job_id, Health.STARTING, **base,
-                         evidence=[f"driver up for {now - (run['started_at'] or now):.0f}s, query not started yet"])
-    since = max(run["last_batch_at"] or 0, run["query_started_at"] or 0)
+                         evidence=[f"driver up for {now - (run.started_at or now):.0f}s, query not started yet"])
+    since = max(run.last_batch_at or 0, run.query_started_at or 0)
     idle = now - since
     if lag and idle > thresholds.stuck_after_s:
         return Diagnosis(job_id, Health.STUCK, **base,
@@ -144,18 +148,18 @@ def diagnose(job_id: str, run: dict[str, Any] | None, *, driver_alive: bool | No
                          advice="Stop the driver (it is alive but makes no progress) and restart it from the "
                          "checkpoint; read its log for the blocked batch.")
     return Diagnosis(job_id, Health.HEALTHY, **base,
-                     evidence=[f"heartbeat {heartbeat_age:.0f}s ago", f"last batch {run['last_batch_id']}",
+                     evidence=[f"heartbeat {heartbeat_age:.0f}s ago", f"last batch {run.last_batch_id}",
                                f"lag {lag}"])
 
 
-def lag_matters(run: dict[str, Any] | None, thresholds: Thresholds, now: float | None = None) -> bool:
+def lag_matters(run: RunRecord | None, thresholds: Thresholds, now: float | None = None) -> bool:
     """Whether the Kafka lag could change the verdict: only for a running query idle for longer than
     ``stuck_after`` (the lag then tells STUCK from an idle stream).  A watcher of many jobs reads
     Kafka only for those."""
-    if run is None or run["status"] not in ACTIVE_STATUSES or not run["query_started_at"]:
+    if run is None or run.status not in ACTIVE_STATUSES or not run.query_started_at:
         return False
     now = time.time() if now is None else now
-    return now - max(run["last_batch_at"] or 0, run["query_started_at"]) > thresholds.stuck_after_s
+    return now - max(run.last_batch_at or 0, run.query_started_at) > thresholds.stuck_after_s
 
 
 def _first_line(text: str) -> str:

@@ -35,7 +35,7 @@ def _processing(job: Job) -> dict:
     """The live run, once it has committed a batch."""
     def ready():
         run = job.latest_run()
-        if run and run["status"] == "RUNNING" and run["pid"] and job.first_commit(run_id=run["run_id"]):
+        if run and run.status == "RUNNING" and run.pid and job.first_commit(run_id=run.run_id):
             return run
         return None
 
@@ -182,8 +182,8 @@ def mttr_baseline(stack: Stack, repeats: int, total: Audit) -> list[float]:
             failure.append(err)
         finally:  # end the attached run cleanly so the DAG run finishes
             run = job.latest_run()
-            if run and run["status"] in ("STARTING", "RUNNING"):
-                job.store.request_stop(run["run_id"])
+            if run and run.status in ("STARTING", "RUNNING"):
+                job.store.request_stop(run.run_id)
 
     killer = threading.Thread(target=kill_repeatedly, daemon=True)
     trickle.__enter__()

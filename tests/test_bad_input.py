@@ -192,7 +192,7 @@ def _with(params: dict, application: str, **env) -> dict:
 
 
 def _wait_failed(state, job_id: str, run_id: str) -> dict:
-    return wait_until(lambda: (run := state.store.get_run(run_id))["status"] == "FAILED" and run, 240,
+    return wait_until(lambda: (run := state.store.get_run(run_id)).status == "FAILED" and run, 240,
                       f"run {run_id} of job {job_id} to fail")
 
 
@@ -226,9 +226,9 @@ def test_poison_record_is_isolated_or_named_by_position(stream, broker, figures)
     feed.events.send(150)
     position = f"{topic}/{partition}:{offset}"
     run = _wait_failed(state, job_id, tasks["submit"][1]["run_id"])
-    assert (run["exit_code"], run["failure_kind"]) == (failures.EXIT_POISON, "POISON"), run
-    assert f"[STREAM_POISON_RECORD] {position}:" in run["termination_message"], run["termination_message"][:2000]
-    assert "dead letters of this kind are refused" in run["termination_message"]
+    assert (run.exit_code, run.failure_kind) == (failures.EXIT_POISON, "POISON"), run
+    assert f"[STREAM_POISON_RECORD] {position}:" in run.termination_message, run.termination_message[:2000]
+    assert "dead letters of this kind are refused" in run.termination_message
     assert state.stored_offsets(job_id).get((topic, partition), 0) <= offset, "the poisoned batch committed"
 
     status, tasks = run_dag(dags.health, params)
@@ -244,12 +244,12 @@ def test_poison_record_is_isolated_or_named_by_position(stream, broker, figures)
     assert state.restarts_since(job_id, 0) == [], "a poison record must not be restarted blindly"
 
     # 3. policy on_poison='fail': the same record stops the job at once, named by its position.
-    failing = state.latest_run(job_id)["run_id"]
+    failing = state.latest_run(job_id).run_id
     run_dag(dags.deploy, {**params, "env_vars": {**params["env_vars"], "POISON_POLICY": "fail"}})  # may see it fail
-    run = wait_until(lambda: (r := state.latest_run(job_id))["run_id"] != failing and r["status"] == "FAILED" and r,
+    run = wait_until(lambda: (r := state.latest_run(job_id)).run_id != failing and r.status == "FAILED" and r,
                      240, "the run with on_poison='fail' to fail")
-    assert run["failure_kind"] == "POISON" and f"[STREAM_POISON_RECORD] {position}:" in run["termination_message"]
-    assert "on_poison='fail'" in run["termination_message"]
+    assert run.failure_kind == "POISON" and f"[STREAM_POISON_RECORD] {position}:" in run.termination_message
+    assert "on_poison='fail'" in run.termination_message
 
     # 4. the table accepts dead letters again: the replayed batch dead-letters the record, nothing is lost.
     # Meanwhile the results table refuses one event's row: the database, not the code, fails on that

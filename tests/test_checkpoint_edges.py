@@ -15,8 +15,8 @@ import pytest
 from sqlalchemy import select, text
 
 from airflow_stream_provider import failures
-from airflow_stream_provider.runtime.transaction import BatchRange, RunContext, commit, plan
 from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.transaction import BatchRange, RunContext, commit, plan
 from tests.stack.events import EventProducer
 from tests.stack.jobs import check_exactly_once, wait_until
 
@@ -98,7 +98,7 @@ def _resume_and_check(runner, producer, expected_read: int) -> None:
     assert driver.alive()
     assert runner.stop(driver) == failures.EXIT_STOPPED, runner.log_tail(driver)
     row = runner.run_row(driver)
-    assert (row["status"], row["failure_kind"]) == ("STOPPED", None)
+    assert (row.status, row.failure_kind) == ("STOPPED", None)
     counts = check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
     assert counts["read"] == expected_read
     log = Path(driver.log_path).read_text(errors="replace")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from airflow_stream_provider.budget import RestartBudget
 from airflow_stream_provider.diagnosis import Health, Thresholds, diagnose
 from airflow_stream_provider.failures import FailureKind
+from airflow_stream_provider.state.records import RunRecord
 
 NOW = 1_800_000_000.0
 
@@ -17,7 +20,7 @@ def _run(**overrides):
            "last_batch_id": 7, "last_batch_at": NOW - 2, "exit_code": None, "failure_kind": None,
            "error_class": None, "termination_message": None}
     row.update(overrides)
-    return row
+    return RunRecord(**row)
 
 
 def test_no_run_is_stopped():
@@ -109,7 +112,7 @@ def test_a_starting_driver_is_bounded_by_the_start_timeout_not_the_heartbeat():
     assert diagnose("j", starting, driver_alive=None, lag=0, now=NOW, thresholds=thresholds).health \
         == Health.STARTING
     assert diagnose("j", starting, driver_alive=False, lag=0, now=NOW, thresholds=thresholds).health == Health.DEAD
-    late = {**starting, "started_at": NOW - 200, "heartbeat_at": NOW - 200}
+    late = replace(starting, started_at=NOW - 200, heartbeat_at=NOW - 200)
     found = diagnose("j", late, driver_alive=None, lag=0, now=NOW, thresholds=thresholds)
     assert found.health == Health.DEAD and "has not started 200s after its start" in found.evidence[0]
     hung = diagnose("j", late, driver_alive=True, lag=0, now=NOW, thresholds=thresholds)

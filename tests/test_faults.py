@@ -36,7 +36,7 @@ def _with_fault(params: dict, fault: str | None) -> dict:
 def _wait_dead(state, job_id: str) -> dict:
     def dead():
         run = state.latest_run(job_id)
-        return run if run and run["pid"] and not local_driver.process_alive(run["pid"]) else None
+        return run if run and run.pid and not local_driver.process_alive(run.pid) else None
 
     return wait_until(dead, 240, "the driver to crash at its fault point")
 
@@ -80,7 +80,7 @@ def test_crash_at_every_step_boundary_then_recovery(stream, broker, figures):
     stopping = state.latest_run(job_id)
     status, tasks = run_dag(dags.stop, params)
     assert status == "success" and tasks["stop"][1]["outcome"] == "died", tasks
-    assert state.store.get_run(stopping["run_id"])["status"] == "DEAD", "no clean stop may be recorded"
+    assert state.store.get_run(stopping["run_id"]).status == "DEAD", "no clean stop may be recorded"
     crashes.append("during_stop")
     status, tasks = run_dag(dags.health, _with_fault(params, None), max_restarts=10)
     assert status == "success" and tasks["recover"][1]["action"] == "restart", tasks

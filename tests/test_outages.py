@@ -66,15 +66,15 @@ def own_postgres(stream, monkeypatch):
         if not server.running():
             server.start()
         for run in runs(state, stream["job_id"]):
-            if run["pid"]:
-                local_driver.signal_group(run["pid"], signal.SIGKILL)
+            if run.pid:
+                local_driver.signal_group(run.pid, signal.SIGKILL)
     finally:
         state.store.dispose()
         server.destroy()
 
 
 def _alive(run: dict) -> bool:
-    return run["status"] in ACTIVE_STATUSES and local_driver.process_alive(run["pid"])
+    return run.status in ACTIVE_STATUSES and local_driver.process_alive(run.pid)
 
 
 def test_broker_outage_short_is_ridden_out_long_ends_transient_and_is_recovered(stream, broker, proxy, figures,
@@ -113,12 +113,12 @@ def test_broker_outage_short_is_ridden_out_long_ends_transient_and_is_recovered(
         time.sleep(2)
         proxy.stop()
         down = time.monotonic()
-        ended = wait_until(lambda: (r := state.store.get_run(first["run_id"]))["status"] not in ACTIVE_STATUSES
+        ended = wait_until(lambda: (r := state.store.get_run(first["run_id"])).status not in ACTIVE_STATUSES
                            and r, 300, "the driver to give up on the broker")
         gave_up_s = time.monotonic() - down
-    assert (ended["status"], ended["failure_kind"], ended["exit_code"]) == (
+    assert (ended.status, ended.failure_kind, ended.exit_code) == (
         "FAILED", "TRANSIENT", failures.EXIT_TRANSIENT), ended
-    assert failures.classify(ended["termination_message"]).signature == "kafka-unreachable"
+    assert failures.classify(ended.termination_message).signature == "kafka-unreachable"
     wait_until(lambda: not local_driver.process_alive(first["pid"]), 60, "the failed driver to exit")
 
     # The broker is back: the health DAG sees the TRANSIENT failure and restarts from the checkpoint.

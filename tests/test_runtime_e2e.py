@@ -35,7 +35,7 @@ def test_graceful_stop_and_restart(broker, topic, runner, figures):
     assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED
     stop_s = time.monotonic() - asked
     row = runner.run_row(driver)
-    assert (row["status"], row["exit_code"], row["failure_kind"]) == ("STOPPED", 0, None)
+    assert (row.status, row.exit_code, row.failure_kind) == ("STOPPED", 0, None)
     check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
 
     # records produced while stopped are picked up by the next run, nothing repeated; this time the
@@ -76,7 +76,7 @@ def test_kill9_exactly_once(broker, topic, runner, figures):
         driver.kill()
         kills += 1
         row = runner.run_row(driver)  # None when killed before it registered its run
-        assert row is None or row["ended_at"] is None, "a killed driver cannot record its end"
+        assert row is None or row.ended_at is None, "a killed driver cannot record its end"
     background.join(120)
     assert background.error is None, background.error
     assert producer.sent == 20_000
@@ -128,8 +128,8 @@ def test_zombie_driver_is_fenced(broker, topic, runner):
     producer.send(600)
     assert zombie.wait(120) == failures.EXIT_CONCURRENT, runner.log_tail(zombie)
     row = runner.run_row(zombie)
-    assert row["failure_kind"] == "CONCURRENT"
-    assert f"current epoch is {newer.epoch}" in row["termination_message"]
+    assert row.failure_kind == "CONCURRENT"
+    assert f"current epoch is {newer.epoch}" in row.termination_message
     assert runner.store.stored_offsets(runner.spec.job_id) == before  # the zombie committed nothing
 
     runner.process_backlog(_end(producer))
@@ -152,14 +152,14 @@ def test_data_loss_names_the_lost_ranges(broker, topic, runner):
     driver = runner.start()
     assert driver.wait(180) == failures.EXIT_DATA_LOSS, runner.log_tail(driver)
     row = runner.run_row(driver)
-    assert row["failure_kind"] == "DATA_LOSS" and row["error_class"].startswith("KAFKA_DATA_LOSS")
+    assert row.failure_kind == "DATA_LOSS" and row.error_class.startswith("KAFKA_DATA_LOSS")
     for (t, p), position in stored.items():
-        assert f"{t}-{p} [" in row["termination_message"] and f", {position})" in row["termination_message"]
+        assert f"{t}-{p} [" in row.termination_message and f", {position})" in row.termination_message
 
     # Resuming a new generation from the stored offsets is refused before the query starts (invariant 5).
     gen2 = runner.spec.with_generation(2, starting_offsets=kafka_offsets.to_spark_json(stored))
     driver = runner.start(gen2)
     assert driver.wait(180) == failures.EXIT_DATA_LOSS, runner.log_tail(driver)
     row = runner.run_row(driver)
-    assert row["query_started_at"] is None and "offsets went backwards" in row["termination_message"]
+    assert row.query_started_at is None and "offsets went backwards" in row.termination_message
     assert runner.store.stored_offsets(runner.spec.job_id) == stored

@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy import BigInteger, Column, MetaData, Table, Text, select, text
 
 from airflow_stream_provider import failures
-from airflow_stream_provider.runtime.transaction import BatchRange, RunContext, Write, commit, plan
 from airflow_stream_provider.state import schema
 from airflow_stream_provider.state.store import StateStore
+from airflow_stream_provider.state.transaction import BatchRange, RunContext, Write, commit, plan
 from tests.stack.events import EventProducer
 from tests.stack.jobs import check_exactly_once, wait_until
 
@@ -75,8 +75,8 @@ def test_rewritten_offsets_log_is_refused(broker, topic, runner):
     _applied_below_stored(runner)
     assert code == failures.EXIT_CHECKPOINT_INCOMPATIBLE, runner.log_tail(tampered)
     row = runner.run_row(tampered)
-    assert (row["failure_kind"], row["error_class"]) == ("CHECKPOINT_INCOMPATIBLE", "STREAM_BATCH_RANGE_MISMATCH")
-    message = row["termination_message"]
+    assert (row.failure_kind, row.error_class) == ("CHECKPOINT_INCOMPATIBLE", "STREAM_BATCH_RANGE_MISMATCH")
+    message = row.termination_message
     assert f"batch {batch}" in message and "offsets log" in message, message[:2000]
     assert "STREAM_POISON_RECORD" not in message  # not a record's fault: no bisection
 
@@ -103,8 +103,8 @@ def test_missing_previous_offsets_entry_is_refused(broker, topic, runner):
     assert runner.stored_offsets() == stored, "a batch without a known start was committed"
     assert driver.wait(60) == failures.EXIT_CHECKPOINT_INCOMPATIBLE, runner.log_tail(driver)
     row = runner.run_row(driver)
-    assert row["failure_kind"] == "CHECKPOINT_INCOMPATIBLE"
-    assert f"offsets/{batch - 1}" in row["termination_message"], row["termination_message"][:2000]
+    assert row.failure_kind == "CHECKPOINT_INCOMPATIBLE"
+    assert f"offsets/{batch - 1}" in row.termination_message, row.termination_message[:2000]
 
 
 # -- 2. output of a batch that read nothing (stateful jobs) is committed, exactly once ------------------

@@ -113,22 +113,22 @@ def test_soak(stream, broker, figures, capsys):
                     time.sleep(delay)
                     moment = f"{delay:.1f}s after its query started"
                 else:
-                    wait_until(lambda r=run: state.store.get_run(r["run_id"])["last_batch_id"] is not None, 300,
+                    wait_until(lambda r=run: state.store.get_run(r.run_id).last_batch_id is not None, 300,
                                "the run to commit a batch")
                     delay = rng.uniform(0.0, 5.0)
                     time.sleep(delay)
                     moment = f"{delay:.1f}s after its first committed batch"
-                run = state.store.get_run(run["run_id"])
-                assert local_driver.process_alive(run["pid"]), f"run {run['run_id']} died on its own"
+                run = state.store.get_run(run.run_id)
+                assert local_driver.process_alive(run.pid), f"run {run.run_id} died on its own"
                 killed_at = time.time()
-                _kill_group(run["pid"])
+                _kill_group(run.pid)
                 kills += 1
                 status, tasks = run_dag(soak_scenario.soak_health, params)
                 assert status == "success", tasks
                 found, recovered = tasks["health"][1], tasks["recover"][1]
-                assert found["health"] == "DEAD" and found["run_id"] == run["run_id"], found
+                assert found["health"] == "DEAD" and found["run_id"] == run.run_id, found
                 assert recovered["action"] == "restart", recovered
-                seconds = state.store.get_run(recovered["run_id"])["query_started_at"] - killed_at
+                seconds = state.store.get_run(recovered["run_id"]).query_started_at - killed_at
                 recoveries.append(seconds)
                 say(f"kill {kills}/{KILLS} of run {run['run_id'][:8]} {moment} (last committed batch "
                     f"{run['last_batch_id']}): DEAD -> restart, query running again after {seconds:.1f}s")

@@ -46,7 +46,7 @@ def test_standalone_cluster_kill9_and_recover(stream, cluster, broker, monkeypat
     status, tasks = run_dag(dags.health, params)
     assert status == "success", tasks
     assert tasks["health"][1]["health"] == "DEAD" and tasks["recover"][1]["action"] == "restart", tasks
-    assert state.store.get_run(first["run_id"])["status"] == "DEAD"
+    assert state.store.get_run(first["run_id"]).status == "DEAD"
 
     producer.send(700)
     caught_up(state, job_id, producer)

@@ -19,9 +19,9 @@ def test_latest_run_is_the_newest_epoch_whatever_the_hosts_clocks(state_store):
     newer = state_store.begin_run("job", 1, "1.0")
     state_store._update_run(newer.run_id, started_at=1000.0)  # its host's clock is far behind
     assert newer.epoch > older.epoch
-    assert state_store.latest_run("job")["run_id"] == newer.run_id
+    assert state_store.latest_run("job").run_id == newer.run_id
     [watched] = state_store.watched_jobs()
-    assert watched.run["run_id"] == newer.run_id
+    assert watched.run.run_id == newer.run_id
 
 
 def test_an_accepted_loss_moves_the_offsets_with_its_record_in_one_transaction(state_store):
@@ -56,7 +56,7 @@ def test_a_run_found_dead_is_recorded_dead(state_store):
         probe.close()
     assert found.health == Health.DEAD
     run = state_store.get_run(ticket.run_id)
-    assert run["status"] == "DEAD" and f"pid {gone.pid}" in run["termination_message"], run
+    assert run.status == "DEAD" and f"pid {gone.pid}" in run.termination_message, run
 
 
 def test_a_lost_checkpoint_is_named_in_the_recovery_diagnosis(state_store, tmp_path):

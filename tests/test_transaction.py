@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import BigInteger, Column, MetaData, Table, Text, select
 
-from airflow_stream_provider.runtime.transaction import (
+from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.transaction import (
     BatchRange,
     ConcurrentCommitError,
     FencedError,
@@ -18,7 +19,6 @@ from airflow_stream_provider.runtime.transaction import (
     commit,
     plan,
 )
-from airflow_stream_provider.state import schema
 
 T = "events-topic"
 
@@ -156,3 +156,20 @@ def test_dry_run_does_not_take_the_epoch(store):
     ticket = store.begin_run("job", 1, "2.0", dry_run=True)
     assert ticket.epoch == live.epoch
     assert store.current_epoch("job") == live.epoch
+
+
+def test_trial_write_answers_without_writing(store, results_table):
+    """Poison isolation asks the database whether it accepts a batch's rows: the answer is the error it
+    raises (a data error for a refused value), and nothing stays written either way."""
+    from airflow_stream_provider.state.dialect import is_data_error
+    from airflow_stream_provider.state.transaction import trial_write
+
+    run = _run(store)
+    letter = {"topic": T, "partition": 0, "offset": 1, "key": None, "value": b"x", "error": "bad"}
+    trial_write(store, run, 0, dead_letters=[letter], writes=[Write(results_table, [{"k": "a", "n": 1}], ("k",))])
+    assert _totals(store, results_table) == {} and store.count(schema.dead_letters) == 0
+    refused = Write(results_table, [{"k": None, "n": 1}], ("k",))  # NULL in a primary key column
+    with pytest.raises(Exception) as caught:
+        trial_write(store, run, 0, dead_letters=[letter], writes=[refused])
+    assert is_data_error(caught.value), caught.value
+    assert store.count(schema.dead_letters) == 0

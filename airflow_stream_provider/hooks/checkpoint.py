@@ -17,7 +17,6 @@ logic is written once.  No pyspark here: the files are read in Spark's on-disk f
 from __future__ import annotations
 
 import calendar
-import json
 import os
 import posixpath
 import re
@@ -33,6 +32,7 @@ from urllib.parse import unquote, urlsplit
 from airflow.sdk import BaseHook
 
 from airflow_stream_provider import kafka_offsets, spec
+from airflow_stream_provider.get_provider_info import ui_field_behaviour
 
 if TYPE_CHECKING:
     from hdfs import InsecureClient
@@ -358,11 +358,8 @@ class CheckpointHook(BaseHook):
 
     @classmethod
     def get_ui_field_behaviour(cls) -> dict[str, Any]:
-        return {
-            "hidden_fields": ["schema", "password"],
-            "relabeling": {"host": "WebHDFS host", "port": "WebHDFS port", "login": "HDFS user"},
-            "placeholders": {"port": str(DEFAULT_WEBHDFS_PORT), "extra": json.dumps({"use_ssl": False})},
-        }
+        """The form declared in provider info (Airflow 3.2+ reads it from there, without FAB)."""
+        return ui_field_behaviour(cls.conn_type)
 
     # -- connection ----------------------------------------------------------------------------------
     @cached_property

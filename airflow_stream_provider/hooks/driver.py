@@ -24,6 +24,7 @@ from airflow.sdk import BaseHook
 
 from airflow_stream_provider import local_driver
 from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV, StreamJobSpec
+from airflow_stream_provider.state.records import RunRecord
 
 _NO_WAIT = {
     "spark.yarn.submit.waitAppCompletion": "false",
@@ -97,47 +98,47 @@ class StreamDriverHook(BaseHook):
 
     # -- the life of a recorded run --------------------------------------------------------------------
     @staticmethod
-    def is_local(run: dict[str, Any]) -> bool:
-        return bool(run.get("pid")) and run.get("host") == socket.gethostname() and not run.get("submission_id")
+    def is_local(run: RunRecord) -> bool:
+        return bool(run.pid) and run.host == socket.gethostname() and not run.submission_id
 
     @staticmethod
-    def is_alive(run: dict[str, Any]) -> bool | None:
+    def is_alive(run: RunRecord) -> bool | None:
         """True/False where the process can be checked from here, None where only heartbeats can tell."""
         if StreamDriverHook.is_local(run):
-            return local_driver.process_alive(run["pid"], run.get("started_at"))
+            return local_driver.process_alive(run.pid, run.started_at)
         return None
 
-    def terminate(self, run: dict[str, Any]) -> bool:
+    def terminate(self, run: RunRecord) -> bool:
         """SIGTERM to the Python driver only: its harness stops the query between batches.  Sent to the
         whole group it would also reach the JVM, whose shutdown hooks stop Spark under the query."""
         if not self.is_local(run):
             return False
         try:
-            os.kill(run["pid"], signal.SIGTERM)
+            os.kill(run.pid, signal.SIGTERM)
         except ProcessLookupError:
             return False
         return True
 
-    def kill(self, run: dict[str, Any]) -> str:
+    def kill(self, run: RunRecord) -> str:
         """Kill the driver outright: its process group locally, the application on a cluster."""
         if self.is_local(run):
             self._signal(run, signal.SIGKILL)
-            return f"killed process group of pid {run['pid']} on {run['host']}"
-        if run.get("submission_id"):
-            hook = self._spark_submit([], self.conf, f"stream-{run['job_id']}")
-            hook._driver_id = run["submission_id"]
-            hook._yarn_application_id = run["submission_id"] if "application_" in run["submission_id"] else None
-            hook._kubernetes_driver_pod = run["submission_id"]
+            return f"killed process group of pid {run.pid} on {run.host}"
+        if run.submission_id:
+            hook = self._spark_submit([], self.conf, f"stream-{run.job_id}")
+            hook._driver_id = run.submission_id
+            hook._yarn_application_id = run.submission_id if "application_" in run.submission_id else None
+            hook._kubernetes_driver_pod = run.submission_id
             hook.on_kill()
-            return f"asked the cluster manager to kill {run['submission_id']}"
-        return f"cannot kill run {run['run_id']} from {socket.gethostname()}: it runs on {run.get('host')}"
+            return f"asked the cluster manager to kill {run.submission_id}"
+        return f"cannot kill run {run.run_id} from {socket.gethostname()}: it runs on {run.host}"
 
     @staticmethod
-    def _signal(run: dict[str, Any], sig: int) -> bool:
+    def _signal(run: RunRecord, sig: int) -> bool:
         if not StreamDriverHook.is_local(run):
             return False
         try:
-            local_driver.signal_group(os.getpgid(run["pid"]), sig)
+            local_driver.signal_group(os.getpgid(run.pid), sig)
         except ProcessLookupError:
             return False
         return True

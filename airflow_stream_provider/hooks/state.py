@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import time
 from functools import cached_property
 from typing import Any
 
 from airflow.sdk import BaseHook
-from sqlalchemy import insert, select
 from sqlalchemy.engine import make_url
 
 from airflow_stream_provider.diagnosis import Diagnosis, Health
 from airflow_stream_provider.kafka_offsets import Offsets
-from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.store import ACTIVE_STATUSES, StateStore
 
 
@@ -32,12 +30,40 @@ class StreamStateHook(BaseHook):
 
     @classmethod
     def get_ui_field_behaviour(cls) -> dict[str, Any]:
-        return {
-            "hidden_fields": [],
-            "relabeling": {"schema": "Database"},
-            "placeholders": {"extra": '{"url": "sqlite:////var/lib/stream/state.db"}  (or leave empty and use '
-                             'host/port/database/login/password for PostgreSQL)'},
-        }
+        """The form declared in provider info (Airflow 3.2+ reads it from there, without FAB)."""
+        from airflow_stream_provider.get_provider_info import ui_field_behaviour
+
+        return ui_field_behaviour(cls.conn_type)
+
+    def test_connection(self, timeout_s: int = 10) -> tuple[bool, str]:
+        """Airflow's "Test" button: open the state database and run ``SELECT 1``.
+
+        Returns ``(ok, message)``.  The message names the database by its URL without password or query
+        (which may carry credentials), and masks the password should a driver's error quote it."""
+        from airflow_stream_provider.state.dialect import with_connect_timeout
+
+        try:
+            url, password = self.credentials
+        except Exception as err:
+            return False, f"State connection {self.state_conn_id!r} is incomplete: {err}"
+        parsed = make_url(url)
+        where = parsed.set(query={}).render_as_string(hide_password=True)
+        parsed = with_connect_timeout(parsed, timeout_s)  # PostgreSQL's default waits minutes
+        store = None
+        try:
+            store = StateStore.from_url(parsed.render_as_string(hide_password=False), password)
+            store.ping()
+        except Exception as err:
+            reason = getattr(err, "orig", None) or err  # the driver's own error, without SQLAlchemy's links
+            message = f"Cannot open the state database {where}: {type(reason).__name__}: {reason}"
+            message = " ".join(message.split())
+            if password:
+                message = message.replace(password, "***")
+            return False, message
+        finally:
+            if store is not None:
+                store.dispose()
+        return True, f"Connected to the state database {where}"
 
     @cached_property
     def credentials(self) -> tuple[str, str | None]:
@@ -76,52 +102,32 @@ class StreamStateHook(BaseHook):
             self.store.dispose()
 
     # -- reads used by sensors and operators -------------------------------------------------------
-    def latest_run(self, job_id: str) -> dict[str, Any] | None:
+    def latest_run(self, job_id: str) -> RunRecord | None:
         return self.store.latest_run(job_id)
 
     def stored_offsets(self, job_id: str) -> Offsets:
         return self.store.stored_offsets(job_id)
 
-    def record_death(self, run: dict[str, Any] | None, found: Diagnosis) -> bool:
+    def record_death(self, run: RunRecord | None, found: Diagnosis) -> bool:
         """A driver killed -9 records nothing itself: once diagnosed DEAD, its run says so in the history
         (status DEAD, with the evidence) instead of staying RUNNING whatever happens next."""
-        if found.health != Health.DEAD or run is None or run["status"] not in ACTIVE_STATUSES:
+        if found.health != Health.DEAD or run is None or run.status not in ACTIVE_STATUSES:
             return False
-        return self.store.mark_dead(run["run_id"], "found dead: " + "; ".join(found.evidence))
+        return self.store.mark_dead(run.run_id, "found dead: " + "; ".join(found.evidence))
 
     def current_generation(self, job_id: str) -> int:
         """The newest generation not archived; 1 for a job that never ran."""
-        table = schema.generations
-        with self.store.engine.connect() as conn:
-            value = conn.execute(select(table.c.generation).where(table.c.job_id == job_id,
-                                                                  table.c.archived_at.is_(None))
-                                 .order_by(table.c.generation.desc()).limit(1)).scalar()
-            if value is None:  # every generation archived: the next one
-                value = (conn.execute(select(table.c.generation).where(table.c.job_id == job_id)
-                                      .order_by(table.c.generation.desc()).limit(1)).scalar() or 0) + 1
-        return value
+        return self.store.current_generation(job_id)
 
     def mark_archived(self, job_id: str, generation: int, archive_path: str, reason: str) -> None:
-        table = schema.generations
-        with self.store.engine.begin() as conn:
-            conn.execute(table.update().where(table.c.job_id == job_id, table.c.generation == generation)
-                         .values(archived_at=time.time(), archive_path=archive_path, reason=reason))
+        self.store.mark_archived(job_id, generation, archive_path, reason)
 
     # -- restart history (the restart budget is counted from it) ---------------------------------------
     def record_restart(self, job_id: str, action: str, reason: str, failed_run_id: str | None,
                        new_run_id: str | None) -> None:
-        with self.store.engine.begin() as conn:
-            conn.execute(insert(schema.restarts).values(job_id=job_id, at=time.time(), action=action,
-                                                        reason=reason[:2000], failed_run_id=failed_run_id,
-                                                        new_run_id=new_run_id))
+        self.store.record_restart(job_id, action, reason, failed_run_id, new_run_id)
 
     def restarts_since(self, job_id: str, since: float) -> list[dict[str, Any]]:
         """Restarts of the job, each with ``new_run_committed``: whether the run it started committed a
         batch (a restart that got somewhere is no part of a crash loop)."""
-        table, runs = schema.restarts, schema.runs
-        query = (select(table, runs.c.last_batch_id.is_not(None).label("new_run_committed"))
-                 .select_from(table.outerjoin(runs, runs.c.run_id == table.c.new_run_id))
-                 .where(table.c.job_id == job_id, table.c.at >= since).order_by(table.c.at))
-        with self.store.engine.connect() as conn:
-            rows = conn.execute(query).mappings().all()
-        return [{**r, "new_run_committed": bool(r["new_run_committed"])} for r in rows]
+        return self.store.restarts_since(job_id, since)

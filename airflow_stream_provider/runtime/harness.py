@@ -31,13 +31,14 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 from airflow_stream_provider import failures, faults, kafka_client, kafka_offsets
-from airflow_stream_provider.runtime import kafka_source, transaction
+from airflow_stream_provider.runtime import kafka_source
 from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
 from airflow_stream_provider.runtime.listener import StateListener
 from airflow_stream_provider.runtime.poison import POISON_POLICIES, keeps_state
 from airflow_stream_provider.runtime.sink import DEAD_LETTER_COLUMNS, ResultsFn, TransactionalSink
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state import store as state
+from airflow_stream_provider.state import transaction
 
 log = logging.getLogger("airflow_stream_provider.harness")
 
@@ -61,6 +62,35 @@ class StartupError(Exception):
 
 
 class StreamHarness:
+    """Runs one stream job inside the Spark driver: one spec in, one checkpointed query, one exit code out.
+
+    A job file holds only its business logic and hands it to the harness::
+
+        from airflow_stream_provider.runtime import Result, StreamHarness
+
+        def parse(records: DataFrame) -> DataFrame: ...      # Kafka records -> parsed, with an error column
+        def results(events: DataFrame) -> list[Result]: ...  # good records -> result tables
+
+        if __name__ == "__main__":
+            sys.exit(StreamHarness.from_argv().run(parse, results))
+
+    The provider launches the file with ``--spec <StreamJobSpec JSON> --run-id ID --log-path P``, which
+    :meth:`from_argv` reads.  A job that reads a second topic builds the harness first and takes that
+    stream from :meth:`kafka_stream` inside its ``parse``.
+
+    Building the harness validates the spec, opens the state database (creating its tables) and registers
+    the run, which takes a new fencing epoch: from then on only this driver can commit for the job (a dry
+    run, an upgrade's preflight, reads the current epoch instead and writes no results).  :meth:`run`
+    starts Spark, resolves where the generation starts and checks it against Kafka, starts the query with
+    the :class:`~airflow_stream_provider.runtime.sink.TransactionalSink` and the state listener, sends
+    heartbeats, honours a graceful stop (requested in the state database, or SIGTERM), records why the
+    driver ended and returns the matching exit code (see ``failures``).
+
+    :param spec: the job's spec; validated here (``SpecError`` names a wrong field).
+    :param run_id: the run id the launcher chose so that it can find this run; a new one when None.
+    :param log_path: where the launcher sends this driver's output, recorded with the run.
+    """
+
     def __init__(self, spec: StreamJobSpec, *, run_id: str | None = None, log_path: str | None = None):
         self.spec = spec.validate()
         self.store = state.StateStore.from_url(spec.database_url)
@@ -104,7 +134,10 @@ class StreamHarness:
     # -- entry points ------------------------------------------------------------------------------
     @classmethod
     def from_argv(cls, argv: Sequence[str] | None = None) -> StreamHarness:
-        """Parse ``--spec JSON [--run-id ID] [--log-path P]``; a bad spec exits 2 before anything starts."""
+        """Parse ``--spec JSON [--run-id ID] [--log-path P]``; a bad spec exits 2 before anything starts.
+
+        :param argv: the arguments without the program name; ``sys.argv[1:]`` when None.
+        """
         parser = argparse.ArgumentParser(description="Run a checkpointed stream job")
         parser.add_argument("--spec", required=True, help="the job spec as JSON (StreamJobSpec.to_json)")
         parser.add_argument("--run-id", help="run id chosen by the launcher, so it can find this run")
@@ -132,11 +165,13 @@ class StreamHarness:
     ) -> int:
         """Start the query, keep it alive until it stops or fails, record why, return the exit code.
 
-        ``transform`` turns the Kafka records (Spark's Kafka columns) into parsed records that keep
-        topic/partition/offset/key/value and add an ``error`` column (null for a good record);
-        ``results`` turns the good ones into result tables.  ``on_poison`` says what to do with a
-        record the job's code fails on: ``dead_letter`` it and go on, or ``fail`` the run as POISON
-        with the record's position (see ``sink``).
+        :param transform: turns the Kafka records (Spark's Kafka columns) into parsed records that keep
+            topic/partition/offset/key/value and add an ``error`` column (null for a good record).
+        :param results: turns the good records into :class:`~airflow_stream_provider.runtime.sink.Result`
+            tables.
+        :param on_poison: what to do with a record the job's code fails on: ``dead_letter`` it and go on,
+            or ``fail`` the run as POISON with the record's position (see ``sink``).
+        :return: the driver's exit code (``failures.EXIT_STOPPED`` after a clean stop).
         """
         try:
             if on_poison not in POISON_POLICIES:
@@ -332,6 +367,10 @@ class StreamHarness:
         ``starting_offsets`` applies to a new generation that the spec starts from earliest/latest; a
         reset resumes the stream from its stored offsets.  Either way the concrete start is recorded
         with the generation's, so batch 0 covers this stream too.
+
+        :param topics: the topics of the stream.
+        :param starting_offsets: ``earliest`` or ``latest``: where the stream starts in a new generation
+            that the spec starts from earliest/latest.
         """
         if set(topics) - set(self.spec.kafka.topics):
             start = self._stream_start(topics, starting_offsets, "topics of the job's second stream")

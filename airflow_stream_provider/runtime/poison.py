@@ -16,10 +16,9 @@ from functools import reduce
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from sqlalchemy import exc as sql_errors
 
 from airflow_stream_provider import failures
-from airflow_stream_provider.runtime import transaction
+from airflow_stream_provider.state import transaction
 
 #: Longest dead-letter reason kept (the full error is in the driver log).
 MAX_REASON_CHARS = 2000
@@ -144,14 +143,6 @@ def may_be_record_error(err: BaseException) -> bool:
     if _NOT_A_RECORD.search(text):
         return False
     return failures.classify(text).kind in (failures.FailureKind.USER_CODE, failures.FailureKind.UNKNOWN)
-
-def is_data_error(err: BaseException) -> bool:
-    """The database refused a value (SQLSTATE classes 22 data exception, 23 integrity constraint, 54
-    program limit, e.g. a key too large to index), as opposed to being unreachable or misconfigured."""
-    if isinstance(err, sql_errors.DataError | sql_errors.IntegrityError):
-        return True
-    state = getattr(getattr(err, "orig", None), "sqlstate", None)
-    return bool(state) and str(state)[:2] in ("22", "23", "54")
 
 def _text(err: BaseException) -> str:
     parts = [f"{type(err).__name__}: {err}"]

@@ -5,7 +5,7 @@ a good record) and a function from good records to result tables.  Per batch it 
 range from the offsets log, refuses the batch when the records Spark handed it lie outside that range
 (the log does not describe what was read: storing its offsets would not match the results), drops
 replayed records, computes the results with Spark, and commits results + dead letters + offsets +
-ledger in one database transaction (see ``transaction``).  A batch that read nothing is no replay: a
+ledger in one database transaction (see ``state.transaction``).  A batch that read nothing is no replay: a
 stateful query's no-data batch emits what its state releases, and that is committed once too.
 
 Poison records.  A record the job's own code cannot handle (a UDF raises on it, an ANSI cast
@@ -63,7 +63,6 @@ from sqlalchemy import Column as SqlColumn
 
 from airflow_stream_provider import faults
 from airflow_stream_provider.kafka_offsets import Offsets
-from airflow_stream_provider.runtime import transaction
 from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
 from airflow_stream_provider.runtime.poison import (
     MAX_POISON_PER_BATCH,
@@ -75,13 +74,13 @@ from airflow_stream_provider.runtime.poison import (
     PositionSpace,
     RawReader,
     Source,
-    is_data_error,
     may_be_record_error,
     poison_error,
     positions,
     reason,
 )
-from airflow_stream_provider.state import schema
+from airflow_stream_provider.state import transaction
+from airflow_stream_provider.state.dialect import is_data_error
 from airflow_stream_provider.state.store import StateStore, plain_text
 
 log = logging.getLogger(__name__)
@@ -123,6 +122,46 @@ class _Computed:
 
 
 class TransactionalSink:
+    """The ``foreachBatch`` function that makes a stream job's results exactly-once.
+
+    For each micro-batch it reads the batch's offset range from the checkpoint's offsets log, drops the
+    records the stored offsets say were applied already (Spark replays a batch after a crash), computes
+    the job's result tables, and commits results, dead letters, the batch ledger and the new stored
+    offsets in ONE database transaction that only the run holding the job's epoch can make
+    (:func:`airflow_stream_provider.state.transaction.commit`).  A record the job's code fails on is
+    isolated and dead-lettered or fails the run, by ``on_poison`` (see the module docstring).
+
+    A job file does not build it: :class:`~airflow_stream_provider.runtime.harness.StreamHarness` does,
+    from the job's spec and its ``results`` function, and a job only returns
+    :class:`~airflow_stream_provider.runtime.sink.Result` tables::
+
+        def results(events: DataFrame) -> list[Result]:
+            return [Result("events", events.select(...), key=("event_id",)),
+                    Result("kpi_minute", per_minute, key=("user_id", "minute"),
+                           increments=("event_count", "amount_cents"))]
+
+        sys.exit(StreamHarness.from_argv().run(parse, results))
+
+    The harness then starts ``records.writeStream.foreachBatch(sink)``; Spark calls
+    ``sink(records, batch_id)`` once per micro-batch.
+
+    :param store: the state database, which also holds the result tables.
+    :param run: this driver's run: job, run id, fencing epoch and checkpoint generation.
+    :param offset_log: the checkpoint's offsets log, read for each batch's range.
+    :param generation_start: where the generation's batch 0 starts, per partition.
+    :param results: turns a batch's good records into result tables.
+    :param dry_run: compute every batch in full but write nothing (an upgrade's preflight).
+    :param after_commit: called with each committed batch's outcome (the harness records progress).
+    :param on_poison: ``dead_letter`` (default) or ``fail``: what to do with a record the job's code or the
+        database refuses.
+    :param transform: the job's parsing, as applied to the stream; with ``read_raw`` it lets the sink run
+        the job's code again on chosen records of a batch, which poison isolation needs when that code
+        fails inside the stream.
+    :param read_raw: reads a partition's offset range from Kafka again (see ``transform``).
+    :param stateful: whether the query keeps state; then a batch cannot be completed without one of its
+        records, and a poison record stops the job.
+    """
+
     def __init__(
         self,
         *,
@@ -138,10 +177,6 @@ class TransactionalSink:
         read_raw: RawReader | None = None,
         stateful: bool = True,
     ):
-        """``transform`` (the job's parsing, as applied to the stream) and ``read_raw`` let the sink run the
-        job's code again on chosen records of a batch, which poison isolation needs when that code fails
-        inside the stream; ``stateful`` says whether the query keeps state (then a batch cannot be
-        completed without one of its records, and a poison record stops the job)."""
         if on_poison not in POISON_POLICIES:
             raise ValueError(f"on_poison={on_poison!r} is not one of {', '.join(POISON_POLICIES)}")
         self.store = store
@@ -319,28 +354,14 @@ class TransactionalSink:
 
     def _trial_write(self, plan: transaction.BatchPlan, computed: _Computed) -> Exception | None:
         """Write the rows in a transaction that is rolled back: does the database accept them?"""
-        with self.store.engine.connect() as conn:
-            tx = conn.begin()
-            try:
-                for write in computed.writes:
-                    if write.rows:
-                        conn.execute(transaction._upsert(conn.dialect.name, write), transaction._dedupe(write))
-                if computed.dead:
-                    now = time.time()
-                    conn.execute(
-                        schema.dead_letters.insert(),
-                        [
-                            {**row, "job_id": self.run.job_id, "generation": self.run.generation,
-                             "batch_id": plan.range.batch_id, "recorded_at": now}
-                            for row in computed.dead
-                        ],
-                    )
-            except Exception as err:
-                if not is_data_error(err):
-                    raise
-                return err
-            finally:
-                tx.rollback()
+        try:
+            transaction.trial_write(
+                self.store, self.run, plan.range.batch_id, dead_letters=computed.dead, writes=computed.writes
+            )
+        except Exception as err:
+            if not is_data_error(err):
+                raise
+            return err
         return None
 
     # -- isolation --------------------------------------------------------------------------------------
@@ -536,7 +557,7 @@ class TransactionalSink:
                 ],
             )
             if not self.dry_run:
-                table.create(self.store.engine, checkfirst=True)
+                self.store.ensure_table(table)
             self._tables[result.table] = table
         return table
 

@@ -1,13 +1,13 @@
 """Access to the state database shared by the runtime (writes) and the Airflow side (reads, requests).
 
-Every statement goes through SQLAlchemy Core with bound parameters.  SQLite runs in WAL mode with
-``BEGIN IMMEDIATE`` write transactions so the driver's heartbeats and the sink's commits serialise
-instead of failing with "database is locked" halfway through.
+``state`` is the one door to that database: no module outside it builds or runs a statement.  Every
+statement goes through SQLAlchemy Core with bound parameters; what differs between SQLite and
+PostgreSQL (engine settings, upserts) is in ``state.dialect``, and the batch commit in
+``state.transaction``.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import time
@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, and_, create_engine, event, func, select, update
+from sqlalchemy import Engine, Table, and_, func, inspect, select, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
@@ -24,31 +24,11 @@ from airflow_stream_provider import kafka_offsets
 from airflow_stream_provider.kafka_offsets import LostRange, Offsets
 from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV
 from airflow_stream_provider.state import schema
-
-
-class RunStatus(enum.StrEnum):
-    """A run's status in ``stream_runs``.  The driver writes STARTING -> RUNNING -> STOPPING -> STOPPED or
-    FAILED; DEAD is the Airflow side's finding for a driver that died without recording its end (kill -9,
-    a lost machine).  A StrEnum: it compares equal to the text stored in the database."""
-
-    STARTING = "STARTING"
-    RUNNING = "RUNNING"
-    STOPPING = "STOPPING"
-    STOPPED = "STOPPED"
-    FAILED = "FAILED"
-    DEAD = "DEAD"
-
-    @property
-    def active(self) -> bool:
-        return self in ACTIVE_STATUSES
-
+from airflow_stream_provider.state.dialect import engine_for
+from airflow_stream_provider.state.records import ACTIVE_STATUSES, RunRecord, RunStatus
 
 STARTING, RUNNING, STOPPING = RunStatus.STARTING, RunStatus.RUNNING, RunStatus.STOPPING
 STOPPED, FAILED, DEAD = RunStatus.STOPPED, RunStatus.FAILED, RunStatus.DEAD
-#: a driver may still be working: it holds (or is taking) the job's epoch
-ACTIVE_STATUSES = frozenset({STARTING, RUNNING, STOPPING})
-#: the run ended; nothing of it will change again
-TERMINAL_STATUSES = frozenset({STOPPED, FAILED, DEAD})
 
 
 def make_engine(url: str, password: str | None = None) -> Engine:
@@ -57,26 +37,7 @@ def make_engine(url: str, password: str | None = None) -> Engine:
     password = password if password is not None else os.environ.get(DATABASE_PASSWORD_ENV)
     if password and parsed.password is None and parsed.username:
         parsed = parsed.set(password=password)
-    if parsed.get_backend_name() == "sqlite":
-        engine = create_engine(parsed, connect_args={"timeout": 60, "check_same_thread": False})
-        _sqlite_immediate_transactions(engine)
-        return engine
-    return create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=2)
-
-
-def _sqlite_immediate_transactions(engine: Engine) -> None:
-    @event.listens_for(engine, "connect")
-    def _connect(dbapi_connection, _record):  # pragma: no cover - exercised by every SQLite test
-        dbapi_connection.isolation_level = None  # let SQLAlchemy's "begin" event issue BEGIN
-        cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=FULL")
-        cursor.execute("PRAGMA busy_timeout=60000")
-        cursor.close()
-
-    @event.listens_for(engine, "begin")
-    def _begin(connection):  # pragma: no cover
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+    return engine_for(parsed)
 
 
 @dataclass(frozen=True)
@@ -98,7 +59,7 @@ class HealthReportKey:
 class WatchedJob:
     job_id: str
     #: the latest run (not a dry run), None for a job that never ran
-    run: dict[str, Any] | None
+    run: RunRecord | None
     #: what was already reported for that run
     reported: set[HealthReportKey]
 
@@ -119,6 +80,19 @@ class StateStore:
 
     def ensure_schema(self) -> None:
         schema.metadata.create_all(self.engine)
+
+    def has_schema(self) -> bool:
+        """Does this database hold stream state at all (is it the job's state database)?"""
+        return inspect(self.engine).has_table(schema.runs.name)
+
+    def ensure_table(self, table: Table) -> None:
+        """Create a result table the sink writes to, unless it exists (same database as the state)."""
+        table.create(self.engine, checkfirst=True)
+
+    def ping(self) -> None:
+        """Open a connection and run a trivial query; raises the driver's error when that fails."""
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT 1")).scalar_one()
 
     def dispose(self) -> None:
         self.engine.dispose()
@@ -263,12 +237,12 @@ class StateStore:
         with self.engine.begin() as conn:
             conn.execute(update(schema.runs).where(schema.runs.c.run_id == run_id).values(**values))
 
-    def get_run(self, run_id: str) -> dict[str, Any] | None:
+    def get_run(self, run_id: str) -> RunRecord | None:
         with self.engine.connect() as conn:
             row = conn.execute(select(schema.runs).where(schema.runs.c.run_id == run_id)).mappings().first()
-            return dict(row) if row else None
+            return RunRecord.from_row(row) if row else None
 
-    def latest_run(self, job_id: str, *, include_dry_runs: bool = False) -> dict[str, Any] | None:
+    def latest_run(self, job_id: str, *, include_dry_runs: bool = False) -> RunRecord | None:
         query = select(schema.runs).where(schema.runs.c.job_id == job_id)
         if not include_dry_runs:
             query = query.where(schema.runs.c.dry_run.is_(False))
@@ -276,7 +250,23 @@ class StateStore:
             # By epoch, which the database hands out in order: the driver hosts' clocks may disagree.
             row = conn.execute(query.order_by(schema.runs.c.epoch.desc(), schema.runs.c.started_at.desc())
                                .limit(1)).mappings().first()
-            return dict(row) if row else None
+            return RunRecord.from_row(row) if row else None
+
+    def runs(self, job_id: str, *, include_dry_runs: bool = True) -> list[RunRecord]:
+        """Every run of ``job_id``, oldest first."""
+        query = select(schema.runs).where(schema.runs.c.job_id == job_id)
+        if not include_dry_runs:
+            query = query.where(schema.runs.c.dry_run.is_(False))
+        with self.engine.connect() as conn:
+            return [RunRecord.from_row(row) for row in conn.execute(
+                query.order_by(schema.runs.c.started_at, schema.runs.c.epoch)).mappings()]
+
+    def recent_runs(self, job_id: str, limit: int) -> list[RunRecord]:
+        """The ``limit`` newest runs of ``job_id`` by start time, newest first, dry runs included."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(schema.runs).where(schema.runs.c.job_id == job_id)
+                                .order_by(schema.runs.c.started_at.desc()).limit(limit)).mappings().all()
+        return [RunRecord.from_row(row) for row in rows]
 
     def watched_jobs(self) -> list[WatchedJob]:
         """Every job with its latest run and what the watcher already reported for that run: ONE query,
@@ -298,7 +288,7 @@ class StateStore:
             for row in conn.execute(query).mappings():
                 job_id = row["watched_job_id"]
                 if job_id not in found:
-                    run = {c.name: row[c.name] for c in runs.columns} if row["run_id"] else None
+                    run = RunRecord.from_row(row) if row["run_id"] else None
                     found[job_id] = WatchedJob(job_id, run, set())
                 if row["reported_health"]:
                     found[job_id].reported.add(HealthReportKey(row["run_id"], row["reported_health"],
@@ -360,6 +350,32 @@ class StateStore:
             .first()
         )
 
+    def generations(self, job_id: str) -> list[dict[str, Any]]:
+        """Every generation of ``job_id``, archived ones included, oldest first."""
+        table = schema.generations
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(table).where(table.c.job_id == job_id)
+                                .order_by(table.c.generation)).mappings().all()
+        return [dict(row) for row in rows]
+
+    def current_generation(self, job_id: str) -> int:
+        """The newest generation not archived; 1 for a job that never ran."""
+        table = schema.generations
+        with self.engine.connect() as conn:
+            value = conn.execute(select(table.c.generation).where(table.c.job_id == job_id,
+                                                                  table.c.archived_at.is_(None))
+                                 .order_by(table.c.generation.desc()).limit(1)).scalar()
+            if value is None:  # every generation archived: the next one
+                value = (conn.execute(select(table.c.generation).where(table.c.job_id == job_id)
+                                      .order_by(table.c.generation.desc()).limit(1)).scalar() or 0) + 1
+        return value
+
+    def mark_archived(self, job_id: str, generation: int, archive_path: str, reason: str) -> None:
+        table = schema.generations
+        with self.engine.begin() as conn:
+            conn.execute(table.update().where(table.c.job_id == job_id, table.c.generation == generation)
+                         .values(archived_at=time.time(), archive_path=archive_path, reason=reason))
+
     def recorded_start(self, job_id: str) -> Offsets:
         """Where the newest generation that recorded a start began (its batch 0): what a reset resumes
         from for partitions no batch ever committed, instead of the spec's earliest/latest default."""
@@ -409,6 +425,25 @@ class StateStore:
             return {(r.topic, r.partition): r.next_offset for r in conn.execute(query)}
         with self.engine.connect() as c:
             return {(r.topic, r.partition): r.next_offset for r in c.execute(query)}
+
+    # -- restart history (the restart budget is counted from it) ---------------------------------------
+    def record_restart(self, job_id: str, action: str, reason: str, failed_run_id: str | None,
+                       new_run_id: str | None) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(schema.restarts.insert().values(job_id=job_id, at=time.time(), action=action,
+                                                         reason=reason[:2000], failed_run_id=failed_run_id,
+                                                         new_run_id=new_run_id))
+
+    def restarts_since(self, job_id: str, since: float) -> list[dict[str, Any]]:
+        """Restarts of the job, each with ``new_run_committed``: whether the run it started committed a
+        batch (a restart that got somewhere is no part of a crash loop)."""
+        table, runs = schema.restarts, schema.runs
+        query = (select(table, runs.c.last_batch_id.is_not(None).label("new_run_committed"))
+                 .select_from(table.outerjoin(runs, runs.c.run_id == table.c.new_run_id))
+                 .where(table.c.job_id == job_id, table.c.at >= since).order_by(table.c.at))
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).mappings().all()
+        return [{**r, "new_run_committed": bool(r["new_run_committed"])} for r in rows]
 
     def count(self, table, **where: Any) -> int:
         query = select(func.count()).select_from(table)

@@ -88,7 +88,7 @@ class HealthProbe:
 
         run = self.state.latest_run(self.job_id)
         lag = None
-        if run and run["status"] == "RUNNING":
+        if run and run.status == "RUNNING":
             try:
                 lag = self.kafka.lag(self.state.stored_offsets(self.job_id), self.topics)
             except Exception as err:

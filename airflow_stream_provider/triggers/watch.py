@@ -34,6 +34,7 @@ from airflow_stream_provider.diagnosis import Diagnosis, Health, Thresholds
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
+from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.store import HealthReportKey, WatchedJob
 
 log = logging.getLogger(__name__)
@@ -216,10 +217,10 @@ class _Reporter:
                 return
 
 
-def _topics(run: dict[str, Any] | None) -> list[str]:
+def _topics(run: RunRecord | None) -> list[str]:
     """The topics a run reads, from the spec its launcher recorded."""
     try:
-        return list(json.loads(run["spec"])["kafka"]["topics"]) if run and run.get("spec") else []
+        return list(json.loads(run.spec)["kafka"]["topics"]) if run and run.spec else []
     except (ValueError, KeyError, TypeError):
         return []
 

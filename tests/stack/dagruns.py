@@ -9,9 +9,7 @@ from __future__ import annotations
 import copy
 import signal
 
-from sqlalchemy import select
-
-from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.records import RunRecord
 from tests.stack import airflow as airflow_stack
 from tests.stack.jobs import EVENTS_JOB, REPO, TEST_SPARK_CONF, spark_env, wait_until
 
@@ -44,14 +42,13 @@ def stream_job(broker, topic: str, job_id: str, tmp_path, monkeypatch):
     state = StreamStateHook()
     yield {"params": params, "job_id": job_id, "topic": topic, "state": state, "tmp": tmp_path}
     for run in runs(state, job_id):
-        if run["pid"]:
+        if run.pid:
             StreamDriverHook._signal(run, signal.SIGKILL)
     state.store.dispose()
 
 
-def runs(state, job_id: str) -> list[dict]:
-    with state.store.engine.connect() as conn:
-        return [dict(r) for r in conn.execute(select(schema.runs).where(schema.runs.c.job_id == job_id)).mappings()]
+def runs(state, job_id: str) -> list[RunRecord]:
+    return state.store.runs(job_id)
 
 
 #: Each DAG's declared params, read before its first run.  ``dag.test()`` runs the tasks in this process,

@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.store import ACTIVE_STATUSES, StateStore
 from tests.stack.jobs import EVENTS_JOB, REPO, TEST_SPARK_CONF, spark_env
 from tests.stack.real_airflow import RealAirflow
@@ -84,8 +85,8 @@ class StreamDeployment:
     def stop(self) -> None:
         """Every driver of the job, then every Airflow component (whole process groups)."""
         for run in self.runs():
-            if run["pid"] and run["status"] in ACTIVE_STATUSES:
-                kill_driver(run["pid"])
+            if run.pid and run.status in ACTIVE_STATUSES:
+                kill_driver(run.pid)
         self.airflow.stop()
         self.store.dispose()
 
@@ -113,13 +114,10 @@ class StreamDeployment:
         return "\n".join(parts)
 
     # -- observing it -----------------------------------------------------------------------------------
-    def runs(self) -> list[dict]:
-        with self.store.engine.connect() as conn:
-            return [dict(r) for r in conn.execute(select(schema.runs).where(
-                schema.runs.c.job_id == self.job_id, schema.runs.c.dry_run.is_(False))
-                .order_by(schema.runs.c.started_at)).mappings()]
+    def runs(self) -> list[RunRecord]:
+        return self.store.runs(self.job_id, include_dry_runs=False)
 
-    def latest_run(self) -> dict | None:
+    def latest_run(self) -> RunRecord | None:
         return self.store.latest_run(self.job_id)
 
     def first_commit(self, run_id: str, after: float = 0.0) -> float | None:
@@ -135,8 +133,8 @@ class StreamDeployment:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             run = self.latest_run()
-            if run and run["run_id"] != other_than and run["status"] == "RUNNING" and run["pid"]:
-                committed = self.first_commit(run["run_id"], after)
+            if run and run.run_id != other_than and run.status == "RUNNING" and run.pid:
+                committed = self.first_commit(run.run_id, after)
                 if committed:
                     return {**run, "committed_at": committed}
             time.sleep(0.2)

@@ -13,6 +13,7 @@ from sqlalchemy import select, text
 from airflow_stream_provider import local_driver
 from airflow_stream_provider.spec import KafkaSpec, StreamJobSpec
 from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.store import StateStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,7 +124,7 @@ class JobRunner:
             line[:400] for line in content[-lines:]
         )
 
-    def run_row(self, driver: local_driver.DriverProcess) -> dict | None:
+    def run_row(self, driver: local_driver.DriverProcess) -> RunRecord | None:
         return self.store.get_run(driver.run_id)
 
     def wait_running(self, driver: local_driver.DriverProcess, timeout: float = 120) -> dict:
@@ -131,7 +132,7 @@ class JobRunner:
             if not driver.alive():
                 raise AssertionError(f"driver exited before its query started\n{self.log_tail(driver)}")
             row = self.run_row(driver)
-            return row if row and row["query_started_at"] else None
+            return row if row and row.query_started_at else None
 
         return wait_until(started, timeout, "the query to start", on_timeout=lambda: self.log_tail(driver))
 

@@ -10,7 +10,8 @@ before the batch runs).  This module turns that at-least-once delivery into exac
 2. ``commit`` writes everything inside one transaction that first checks the run's fencing epoch, so a
    zombie driver cannot commit, and that re-reads the stored offsets under the lock.
 
-Pure database code (no pyspark): the Spark side hands it plain rows.
+Pure database code (no pyspark): the Spark side hands it plain rows.  ``trial_write`` lets the sink ask
+the database whether it accepts a batch's rows without committing them (poison record isolation).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import Table, func, select
-from sqlalchemy.dialects import postgresql, sqlite
 
 from airflow_stream_provider import kafka_offsets
 from airflow_stream_provider.kafka_offsets import Offsets
 from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.dialect import upsert
 from airflow_stream_provider.state.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -205,19 +206,7 @@ def commit(
             if write.rows:
                 conn.execute(_upsert(conn.dialect.name, write), _dedupe(write))
         if dead_letters:
-            conn.execute(
-                schema.dead_letters.insert(),
-                [
-                    {
-                        **row,
-                        "job_id": run.job_id,
-                        "generation": run.generation,
-                        "batch_id": ledger_batch,
-                        "recorded_at": now,
-                    }
-                    for row in dead_letters
-                ],
-            )
+            conn.execute(schema.dead_letters.insert(), _dead_letter_rows(run, ledger_batch, dead_letters, now))
         ledger = []
         for tp, first in (batch_plan.range.end if empty else batch_plan.apply_from).items():
             end = batch_plan.range.end[tp]
@@ -245,6 +234,38 @@ def commit(
         _record_restarts(conn, run, batch_plan, stored, now)
         _advance_offsets(conn, run, ledger_batch, stored, outcome.committed_offsets, now, batch_plan.restarted)
     return outcome
+
+
+def trial_write(
+    store: StateStore,
+    run: RunContext,
+    batch_id: int,
+    *,
+    dead_letters: Sequence[Mapping[str, Any]],
+    writes: Sequence[Write],
+) -> None:
+    """Write a batch's rows and dead letters in a transaction that is always rolled back: raises what the
+    database says about them (e.g. a value it refuses), changes nothing.  No epoch or offset check: this
+    is a question about the rows, not a commit."""
+    with store.engine.connect() as conn:
+        tx = conn.begin()
+        try:
+            for write in writes:
+                if write.rows:
+                    conn.execute(_upsert(conn.dialect.name, write), _dedupe(write))
+            if dead_letters:
+                conn.execute(schema.dead_letters.insert(), _dead_letter_rows(run, batch_id, dead_letters, time.time()))
+        finally:
+            tx.rollback()
+
+
+def _dead_letter_rows(
+    run: RunContext, batch_id: int, dead_letters: Sequence[Mapping[str, Any]], now: float
+) -> list[dict[str, Any]]:
+    return [
+        {**row, "job_id": run.job_id, "generation": run.generation, "batch_id": batch_id, "recorded_at": now}
+        for row in dead_letters
+    ]
 
 
 def _empty_batch_committed(conn, run: RunContext, batch: BatchRange) -> bool:
@@ -342,26 +363,8 @@ def _advance_offsets(
         conn.execute(_upsert(dialect, Write(schema.offsets, rows, ("job_id", "topic", "partition"))), rows)
 
 
-def _insert_for(dialect: str):
-    if dialect == "postgresql":
-        return postgresql.insert
-    if dialect == "sqlite":
-        return sqlite.insert
-    raise ValueError(f"unsupported database dialect {dialect!r}: use SQLite or PostgreSQL")
-
-
 def _upsert(dialect: str, write: Write):
-    stmt = _insert_for(dialect)(write.table)
-    updates = {
-        c.name: (write.table.c[c.name] + stmt.excluded[c.name])
-        if c.name in write.increments
-        else stmt.excluded[c.name]
-        for c in write.table.columns
-        if c.name not in write.key
-    }
-    if not updates:
-        return stmt.on_conflict_do_nothing(index_elements=list(write.key))
-    return stmt.on_conflict_do_update(index_elements=list(write.key), set_=updates)
+    return upsert(dialect, write.table, write.key, write.increments)
 
 
 def _dedupe(write: Write) -> list[Mapping[str, Any]]:

@@ -1,0 +1,88 @@
+"""What differs between the state database's two dialects: SQLite (the embedded default) and PostgreSQL.
+
+Everything else in ``state`` is dialect-neutral SQLAlchemy Core; what is not lives here:
+
+* the engine: SQLite runs in WAL mode with ``BEGIN IMMEDIATE`` write transactions, so the driver's
+  heartbeats and the sink's commits serialise instead of failing with "database is locked" halfway
+  through; PostgreSQL gets a small pre-pinged pool;
+* the upsert: both dialects spell ``INSERT ... ON CONFLICT`` through their own ``insert`` construct;
+* a connection timeout for a quick reachability check (PostgreSQL's default waits minutes);
+* which database errors mean "this value was refused" rather than "the database is unreachable".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import Engine, Table, create_engine, event
+from sqlalchemy import exc as sql_errors
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import URL
+
+#: The dialects the state database supports (``Engine.dialect.name``).
+SUPPORTED = ("sqlite", "postgresql")
+
+
+def engine_for(url: URL) -> Engine:
+    """An engine for ``url`` (password already set), with the dialect's settings."""
+    if url.get_backend_name() == "sqlite":
+        engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+        _sqlite_immediate_transactions(engine)
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=2, max_overflow=2)
+
+
+def _sqlite_immediate_transactions(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection, _record):  # pragma: no cover - exercised by every SQLite test
+        dbapi_connection.isolation_level = None  # let SQLAlchemy's "begin" event issue BEGIN
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute("PRAGMA busy_timeout=60000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(connection):  # pragma: no cover
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def with_connect_timeout(url: URL, seconds: int) -> URL:
+    """``url`` with a connection timeout, for a check that must answer quickly (PostgreSQL only: SQLite
+    opens a file; an explicit ``connect_timeout`` in the URL is kept)."""
+    if url.get_backend_name() == "postgresql" and "connect_timeout" not in url.query:
+        return url.update_query_dict({"connect_timeout": str(seconds)})
+    return url
+
+
+def insert_for(dialect: str):
+    """The dialect's ``insert`` construct, which knows ``ON CONFLICT``."""
+    if dialect == "postgresql":
+        return postgresql.insert
+    if dialect == "sqlite":
+        return sqlite.insert
+    raise ValueError(f"unsupported database dialect {dialect!r}: use SQLite or PostgreSQL")
+
+
+def upsert(dialect: str, table: Table, key: Sequence[str], increments: Sequence[str] = ()):
+    """``INSERT ... ON CONFLICT (key)``: ``increments`` columns are added to the stored value, every other
+    column is overwritten; a table with key columns only ignores the conflict."""
+    stmt = insert_for(dialect)(table)
+    updates = {
+        c.name: (table.c[c.name] + stmt.excluded[c.name]) if c.name in increments else stmt.excluded[c.name]
+        for c in table.columns
+        if c.name not in key
+    }
+    if not updates:
+        return stmt.on_conflict_do_nothing(index_elements=list(key))
+    return stmt.on_conflict_do_update(index_elements=list(key), set_=updates)
+
+
+def is_data_error(err: BaseException) -> bool:
+    """The database refused a value (SQLSTATE classes 22 data exception, 23 integrity constraint, 54
+    program limit, e.g. a key too large to index), as opposed to being unreachable or misconfigured.
+    SQLite raises SQLAlchemy's DataError/IntegrityError; PostgreSQL's driver also gives the SQLSTATE."""
+    if isinstance(err, sql_errors.DataError | sql_errors.IntegrityError):
+        return True
+    state = getattr(getattr(err, "orig", None), "sqlstate", None)
+    return bool(state) and str(state)[:2] in ("22", "23", "54")
