@@ -50,7 +50,7 @@ def test_kill9_is_detected_by_a_deferred_sensor_and_recovered(stream, broker, fi
     diagnosis, recovered = tasks["health"][1], tasks["recover"][1]
     assert diagnosis["health"] == "DEAD" and diagnosis["run_id"] == first["run_id"], diagnosis
     assert recovered["action"] == "restart" and recovered["generation"] == 1, recovered
-    recovered_at = state.store.get_run(recovered["run_id"])["query_started_at"]
+    recovered_at = state.store.get_run(recovered["run_id"]).query_started_at
 
     producer.send(800)
     caught_up(state, job_id, producer)
@@ -62,7 +62,7 @@ def test_kill9_is_detected_by_a_deferred_sensor_and_recovered(stream, broker, fi
     assert status == "success", tasks
     again = tasks["recover"][1]
     assert again["action"] == "restart" and (recovered["backoff_s"], again["backoff_s"]) == (0, 0), again
-    assert state.store.get_run(recovered["run_id"])["status"] == "DEAD", "a killed run must not stay RUNNING"
+    assert state.store.get_run(recovered["run_id"]).status == "DEAD", "a killed run must not stay RUNNING"
     producer.send(400)
     caught_up(state, job_id, producer)
 
@@ -121,7 +121,7 @@ def test_crash_loop_ends_at_the_restart_budget(stream, broker):
     assert outcomes == ["success", "success", "failed"], outcomes
     assert len(state.restarts_since(job_id, 0)) == 2
     last = state.latest_run(job_id)
-    assert last["failure_kind"] == "USER_CODE" and "simulated bug" in last["termination_message"]
+    assert last.failure_kind == "USER_CODE" and "simulated bug" in last.termination_message
 
 
 def test_stuck_query_is_reported_stuck(stream, broker):
@@ -134,4 +134,4 @@ def test_stuck_query_is_reported_stuck(stream, broker):
     found = tasks["health"][1]
     assert found["health"] == "STUCK" and found["lag"] == 300, found
     run = state.latest_run(job_id)
-    assert run["status"] == "RUNNING" and run["last_batch_id"] is None
+    assert run.status == "RUNNING" and run.last_batch_id is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from airflow_stream_provider import kafka_offsets
+from airflow_stream_provider.state.records import RunRecord, RunStatus
 from airflow_stream_provider.upgrade import Action, Preflight, Verdict, check_policy, decide
 
 INCOMPATIBLE = Preflight(Verdict.INCOMPATIBLE, "refused", error_class="STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE")
@@ -59,14 +60,14 @@ def test_offset_log_merges_the_sources_of_one_query():
 def test_a_dry_run_proves_compatibility_only_on_state_the_old_code_wrote(last_batch, reads_old_state, verdict):
     from airflow_stream_provider.operators.upgrade import _verdict
 
-    run = {"status": "STOPPED", "last_batch_id": last_batch}
+    run = RunRecord("r", "j", 1, 1, RunStatus.STOPPED, last_batch_id=last_batch)
     assert _verdict(run, "ended", None, reads_old_state).verdict == verdict
 
 
 def test_a_dry_run_stopped_early_is_inconclusive_and_says_why():
     from airflow_stream_provider.operators.upgrade import _verdict
 
-    stopped = {"status": "STOPPED", "last_batch_id": None}
+    stopped = RunRecord("r", "j", 1, 1, RunStatus.STOPPED)
     idle = _verdict(stopped, "idle", None, None)
     assert idle.verdict == Verdict.INCONCLUSIVE and "caught up" in idle.detail
     timed_out = _verdict(None, "timeout", None, 1)

@@ -115,8 +115,8 @@ def test_policy_never_then_stateful_upgrades(stream, broker, figures):
     resume = kafka_offsets.from_spark_json(message.split("from the stored offsets ", 1)[1].split(". To do", 1)[0])
     assert resume.keys() == stored.keys() and all(resume[tp] >= stored[tp] for tp in stored), message
     assert f"run {running['run_id']} (version 1.0) keeps running" in message, message
-    assert state.latest_run(job_id)["run_id"] == running["run_id"]
-    assert state.latest_run(job_id)["status"] == "RUNNING" and state.current_generation(job_id) == 1
+    assert state.latest_run(job_id).run_id == running["run_id"]
+    assert state.latest_run(job_id).status == "RUNNING" and state.current_generation(job_id) == 1
     producer.send(400)
     caught_up(state, job_id, producer)  # the old version kept processing through the refusal
 
@@ -184,13 +184,13 @@ def test_compatible_upgrades_keep_the_checkpoint_and_a_broken_one_is_rolled_back
     with Trickle(producer):
         status, tasks = run_dag(dags.upgrade, _version(params, "new_result_column.py", "2.0"))
     assert status == "failed" and tasks["upgrade"][0] == "failed", tasks
-    tried = [r for r in runs(state, job_id) if r["version"] == "2.0"]
-    assert [r["dry_run"] for r in tried] == [True, False], tried
-    assert tried[0]["status"] == "STOPPED" and tried[1]["status"] == "FAILED", tried
+    tried = [r for r in runs(state, job_id) if r.version == "2.0"]
+    assert [r.dry_run for r in tried] == [True, False], tried
+    assert tried[0].status == "STOPPED" and tried[1].status == "FAILED", tried
     current = state.latest_run(job_id)
-    assert current["version"] == "1.2" and current["status"] == "RUNNING", current
-    assert current["generation"] == 1 and current["application"] == params["application"]
-    assert json.loads(current["spec"])["kafka"]["max_offsets_per_trigger"] == 400, "the spec that ran, too"
+    assert current.version == "1.2" and current.status == "RUNNING", current
+    assert current.generation == 1 and current.application == params["application"]
+    assert json.loads(current.spec)["kafka"]["max_offsets_per_trigger"] == 400, "the spec that ran, too"
     assert [r["action"] for r in state.restarts_since(job_id, 0)] == ["rollback"]
 
     counts = _finish(stream, params, producer)

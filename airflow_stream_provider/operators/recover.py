@@ -7,12 +7,12 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_stream_provider.budget import RestartBudget, crash_loop_restarts
-from airflow_stream_provider.diagnosis import Diagnosis, Health
-from airflow_stream_provider.failures import FailureKind
+from airflow_stream_provider import recovery
+from airflow_stream_provider.budget import RestartBudget
 from airflow_stream_provider.operators.base import StreamJobOperator
+from airflow_stream_provider.recovery import RecoveryAction
 
-ON_INCOMPATIBLE = ("reset", "fail")
+ON_INCOMPATIBLE = recovery.ON_INCOMPATIBLE
 
 
 class RecoverStreamingJobOperator(StreamJobOperator):
@@ -54,44 +54,34 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         return RestartBudget(int(self.max_restarts), float(self.restart_window), float(self.backoff_base),
                              float(self.backoff_max), float(self.healthy_reset))
 
-    def execute(self, context) -> dict[str, Any]:
-        if self.on_incompatible not in ON_INCOMPATIBLE:
-            raise AirflowFailException(f"on_incompatible={self.on_incompatible!r} is not one of "
-                                       f"{', '.join(ON_INCOMPATIBLE)}")
+    def start(self, context) -> dict[str, Any]:
+        try:
+            recovery.check_on_incompatible(self.on_incompatible)
+        except ValueError as err:
+            raise AirflowFailException(str(err)) from None
         found = self.diagnose()
         self.log.info("Diagnosis: %s", found.summary())
-        outcome = {"diagnosis": found.to_dict()}
-        if found.health in (Health.STARTING, Health.HEALTHY, Health.STOPPED):
-            return {**outcome, "action": "none"}
-        kind = found.failure_kind
-        if kind in (FailureKind.DATA_LOSS, FailureKind.POISON):
-            raise AirflowFailException(f"{found.summary()}. {found.advice} No automatic recovery for "
-                                       f"{kind.value}: it needs a decision.")
-        if kind == FailureKind.CHECKPOINT_INCOMPATIBLE:
-            if self.on_incompatible == "fail":
-                raise AirflowFailException(f"{found.summary()}. on_incompatible='fail': reset the job to a new "
-                                           f"generation from its stored offsets when ready.")
-            outcome["backoff_s"] = self._check_budget(found)
-            return {**outcome, **self.reset_and_resume(f"checkpoint incompatible: {found.error_class}")}
-        outcome["backoff_s"] = self._check_budget(found)
-        return {**outcome, **self.restart_from_checkpoint(found.summary(), self.state.latest_run(self.job.job_id))}
-
-    def _check_budget(self, found: Diagnosis) -> float:
-        """Fail when the restart budget is spent; else sleep the crash-loop backoff and return it."""
         now = time.time()
-        history = self.state.restarts_since(self.job.job_id, now - max(self.budget.window_s,
-                                                                        self.budget.healthy_reset_s * 10))
-        times = crash_loop_restarts(history)
-        if self.budget.exhausted(times, now):
-            used = self.budget.used(times, now)
-            raise AirflowFailException(
-                f"job {self.job.job_id} is out of its restart budget: {len(used)} restarts in the last "
-                f"{self.budget.window_s / 60:.0f} min whose run never committed a batch (max "
-                f"{self.budget.max_restarts}); the job keeps failing: "
-                f"{found.summary()}. Fix the cause ({found.advice or 'see the driver log'}), then restart it "
-                f"by hand.")
-        delay = self.budget.backoff(times, now)
-        if delay:
-            self.log.info("Backing off %.0fs before restarting (consecutive restarts)", delay)
-            time.sleep(delay)
-        return delay
+        history = self.state.restarts_since(self.job.job_id, recovery.history_since(self.budget, now))
+        decision = recovery.decide_recovery(found, on_incompatible=self.on_incompatible, budget=self.budget,
+                                            history=history, now=now)
+        outcome = {"diagnosis": found.to_dict()}
+        if decision.action == RecoveryAction.NONE:
+            return {**outcome, "action": "none"}
+        if decision.action == RecoveryAction.FAIL:
+            raise AirflowFailException(decision.why)
+        outcome["backoff_s"] = decision.backoff_s
+        if decision.backoff_s:
+            self.log.info("Backing off %.0fs before the %s (consecutive restarts)", decision.backoff_s,
+                          decision.action.value)
+        return self.pause_then(context, decision.backoff_s, "_act", action=decision.action.value,
+                               reason=decision.reason, outcome=outcome)
+
+    def _act(self, context, event, action: str, reason: str, outcome: dict[str, Any]) -> dict[str, Any]:
+        if action == RecoveryAction.RESET:
+            return self.reset_then(context, reason, "done", {"outcome": outcome})
+        last = self.state.latest_run(self.job.job_id)
+        return self.restart_then(context, reason, last and last.run_id, "done", {"outcome": outcome})
+
+    def done(self, context, result, outcome=None) -> dict[str, Any]:
+        return {**(outcome or {}), **result}

@@ -26,8 +26,9 @@ class ResetStreamingJobOperator(StreamJobOperator):
         self.allow_data_loss = allow_data_loss
         self.reason = reason
 
-    def execute(self, context) -> dict[str, Any]:
-        return self.reset_and_resume(self.reason, allow_data_loss=_flag(self.allow_data_loss, "allow_data_loss"))
+    def start(self, context) -> dict[str, Any]:
+        return self.reset_then(context, self.reason, "done", {},
+                               allow_data_loss=_flag(self.allow_data_loss, "allow_data_loss"))
 
 
 def _flag(value: Any, name: str) -> bool:

@@ -10,6 +10,6 @@ from airflow_stream_provider.operators.base import StreamJobOperator
 class RestartStreamingJobOperator(StreamJobOperator):
     """Stop the live run if any (gracefully), then start a new run on the same checkpoint generation."""
 
-    def execute(self, context) -> dict[str, Any]:
+    def start(self, context) -> dict[str, Any]:
         last = self.state.latest_run(self.job.job_id)
-        return self.restart_from_checkpoint("manual restart", last)
+        return self.restart_then(context, "manual restart", last and last.run_id, "done", {})

@@ -11,15 +11,17 @@ class StopStreamingJobOperator(StreamJobOperator):
     """Set the stop marker, wait for the driver to finish its batch and exit 0; escalate to SIGTERM and
     then a kill only after ``stop_timeout``.  Stopping a job that is not running is a no-op that says so."""
 
-    def execute(self, context) -> dict[str, Any]:
+    def start(self, context) -> dict[str, Any]:
         run = self.live_run()
         if run is None:
             last = self.state.latest_run(self.job.job_id)
-            detail = f"last run {last['run_id']} is {last['status']}" if last else "it never ran"
+            detail = f"last run {last.run_id} is {last.status}" if last else "it never ran"
             self.log.info("Job %s is not running (%s): nothing to stop", self.job.job_id, detail)
-            return {"job_id": self.job.job_id, "run_id": last and last["run_id"], "outcome": "not running",
+            return {"job_id": self.job.job_id, "run_id": last and last.run_id, "outcome": "not running",
                     "detail": detail}
-        result = self.stop_run(run)
-        self.log.info("Job %s run %s %s after %ss (exit code %s)", self.job.job_id, run["run_id"],
+        return self.stop_then(context, run.run_id, "_stopped", {})
+
+    def _stopped(self, context, result) -> dict[str, Any]:
+        self.log.info("Job %s run %s %s after %ss (exit code %s)", result["job_id"], result["run_id"],
                       result["outcome"], result["seconds"], result["exit_code"])
         return result

@@ -27,20 +27,26 @@ class SubmitStreamingJobOperator(StreamJobOperator):
         super().__init__(**kwargs)
         self.if_running = if_running
 
-    def execute(self, context) -> dict[str, Any]:
+    def start(self, context) -> dict[str, Any]:
         if self.if_running not in IF_RUNNING:
             raise AirflowFailException(f"if_running={self.if_running!r} is not one of {', '.join(IF_RUNNING)}")
         live = self.live_run()
-        if live is not None:
-            if self.if_running == "fail":
-                raise AirflowFailException(
-                    f"job {self.job.job_id} already runs (run {live['run_id']}, pid {live['pid']} on "
-                    f"{live['host']}, heartbeat at {live['heartbeat_at']:.0f}). Stop it first, or set "
-                    f"if_running='skip' or 'replace'.")
-            if self.if_running == "skip":
-                self.log.info("Job %s already runs as %s: skipping submit", self.job.job_id, live["run_id"])
-                return {"job_id": self.job.job_id, "run_id": live["run_id"], "epoch": live["epoch"],
-                        "generation": live["generation"], "action": "skipped"}
-            self.log.info("Replacing run %s of job %s", live["run_id"], self.job.job_id)
-            self.stop_run(live)
-        return {**self.launch(), "action": "submitted"}
+        if live is None:
+            return self.launch_then(context, "_submitted", {})
+        if self.if_running == "fail":
+            raise AirflowFailException(
+                f"job {self.job.job_id} already runs (run {live.run_id}, pid {live.pid} on "
+                f"{live.host}, heartbeat at {live.heartbeat_at:.0f}). Stop it first, or set "
+                f"if_running='skip' or 'replace'.")
+        if self.if_running == "skip":
+            self.log.info("Job %s already runs as %s: skipping submit", self.job.job_id, live.run_id)
+            return {"job_id": self.job.job_id, "run_id": live.run_id, "epoch": live.epoch,
+                    "generation": live.generation, "action": "skipped"}
+        self.log.info("Replacing run %s of job %s", live.run_id, self.job.job_id)
+        return self.stop_then(context, live.run_id, "_replaced", {})
+
+    def _replaced(self, context, stopped) -> dict[str, Any]:
+        return self.launch_then(context, "_submitted", {})
+
+    def _submitted(self, context, launched) -> dict[str, Any]:
+        return {**launched, "action": "submitted"}

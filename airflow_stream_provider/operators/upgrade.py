@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
-import uuid
 from dataclasses import replace
+from functools import cached_property
 from typing import Any, Literal
 
 from airflow.sdk.exceptions import AirflowFailException
@@ -12,9 +13,12 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_stream_provider import kafka_offsets, upgrade
 from airflow_stream_provider import spec as spec_module
 from airflow_stream_provider.failures import FailureKind
-from airflow_stream_provider.operators.base import StreamJobError, StreamJobOperator, _log_tail
+from airflow_stream_provider.lifecycle.controller import StreamJobError, log_tail
+from airflow_stream_provider.lifecycle.waits import RunWait
+from airflow_stream_provider.operators.base import StreamJobOperator, _set_task_state, _task_state
 from airflow_stream_provider.spec import StreamJobSpec
-from airflow_stream_provider.state.store import ACTIVE_STATUSES, STOPPED
+from airflow_stream_provider.state.records import RunRecord, RunStatus
+from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 from airflow_stream_provider.upgrade import Action, Preflight, Verdict
 
 #: How a preflight's dry run ended: by itself, stopped as idle (caught up, nothing to run a batch on), or
@@ -22,23 +26,8 @@ from airflow_stream_provider.upgrade import Action, Preflight, Verdict
 DryRunEnd = Literal["ended", "idle", "timeout"]
 #: How long a preflight waits for a live run to commit its second batch (it needs one to re-run).
 STATE_HISTORY_WAIT_S = 60.0
-#: Caught up (no Kafka record beyond the stored offsets) for this long: no batch is coming, so waiting
-#: for one (to verify a new run, or for a dry run to run one) would only wait out the timeout.
-IDLE_CONFIRM_S = 5.0
-
-
-class _IdleClock:
-    """Whether the job stayed caught up for IDLE_CONFIRM_S, polled as often as the caller likes."""
-
-    def __init__(self, caught_up):
-        self._caught_up, self._since = caught_up, None
-
-    def confirmed(self) -> bool:
-        if not self._caught_up():
-            self._since = None
-            return False
-        self._since = self._since or time.monotonic()
-        return time.monotonic() - self._since >= IDLE_CONFIRM_S
+#: The task-state key of this task's upgrade: a retry resumes it (or rolls it back) instead of starting over.
+UPGRADE_KEY = "stream_upgrade"
 
 
 class UpgradeStreamingJobOperator(StreamJobOperator):
@@ -84,215 +73,316 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
     def new_spec(self) -> StreamJobSpec:
         return replace(self.job, version=str(self.version)) if self.version else self.job
 
-    def execute(self, context) -> dict[str, Any]:
+    @cached_property
+    def upgrades(self) -> UpgradeLog:
+        return UpgradeLog(self.state.store)
+
+    def _phase(self, ctx: dict[str, Any], phase: UpgradePhase, result: str | None = None) -> None:
+        ctx["phase"] = phase.value
+        self.upgrades.move(ctx["upgrade_id"], phase, ctx, result)
+
+    def start(self, context) -> dict[str, Any]:
         try:
             policy = upgrade.check_policy(self.reset_policy)
         except ValueError as err:
             raise AirflowFailException(str(err)) from None
+        unfinished = self._unfinished(context)
+        if unfinished is not None:
+            return self._resume(context, unfinished)
         new = self.new_spec
         job_id = new.job_id
         before = self.state.latest_run(job_id)
-        previous = self.recorded_launch(before, self.previous_application)
+        previous = self.controller.recorded_launch(before, self.previous_application)
         generation = self.state.current_generation(job_id)
         live = self.live_run()
-        self.log.info("Upgrading job %s from %s to %s (generation %s, %s)", job_id,
-                      before and before["version"], new.version, generation,
-                      f"run {live['run_id']} live" if live else "no live run")
+        self.log.info("Upgrading job %s from %s to %s (generation %s, %s)", job_id, before and before.version,
+                      new.version, generation, f"run {live.run_id} live" if live else "no live run")
+        ctx: dict[str, Any] = {
+            "policy": policy, "generation": generation, "live_run_id": live and live.run_id,
+            "previous": previous and {"application": previous[0], "spec_json": previous[1].to_json()},
+            "outcome": {"job_id": job_id, "from_version": before and before.version, "to_version": new.version,
+                        "generation_before": generation}}
+        ctx["upgrade_id"] = self.upgrades.begin(job_id, before and before.version, new.version, ctx)
+        _set_task_state(context, UPGRADE_KEY, ctx["upgrade_id"])
+        return self._preflight(context, ctx)
 
-        preflight = self.preflight(new, generation)
-        decision = upgrade.decide(preflight, policy)
-        self.log.info("Preflight: %s (%s). Decision: %s, because %s", preflight.verdict.value,
-                      preflight.detail, decision.action.value, decision.why)
-        outcome: dict[str, Any] = {"job_id": job_id, "from_version": before and before["version"],
-                                   "to_version": new.version, "preflight": preflight.to_dict(),
-                                   "decision": decision.action.value, "generation_before": generation}
-        if decision.action == Action.ABORT:
-            raise AirflowFailException(self._abort_message(new, generation, preflight, decision, live))
-        if decision.action == Action.RESET:  # check the resume point while the old run still runs
-            self.resume_point(new, allow_data_loss=self.allow_data_loss)
-        if live is not None:
-            outcome["stopped"] = self.stop_run(live)
-        try:
-            started = self._start(new, decision)
-            outcome["verified"] = self.verify(started)
-        except (StreamJobError, AirflowFailException) as err:
-            self.log.error("Version %s of job %s failed after the stop: %s", new.version, job_id, err)
-            rolled = self._roll_back(previous, generation, str(err))
-            raise AirflowFailException(
-                f"job {job_id}: the upgrade to version {new.version} failed after the old run was stopped: "
-                f"{_first_lines(str(err))}\n{rolled}") from None
-        return {**outcome, **started}
+    # -- a retry of a killed upgrade task ----------------------------------------------------------------
+    def _unfinished(self, context):
+        upgrade_id = _task_state(context, UPGRADE_KEY)
+        found = self.upgrades.get(upgrade_id) if upgrade_id else None
+        return found if found is not None and found.phase != UpgradePhase.DONE else None
+
+    def _resume(self, context, found) -> dict[str, Any]:
+        """Pick up an upgrade an earlier try of this task left in ``found.phase``: a preflight starts over
+        (its dry run is ended first); past the stop, a new version that runs is verified, anything else
+        rolls back to what ran before."""
+        ctx = found.detail
+        self.log.warning("Resuming upgrade %s of job %s, left in phase %s by an earlier try", found.upgrade_id,
+                         found.job_id, found.phase.value)
+        if found.phase == UpgradePhase.PREFLIGHT:
+            dry = ctx.get("preflight") or {}
+            if dry.get("run_id"):
+                self.controller.abandon(dry["run_id"], dry.get("pid"), "its upgrade task was retried")
+            if dry.get("root") and not self.keep_preflight_copy:
+                self.checkpoints_remove(dry["root"])
+            ctx.pop("preflight", None)
+            return self._preflight(context, ctx)
+        live = self.live_run()
+        if found.phase != UpgradePhase.ROLLING_BACK and live is not None and live.version == found.to_version:
+            ctx["started"] = ctx.get("started") or {"run_id": live.run_id, "log_path": live.log_path}
+            return self._verify(context, ctx)
+        return self._failed_after_stop(context, StreamJobError(
+            f"the upgrade task was interrupted in phase {found.phase.value}"), ctx)
+
+    def checkpoints_remove(self, root: str) -> None:
+        self.controller.checkpoints.remove_preflight(self.job.job_id, root)
 
     # -- preflight -------------------------------------------------------------------------------------
-    def preflight(self, new: StreamJobSpec, generation: int) -> Preflight:
-        """Run the new code as a dry run on a copy of generation ``generation``'s checkpoint."""
-        job_id = new.job_id
-        active = {g.generation for g in self.checkpoints.list_generations(job_id) if not g.archived}
-        path = self.checkpoints.generation_path(job_id, generation)
-        if generation not in active or not self.checkpoints.has_checkpoint(path):
-            return Preflight(Verdict.SKIPPED, f"generation {generation} has no checkpoint yet")
-        started = time.monotonic()
-        self._await_state_history(path)
-        root = self.checkpoints.new_preflight_root(job_id)
+    def _preflight(self, context, ctx: dict[str, Any]) -> dict[str, Any]:
+        """Run the new code as a dry run on a copy of the current generation's checkpoint."""
+        job_id, generation = self.job.job_id, ctx["generation"]
+        checkpoints = self.controller.checkpoints
+        active = {g.generation for g in checkpoints.list_generations(job_id) if not g.archived}
+        path = checkpoints.generation_path(job_id, generation)
+        if generation not in active or not checkpoints.has_checkpoint(path):
+            return self._decide(context, ctx, Preflight(Verdict.SKIPPED,
+                                                        f"generation {generation} has no checkpoint yet"))
+        ctx["preflight_began"] = time.time()
+        live = self.live_run()
+        if (checkpoints.latest_committed(path) or 0) < 1 and live is not None and not self.controller.caught_up():
+            # A stateful change shows only in a batch that reads state the old code wrote: give a live run
+            # that committed only its first batch a moment to commit a second one.
+            wait = RunWait.within(min(float(self.preflight_timeout), STATE_HISTORY_WAIT_S), run_id=live.run_id,
+                                  job_id=job_id, until="batch", min_batch_id=1, idle=True)
+            return self.wait_then(context, wait, "_history_waited", ctx=ctx)
+        return self._dry_run(context, ctx)
+
+    def _history_waited(self, context, event, ctx) -> dict[str, Any]:
+        if self.outcome(event) == "timeout":
+            self.log.warning("The live run committed no second batch within %.0fs: the preflight may be "
+                             "inconclusive for stateful changes", STATE_HISTORY_WAIT_S)
+        return self._dry_run(context, ctx)
+
+    def _dry_run(self, context, ctx) -> dict[str, Any]:
+        new, generation, job_id = self.new_spec, ctx["generation"], self.job.job_id
+        checkpoints = self.controller.checkpoints
+        root = checkpoints.new_preflight_root(job_id)
         copy = spec_module.generation_path(f"{root}/{job_id}", generation)
-        try:
-            self.checkpoints.copy_generation(job_id, generation, copy)
-            # A stateful change shows only in a batch that reads state the old code wrote: re-run the newest
-            # committed batch when an older one stays committed; with only batch 0 committed, keep it, and
-            # batch 1 (on new data) is that batch.  With nothing committed no batch can show it.
-            committed = self.checkpoints.latest_committed(copy)
-            # Only batch 0 and no record for a batch 1: re-run batch 0 for a verdict now (it shows a changed
-            # source or plan, not yet state) rather than wait out the timeout for data that is not coming.
-            replay = committed is not None and (committed > 0 or self._caught_up())
-            replayed = self.checkpoints.drop_latest_commit(copy) if replay else None
-            reads_old_state = None if committed is None else max(committed, 1)
-            dry = replace(new.with_generation(generation), checkpoint_root=root, dry_run=True)
-            run_id = uuid.uuid4().hex
-            self.log.info("Preflight of version %s on a copy of generation %s (%s; batch %s replayed): run %s",
-                          new.version, generation, copy, replayed, run_id)
-            submitted = self.driver.submit(self.application, dry, run_id, self.state.password)
-            ending, run = self._wait_dry_run(submitted, data_needed=replayed is None)
-            verdict = _verdict(run, ending, submitted.log_path, reads_old_state)
-            return replace(verdict, run_id=run_id, log_path=submitted.log_path,
-                           seconds=round(time.monotonic() - started, 1))
-        finally:
-            if not self.keep_preflight_copy:
-                self.checkpoints.remove_preflight(job_id, root)
+        checkpoints.copy_generation(job_id, generation, copy)
+        # Re-run the newest committed batch when an older one stays committed; with only batch 0 committed,
+        # keep it, and batch 1 (on new data) is that batch.  Only batch 0 and no record for a batch 1:
+        # re-run batch 0 for a verdict now (it shows a changed source or plan, not yet state) rather than
+        # wait out the timeout for data that is not coming.  With nothing committed no batch can show it.
+        committed = checkpoints.latest_committed(copy)
+        replay = committed is not None and (committed > 0 or self.controller.caught_up())
+        replayed = checkpoints.drop_latest_commit(copy) if replay else None
+        dry = replace(new.with_generation(generation), checkpoint_root=root, dry_run=True)
+        launch = self.controller.submit_dry_run(self.application, dry)
+        self._in_flight = launch
+        ctx["preflight"] = {"root": root, "run_id": launch["run_id"], "pid": launch["pid"],
+                            "log_path": launch["log_path"],
+                            "reads_old_state": None if committed is None else max(committed, 1)}
+        self.upgrades.move(ctx["upgrade_id"], UpgradePhase.PREFLIGHT, ctx)
+        self.log.info("Preflight of version %s on a copy of generation %s (%s; batch %s replayed): run %s",
+                      new.version, generation, copy, replayed, launch["run_id"])
+        # No batch left to re-run: the dry run's batch waits for new records; on a caught-up stream it is
+        # stopped as soon as that is clear.
+        wait = self.controller.launch_wait(launch, "ended", float(self.preflight_timeout), idle=replayed is None)
+        return self.wait_then(context, wait, "_dry_run_waited", ctx=ctx)
 
-    def _await_state_history(self, path: str) -> None:
-        """Give a live run that has committed only its first batch a moment to commit a second one, so the
-        copy holds a batch to re-run on top of the old code's state (see ``preflight``)."""
-        deadline = time.monotonic() + min(float(self.preflight_timeout), STATE_HISTORY_WAIT_S)
-        while ((self.checkpoints.latest_committed(path) or 0) < 1 and self.live_run() is not None
-               and not self._caught_up()):  # caught up, no second batch is coming
-            if time.monotonic() > deadline:
-                self.log.warning("The live run committed no second batch within %.0fs: the preflight may be "
-                                 "inconclusive for stateful changes", STATE_HISTORY_WAIT_S)
-                return
-            time.sleep(0.5)
-
-    def _wait_dry_run(self, submitted, *, data_needed: bool) -> tuple[DryRunEnd, dict[str, Any] | None]:
-        """How the dry run ended, and its run row.  ``data_needed``: no batch was left to re-run, so the dry
-        run's batch waits for new records; on a caught-up stream it is stopped as soon as that is clear."""
-        idle = _IdleClock(self._caught_up)
-        state, run = self.watch_submission(
-            submitted, float(self.preflight_timeout),
-            (lambda r: r["query_started_at"] and r["last_batch_id"] is None and idle.confirmed())
-            if data_needed else None)
-        if state == "ready":
+    def _dry_run_waited(self, context, event, ctx) -> dict[str, Any]:
+        ending = self.outcome(event)
+        dry = ctx["preflight"]
+        run = self.controller.get_run(dry["run_id"])
+        if ending == "ended" or run is None or not run.active:
+            return self._preflight_over(context, None, ctx, "ended" if ending == "idle" else ending)
+        if ending == "idle":
             self.log.info("Preflight run %s: the stream is caught up, no record for a batch to run on: "
-                          "stopping it", submitted.run_id)
-            self.stop_run(run)
-            return "idle", self.state.store.get_run(run["run_id"]) or run
-        if state == "ended":
-            if run is not None:  # its checkpoint copy is removed next: let the driver exit first
-                self._wait_ended(run, self.kill_grace)
-            return "ended", run
-        if run is not None:  # no batch within the timeout: end it, the verdict is inconclusive
-            self.log.warning("Preflight run %s ran no batch within %ss: stopping it", submitted.run_id,
+                          "stopping it", dry["run_id"])
+        else:
+            self.log.warning("Preflight run %s ran no batch within %ss: stopping it", dry["run_id"],
                              self.preflight_timeout)
-            self.stop_run(run)
-        return "timeout", run
+        return self.stop_then(context, dry["run_id"], "_preflight_over", {"ctx": ctx, "ending": ending})
 
-    # -- start, verify, roll back ----------------------------------------------------------------------
-    def _start(self, new: StreamJobSpec, decision: upgrade.Decision) -> dict[str, Any]:
-        reason = f"upgrade to version {new.version}: {decision.why}"
-        if decision.action == Action.RESET:
-            return self.reset_and_resume(reason, allow_data_loss=self.allow_data_loss, spec=new)
-        return self._launch_or_reset(new, None, "reuse", reason, reset=decision.reset_on_start_failure,
-                                     allow_data_loss=self.allow_data_loss)
+    def _preflight_over(self, context, stopped, ctx, ending: DryRunEnd) -> dict[str, Any]:
+        self._in_flight = None
+        dry = ctx["preflight"]
+        run = self.controller.get_run(dry["run_id"])
+        verdict = _verdict(run, ending, dry["log_path"], dry["reads_old_state"])
+        preflight = replace(verdict, run_id=dry["run_id"], log_path=dry["log_path"],
+                            seconds=round(time.time() - ctx["preflight_began"], 1))
+        if not self.keep_preflight_copy:
+            self.checkpoints_remove(dry["root"])
+        return self._decide(context, ctx, preflight)
 
-    def _launch_or_reset(self, spec: StreamJobSpec, application: str | None, action: str, reason: str, *,
-                         reset: bool, allow_data_loss: bool = False) -> dict[str, Any]:
-        """Start ``spec`` on the current generation; if Spark refuses its checkpoint and ``reset`` allows,
-        reset to a new generation from the stored offsets instead."""
-        try:
-            return {**self.launch(spec=spec, application=application), "action": action}
-        except (StreamJobError, AirflowFailException):
-            failed = self.state.latest_run(spec.job_id)
-            refused = failed and failed["failure_kind"] == FailureKind.CHECKPOINT_INCOMPATIBLE.value
-            if not (refused and reset):
-                raise
-            self.log.warning("Version %s refused the checkpoint on start (%s): resetting", spec.version,
-                             failed["error_class"])
-            return self.reset_and_resume(f"{reason}; refused on start: {failed['error_class']}",
-                                         allow_data_loss=allow_data_loss, spec=spec, application=application)
+    # -- decide, stop, start -----------------------------------------------------------------------------
+    def _decide(self, context, ctx, preflight: Preflight) -> dict[str, Any]:
+        decision = upgrade.decide(preflight, ctx["policy"])
+        self.log.info("Preflight: %s (%s). Decision: %s, because %s", preflight.verdict.value,
+                      preflight.detail, decision.action.value, decision.why)
+        ctx["outcome"].update(preflight=preflight.to_dict(), decision=decision.action.value)
+        ctx["decision"] = {"action": decision.action.value, "why": decision.why,
+                           "reset_on_start_failure": decision.reset_on_start_failure}
+        if decision.action == Action.ABORT:
+            self._phase(ctx, UpgradePhase.DONE, "aborted")
+            raise AirflowFailException(self._abort_message(self.new_spec, ctx["generation"], preflight, decision,
+                                                           self.live_run()))
+        if decision.action == Action.RESET:  # check the resume point while the old run still runs
+            self.controller.resume_point(self.new_spec, allow_data_loss=self.allow_data_loss)
+        self._phase(ctx, UpgradePhase.STOPPING)
+        return self.stop_live_then(context, "_old_stopped", {"ctx": ctx})
 
-    def verify(self, started: dict[str, Any]) -> dict[str, Any]:
+    def _old_stopped(self, context, stopped, ctx) -> dict[str, Any]:
+        if stopped is not None:
+            ctx["outcome"]["stopped"] = stopped
+        self._phase(ctx, UpgradePhase.STARTING)
+        new = self.new_spec
+        reason = f"upgrade to version {new.version}: {ctx['decision']['why']}"
+        if ctx["decision"]["action"] == Action.RESET:
+            return self.reset_then(context, reason, "_started", {"ctx": ctx}, allow_data_loss=self.allow_data_loss,
+                                   spec_json=new.to_json(), application=self.application)
+        return self.launch_then(context, "_started", {"ctx": ctx}, spec_json=new.to_json(), on_fail="_start_refused")
+
+    def _start_refused(self, context, error, ctx) -> dict[str, Any]:
+        """Spark refused the checkpoint on start: reset when the decision allows, else roll back."""
+        new = self.new_spec
+        failed = self.state.latest_run(new.job_id)
+        refused = failed and failed.failure_kind == FailureKind.CHECKPOINT_INCOMPATIBLE.value
+        if not (refused and ctx["decision"]["reset_on_start_failure"]):
+            return self._failed_after_stop(context, error, ctx)
+        self.log.warning("Version %s refused the checkpoint on start (%s): resetting", new.version,
+                         failed.error_class)
+        reason = f"upgrade to version {new.version}: {ctx['decision']['why']}; refused on start: {failed.error_class}"
+        return self.reset_then(context, reason, "_started", {"ctx": ctx}, allow_data_loss=self.allow_data_loss,
+                               spec_json=new.to_json(), application=self.application)
+
+    def _started(self, context, started, ctx) -> dict[str, Any]:
+        ctx["started"] = started
+        return self._verify(context, ctx)
+
+    # -- verify ------------------------------------------------------------------------------------------
+    def _verify(self, context, ctx, method: str = "_verified") -> dict[str, Any]:
         """The new run must commit a batch within the timeout, or be caught up: a query that runs with no
         record to read cannot prove more, and passes as ``idle`` as soon as that is clear."""
-        timeout = float(self.verify_timeout if self.verify_timeout is not None else self.ready_timeout)
-        began = time.monotonic()
-        idle = _IdleClock(self._caught_up)
-        while time.monotonic() - began < timeout:
-            run = self.state.store.get_run(started["run_id"])
-            if run["last_batch_id"] is not None:
-                return {"batch_id": run["last_batch_id"], "seconds": round(time.monotonic() - began, 1)}
-            if run["status"] not in ACTIVE_STATUSES or self.driver.is_alive(run) is False:
-                time.sleep(0.5)
-                run = self.state.store.get_run(started["run_id"])
-                raise self._start_failure(self.job, started.get("log_path"), run)
-            if run["query_started_at"] and idle.confirmed():
-                self.log.info("Run %s is running and the stream is caught up: verified as running (a batch of "
-                              "new records will be the first to show more)", started["run_id"])
-                return {"batch_id": None, "idle": True, "seconds": round(time.monotonic() - began, 1)}
-            time.sleep(0.5)
-        raise StreamJobError(f"run {started['run_id']} committed no batch within {timeout:.0f}s although Kafka "
-                             f"had records for it. Driver log: {started.get('log_path')}")
+        self._phase(ctx, UpgradePhase.VERIFYING if method == "_verified" else UpgradePhase.ROLLING_BACK)
+        started = ctx["started"]
+        ctx["verify_began"] = time.time()
+        wait = RunWait.within(self._verify_timeout, run_id=started["run_id"], job_id=self.job.job_id,
+                              until="batch", idle=True)
+        return self.wait_then(context, wait, method, ctx=ctx)
 
-    def _caught_up(self) -> bool:
-        try:
-            lag = self.kafka.lag(self.state.stored_offsets(self.job.job_id), self.job.kafka.topics)
-        except Exception:
-            return False
-        return lag == 0
+    @property
+    def _verify_timeout(self) -> float:
+        return float(self.verify_timeout if self.verify_timeout is not None else self.ready_timeout)
 
-    def _roll_back(self, previous: tuple[str, StreamJobSpec] | None, generation: int, why: str) -> str:
-        job_id = self.job.job_id
-        live = self.live_run()
-        if live is not None:
-            self.stop_run(live)
-        if previous is None:
-            return ("No rollback: the previous version's job file is unknown (its run was not launched by this "
-                    "provider). Pass previous_application, or start the previous version by hand.")
-        application, old = previous
-        kept = self.state.current_generation(job_id) == generation
-        reason = f"rollback to version {old.version}: {_first_lines(why, 1)}"
+    def _verification(self, event, ctx) -> dict[str, Any]:
+        """What the verify wait proved; raises when the new run ended or ran no batch in time."""
+        started, outcome = ctx["started"], self.outcome(event)
+        seconds = round(time.time() - ctx["verify_began"], 1)
+        run = self.controller.get_run(started["run_id"])
+        if outcome == "batch":
+            return {"batch_id": run.last_batch_id, "seconds": seconds}
+        if outcome == "idle":
+            self.log.info("Run %s is running and the stream is caught up: verified as running (a batch of "
+                          "new records will be the first to show more)", started["run_id"])
+            return {"batch_id": None, "idle": True, "seconds": seconds}
+        if outcome == "ended":
+            raise self.controller.start_failure(self.job.job_id, started.get("log_path"), run)
+        raise StreamJobError(f"run {started['run_id']} committed no batch within {self._verify_timeout:.0f}s "
+                             f"although Kafka had records for it. Driver log: {started.get('log_path')}")
+
+    def _verified(self, context, event, ctx) -> dict[str, Any]:
         try:
-            if kept:
-                result = self._launch_or_reset(old, application, "restart", reason, reset=True)
-            else:
-                result = self.reset_and_resume(reason, spec=old, application=application)
-            self.verify(result)
+            verified = self._verification(event, ctx)
         except (StreamJobError, AirflowFailException) as err:
-            return (f"The rollback to version {old.version} ({application}) failed too: {_first_lines(str(err))}. "
-                    "The job is down; start a known-good version by hand.")
-        self.state.record_restart(job_id, "rollback", reason, None, result["run_id"])
-        where = (f"on the untouched generation {generation}" if result["action"] == "restart"
+            return self._failed_after_stop(context, err, ctx)
+        self._phase(ctx, UpgradePhase.DONE, "upgraded")
+        return {**ctx["outcome"], **ctx["started"], "verified": verified}
+
+    # -- roll back -----------------------------------------------------------------------------------------
+    def _failed_after_stop(self, context, error, ctx) -> dict[str, Any]:
+        new = self.new_spec
+        self.log.error("Version %s of job %s failed after the stop: %s", new.version, new.job_id, error)
+        ctx["error"] = str(error)
+        self._phase(ctx, UpgradePhase.ROLLING_BACK)
+        if ctx["previous"] is None:
+            return self._rollback_over(context, "No rollback: the previous version's job file is unknown (its run "
+                                       "was not launched by this provider). Pass previous_application, or start "
+                                       "the previous version by hand.", ctx)
+        return self.stop_live_then(context, "_rollback_stopped", {"ctx": ctx})
+
+    def _rollback_stopped(self, context, stopped, ctx) -> dict[str, Any]:
+        previous = ctx["previous"]
+        old = StreamJobSpec.from_dict(json.loads(previous["spec_json"]))
+        ctx["rollback_reason"] = f"rollback to version {old.version}: {_first_lines(ctx['error'], 1)}"
+        if self.state.current_generation(self.job.job_id) == ctx["generation"]:
+            return self.launch_then(context, "_rollback_started", {"ctx": ctx}, application=previous["application"],
+                                    spec_json=previous["spec_json"], on_fail="_rollback_refused")
+        return self.reset_then(context, ctx["rollback_reason"], "_rollback_started", {"ctx": ctx},
+                               spec_json=previous["spec_json"], application=previous["application"])
+
+    def _rollback_refused(self, context, error, ctx) -> dict[str, Any]:
+        failed = self.state.latest_run(self.job.job_id)
+        if not (failed and failed.failure_kind == FailureKind.CHECKPOINT_INCOMPATIBLE.value):
+            return self._rollback_failed(context, error, ctx)
+        previous = ctx["previous"]
+        return self.reset_then(context, f"{ctx['rollback_reason']}; refused on start: {failed.error_class}",
+                               "_rollback_started", {"ctx": ctx}, spec_json=previous["spec_json"],
+                               application=previous["application"])
+
+    def _rollback_started(self, context, started, ctx) -> dict[str, Any]:
+        ctx["rolled_back"] = started
+        ctx["started"] = started
+        return self._verify(context, ctx, "_rollback_verified")
+
+    def _rollback_verified(self, context, event, ctx) -> dict[str, Any]:
+        try:
+            self._verification(event, ctx)
+        except (StreamJobError, AirflowFailException) as err:
+            return self._rollback_failed(context, err, ctx)
+        result, previous = ctx["rolled_back"], ctx["previous"]
+        old_version = StreamJobSpec.from_dict(json.loads(previous["spec_json"])).version
+        self.controller.record_restart("rollback", ctx["rollback_reason"], None, result["run_id"])
+        where = (f"on the untouched generation {ctx['generation']}" if result.get("action") != "reset"
                  else f"on generation {result['generation']} from the stored offsets")
-        return (f"Rolled back: version {old.version} ({application}) runs again {where} as run "
-                f"{result['run_id']}, and has committed since.")
+        return self._rollback_over(context, f"Rolled back: version {old_version} ({previous['application']}) runs "
+                                   f"again {where} as run {result['run_id']}, and has committed since.", ctx,
+                                   "rolled back")
+
+    def _rollback_failed(self, context, error, ctx) -> dict[str, Any]:
+        previous = ctx["previous"]
+        old_version = StreamJobSpec.from_dict(json.loads(previous["spec_json"])).version
+        return self._rollback_over(context, f"The rollback to version {old_version} ({previous['application']}) "
+                                   f"failed too: {_first_lines(str(error))}. The job is down; start a known-good "
+                                   "version by hand.", ctx)
+
+    def _rollback_over(self, context, rolled: str, ctx, result: str = "failed") -> dict[str, Any]:
+        self._phase(ctx, UpgradePhase.DONE, result)
+        new = self.new_spec
+        raise AirflowFailException(
+            f"job {new.job_id}: the upgrade to version {new.version} failed after the old run was stopped: "
+            f"{_first_lines(ctx['error'])}\n{rolled}")
 
     def _abort_message(self, new: StreamJobSpec, generation: int, preflight: Preflight,
-                       decision: upgrade.Decision, live: dict[str, Any] | None) -> str:
+                       decision: upgrade.Decision, live: RunRecord | None) -> str:
         job_id = new.job_id
-        running = (f"Nothing was stopped: run {live['run_id']} (version {live['version']}) keeps running."
+        running = (f"Nothing was stopped: run {live.run_id} (version {live.version}) keeps running."
                    if live else "Nothing was stopped or started.")
         head = f"job {job_id}: upgrade to version {new.version} refused: {decision.why}. {running}"
         if preflight.verdict != Verdict.INCOMPATIBLE:
             return (f"{head}\nPreflight run {preflight.run_id} ({preflight.failure_kind}, {preflight.error_class}): "
                     f"{preflight.detail}\nFix the new version and rerun. Preflight driver log "
-                    f"{preflight.log_path}:\n{_log_tail(preflight.log_path)}")
+                    f"{preflight.log_path}:\n{log_tail(preflight.log_path)}")
         stored = self.state.stored_offsets(job_id)
         resume = kafka_offsets.to_spark_json(stored) if stored else f"{new.kafka.starting_offsets!r} (none stored)"
-        archive = f"{self.checkpoints.job_root(job_id)}/archive/gen-{generation}-<UTC time>"
+        archive = f"{self.controller.checkpoints.job_root(job_id)}/archive/gen-{generation}-<UTC time>"
         return (f"{head}\nSpark refused a copy of the checkpoint: {preflight.error_class}: {preflight.detail}\n"
-                f"A reset would archive {self.checkpoints.generation_path(job_id, generation)} to {archive} and "
+                f"A reset would archive {self.controller.checkpoints.generation_path(job_id, generation)} to {archive} and "
                 f"start generation {generation + 1} of version {new.version} from the stored offsets {resume}. "
                 "To do that, rerun with reset_policy='after_preflight' (or use ResetStreamingJobOperator).")
 
 
-def _verdict(run: dict[str, Any] | None, ending: DryRunEnd, log_path: str | None,
+def _verdict(run: RunRecord | None, ending: DryRunEnd, log_path: str | None,
              reads_old_state: int | None) -> Preflight:
     """``reads_old_state``: the first batch of the dry run that reads state the old code committed (None:
     the copy had no committed batch, so none does)."""
@@ -303,16 +393,16 @@ def _verdict(run: dict[str, Any] | None, ending: DryRunEnd, log_path: str | None
         return Preflight(Verdict.INCONCLUSIVE, "the dry run ran no batch before it ended")
     if run is None:
         return Preflight(Verdict.FAILED, f"the dry-run driver exited before registering its run: "
-                                         f"{_first_lines(_log_tail(log_path, 5), 5)}")
-    if run["status"] == STOPPED and run.get("last_batch_id") is not None:
-        if reads_old_state is None or run["last_batch_id"] < reads_old_state:
-            return Preflight(Verdict.INCONCLUSIVE, f"batch {run['last_batch_id']} ran on the copy, but the copy "
+                                         f"{_first_lines(log_tail(log_path, 5), 5)}")
+    if run.status == RunStatus.STOPPED and run.last_batch_id is not None:
+        if reads_old_state is None or run.last_batch_id < reads_old_state:
+            return Preflight(Verdict.INCONCLUSIVE, f"batch {run.last_batch_id} ran on the copy, but the copy "
                                                    "had no committed batch whose state it could read")
-        return Preflight(Verdict.COMPATIBLE, f"batch {run['last_batch_id']} ran on the copy")
-    if run["status"] == STOPPED:
+        return Preflight(Verdict.COMPATIBLE, f"batch {run.last_batch_id} ran on the copy")
+    if run.status == RunStatus.STOPPED:
         return Preflight(Verdict.INCONCLUSIVE, "the dry run ran no batch before it ended")
-    kind, error_class = run.get("failure_kind"), run.get("error_class")
-    detail = _first_lines(run.get("termination_message") or "no termination message", 3)
+    kind, error_class = run.failure_kind, run.error_class
+    detail = _first_lines(run.termination_message or "no termination message", 3)
     verdict = Verdict.INCOMPATIBLE if kind == FailureKind.CHECKPOINT_INCOMPATIBLE.value else Verdict.FAILED
     return Preflight(verdict, detail, error_class=error_class, failure_kind=kind)
 

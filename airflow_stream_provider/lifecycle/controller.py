@@ -1,0 +1,344 @@
+"""The lifecycle controller: every step of a stream job's life, composed from the hooks.
+
+Operators, sensors, triggers and the CLI call it; an operator is its arguments plus calls to these steps.
+No step here waits: each does its work and, where a driver must get somewhere first, returns a
+:class:`~airflow_stream_provider.lifecycle.waits.RunWait` that the operator hands to a trigger (deferrable) or
+blocks on (``deferrable=False``).  So the same steps run in the worker before and after a deferral.
+
+Steps: launch (submit, then wait until the query runs), graceful stop with escalation (stop marker, then
+SIGTERM, then kill), restart from the checkpoint, reset to a new generation from the stored offsets, and
+the facts the recovery and upgrade rules decide on (the diagnosis, the resume point, the recorded launch).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_stream_provider import diagnosis, faults, kafka_offsets, local_driver
+from airflow_stream_provider.diagnosis import Diagnosis, Health, Thresholds
+from airflow_stream_provider.hooks.checkpoint import CheckpointHook
+from airflow_stream_provider.hooks.driver import StreamDriverHook
+from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
+from airflow_stream_provider.hooks.state import StreamStateHook
+from airflow_stream_provider.kafka_offsets import LostRange, Offsets
+from airflow_stream_provider.lifecycle.waits import Outcome, RunWait, RunWatch
+from airflow_stream_provider.spec import StreamJobSpec
+from airflow_stream_provider.state.records import RunRecord
+
+#: The stop's escalation: after the stop marker, SIGTERM, then a kill; each waits for the driver to end.
+STOP_STAGES = ("marker", "terminate", "kill")
+
+
+class StreamJobError(Exception):
+    """A failure Airflow's retries may fix (broker or database briefly away)."""
+
+
+class StreamJobController:
+    """One job's lifecycle steps, over its hooks.  ``spec`` is the validated job spec with today's brokers
+    and database filled in."""
+
+    def __init__(self, spec: StreamJobSpec, *, state: StreamStateHook, kafka: KafkaOffsetsHook,
+                 driver: StreamDriverHook, checkpoint_conn_id: str | None = None,
+                 thresholds: Thresholds | None = None, log: logging.Logger | None = None):
+        self.spec = spec
+        self.state, self.kafka, self.driver = state, kafka, driver
+        self.checkpoint_conn_id = checkpoint_conn_id
+        self.thresholds = thresholds or Thresholds()
+        self.log = log or logging.getLogger(__name__)
+
+    @cached_property
+    def checkpoints(self) -> CheckpointHook:
+        return CheckpointHook(self.spec.checkpoint_root, self.checkpoint_conn_id)
+
+    @property
+    def job_id(self) -> str:
+        return self.spec.job_id
+
+    # -- facts -----------------------------------------------------------------------------------------
+    def diagnose(self) -> Diagnosis:
+        """The job's health from its latest run, its driver process and the Kafka lag; a dead run is
+        recorded as DEAD, and a lost checkpoint is named."""
+        run = self.state.latest_run(self.job_id)
+        try:
+            lag = self.kafka.lag(self.state.stored_offsets(self.job_id), self.spec.kafka.topics)
+        except Exception as err:
+            self.log.warning("Could not read Kafka lag for job %s: %r", self.job_id, err)
+            lag = None
+        alive = self.driver.is_alive(run) if run else None
+        found = diagnosis.diagnose(self.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
+        self.state.record_death(run, found)
+        if found.health.needs_action and run is not None and run.last_batch_id is not None:
+            found.evidence.extend(self._lost_checkpoint(run))
+        return found
+
+    def _lost_checkpoint(self, run: RunRecord) -> list[str]:
+        """A run that committed batches on a generation whose checkpoint now holds none: the checkpoint was
+        lost (deleted, or a restore missed it).  A restart still resumes exactly from the stored offsets,
+        and the diagnosis says why Spark starts over."""
+        try:
+            path = self.checkpoints.generation_path(run.job_id, run.generation)
+            if self.checkpoints.has_checkpoint(path):
+                return []
+        except Exception as err:  # the diagnosis stands without this fact
+            self.log.warning("Could not check the checkpoint of run %s: %r", run.run_id, err)
+            return []
+        return [f"the checkpoint of generation {run.generation} ({path}) holds no batch although run "
+                f"{run.run_id} committed up to batch {run.last_batch_id}: it was lost; a restart resumes "
+                f"from the stored offsets"]
+
+    def live_run(self) -> RunRecord | None:
+        """The latest run if its driver is alive (by process check or fresh heartbeat)."""
+        run = self.state.latest_run(self.job_id)
+        if run is None or not run.active:
+            return None
+        found = diagnosis.diagnose(self.job_id, run, driver_alive=self.driver.is_alive(run), lag=None,
+                                   thresholds=self.thresholds)
+        return None if found.health == Health.DEAD else run
+
+    def get_run(self, run_id: str) -> RunRecord | None:
+        return self.state.store.get_run(run_id)
+
+    def caught_up(self) -> bool:
+        return caught_up(self.state, self.kafka, self.job_id, self.spec.kafka.topics)
+
+    def recorded_launch(self, run: RunRecord | None,
+                        application: str | None = None) -> tuple[str, StreamJobSpec] | None:
+        """The job file and spec a run was launched with (recorded once its query ran), with today's
+        brokers and database: a restart or a rollback starts exactly the code that ran, not whatever the
+        DAG's arguments say now."""
+        application = application or (run and run.application)
+        if not application or run is None:
+            return None
+        if not run.spec:
+            return application, replace(self.spec, version=run.version)
+        recorded = json.loads(run.spec)
+        recorded["kafka"]["bootstrap_servers"] = self.spec.kafka.bootstrap_servers
+        recorded.update(database_url=self.spec.database_url, dry_run=False)
+        return application, StreamJobSpec.from_dict(recorded)
+
+    def resume_point(self, job: StreamJobSpec, *,
+                     allow_data_loss: bool = False) -> tuple[Offsets, list[LostRange]]:
+        """Where a new generation resumes, checked against Kafka (invariant 5), and the ranges of it Kafka
+        no longer holds; fails on loss unless allowed, and then resumes past the loss.
+
+        The stored offsets, for every topic the sink accounts for (a second stream's too).  A partition
+        no batch ever committed resumes where the last generation began, not at the spec's default:
+        with ``latest`` that would skip everything since.
+        """
+        stored = self.state.stored_offsets(job.job_id)
+        resume = {**self.state.store.recorded_start(job.job_id), **stored}
+        if not resume:
+            return {}, []
+        topics = sorted(set(job.kafka.topics) | {topic for topic, _ in resume})
+        earliest, latest = self.kafka.watermarks(topics)
+        lost = kafka_offsets.find_lost_ranges(resume, earliest, latest)
+        if lost and not allow_data_loss:
+            raise AirflowFailException(
+                f"job {job.job_id}: cannot resume from the stored offsets {kafka_offsets.to_spark_json(resume)}: "
+                + "; ".join(r.describe() for r in lost)
+                + ". Nothing was archived or started. Restore the data, or rerun with allow_data_loss=True "
+                "to accept the loss.")
+        # Past an accepted loss: below retention, or on a log that went backwards (a recreated topic: all it
+        # holds is unread), from the earliest offset Kafka has, as the Python source does with
+        # failOnDataLoss=false; a partition that is gone is dropped.
+        return {tp: off if earliest[tp] <= off <= latest[tp] else earliest[tp]
+                for tp, off in resume.items() if tp in latest}, lost
+
+    # -- launching -------------------------------------------------------------------------------------
+    def check_before_start(self, spec: StreamJobSpec) -> None:
+        """What would make a driver fail at once, checked from here before one is started: the brokers,
+        the topics, a local checkpoint root's permissions."""
+        try:
+            _, latest = self.kafka.watermarks(spec.kafka.topics)
+        except Exception as err:
+            raise StreamJobError(
+                f"job {spec.job_id}: cannot read the partitions of {list(spec.kafka.topics)} from "
+                f"{spec.kafka.bootstrap_servers} (connection {self.kafka.kafka_conn_id!r}): {err!r}. Check "
+                "the connection's brokers and that they are up; nothing was started") from None
+        missing = sorted(set(spec.kafka.topics) - {topic for topic, _ in latest})
+        if missing:
+            raise AirflowFailException(
+                f"job spec field 'kafka.topics': topics {missing} do not exist on {spec.kafka.bootstrap_servers}. "
+                "Create them (the job does not create topics) or fix the spec; nothing was started")
+        root = spec.checkpoint_root.removeprefix("file://")
+        if "://" not in root:
+            existing = Path(root)
+            while not existing.exists() and existing != existing.parent:
+                existing = existing.parent
+            if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+                raise AirflowFailException(
+                    f"job spec field 'checkpoint_root': {spec.checkpoint_root} is not writable here ({existing} "
+                    "is not a writable directory). Give the Airflow and Spark users write access, or choose another "
+                    "root; nothing was started")
+
+    def submit(self, application: str, spec: StreamJobSpec, *, generation: int | None = None,
+               starting_offsets: str | None = None) -> dict[str, Any]:
+        """Start a driver for ``spec`` on ``generation`` (default: the current one) and return the launch at
+        once; :meth:`ready_wait` says what to wait for, :meth:`finish_launch` what came of it."""
+        generation = generation or self.state.current_generation(spec.job_id)
+        spec = spec.with_generation(generation, starting_offsets)
+        self.check_before_start(spec)
+        run_id = uuid.uuid4().hex
+        submitted = self.driver.submit(application, spec, run_id, self.state.password)
+        return {"job_id": spec.job_id, "run_id": run_id, "generation": generation, "version": spec.version,
+                "application": application, "spec": spec.to_json(), "checkpoint_path": spec.checkpoint_path,
+                "pid": submitted.pid, "log_path": submitted.log_path, "submission_id": submitted.submission_id,
+                "submitted_at": time.time()}
+
+    def submit_dry_run(self, application: str, spec: StreamJobSpec) -> dict[str, Any]:
+        run_id = uuid.uuid4().hex
+        submitted = self.driver.submit(application, spec, run_id, self.state.password)
+        return {"job_id": spec.job_id, "run_id": run_id, "pid": submitted.pid, "log_path": submitted.log_path,
+                "submission_id": submitted.submission_id, "submitted_at": time.time()}
+
+    @staticmethod
+    def launch_wait(launch: dict[str, Any], until: str, timeout: float, **extra: Any) -> RunWait:
+        return RunWait.within(timeout, run_id=launch["run_id"], job_id=launch["job_id"], until=until,
+                              pid=launch.get("pid"), started_at=launch.get("submitted_at"),
+                              log_path=launch.get("log_path"), **extra)
+
+    def finish_launch(self, launch: dict[str, Any], outcome: Outcome, timeout: float) -> dict[str, Any]:
+        """The launch's result once its query runs; else the driver's own evidence, as the error a retry
+        may fix (StreamJobError) or not (AirflowFailException)."""
+        spec = StreamJobSpec.from_dict(json.loads(launch["spec"]))
+        if outcome == "ready":
+            run = self.get_run(launch["run_id"])
+            self.state.store.record_launch(launch["run_id"], launch["application"], launch["spec"])
+            self.log.info("Job %s run %s is running: generation %s, epoch %s", spec.job_id, launch["run_id"],
+                          launch["generation"], run.epoch)
+            return {"job_id": spec.job_id, "run_id": launch["run_id"], "epoch": run.epoch,
+                    "generation": launch["generation"], "version": spec.version,
+                    "checkpoint_path": launch["checkpoint_path"], "pid": launch["pid"],
+                    "log_path": launch["log_path"], "submission_id": launch["submission_id"]}
+        if outcome == "ended":
+            raise self.start_failure(spec.job_id, launch["log_path"], self.get_run(launch["run_id"]))
+        raise StreamJobError(f"job {spec.job_id} run {launch['run_id']}: the query did not start within "
+                             f"{timeout:.0f}s. Driver log: {launch['log_path']}")
+
+    def start_failure(self, job_id: str, log_path: str | None, run: RunRecord | None) -> Exception:
+        tail = log_tail(log_path)
+        if run is None:
+            return StreamJobError(f"job {job_id}: the driver exited before registering its run "
+                                  f"(state database unreachable, or bad arguments). Driver log "
+                                  f"{log_path}:\n{tail}")
+        found = diagnosis.diagnose(job_id, run, driver_alive=False, lag=None)
+        message = (f"job {job_id} run {run.run_id} did not start: {found.summary()}. "
+                   f"What to do: {found.advice} Driver log {log_path}:\n{tail}")
+        if found.failure_kind is not None and found.failure_kind.retryable:
+            return StreamJobError(message)
+        return AirflowFailException(message)
+
+    def abandon(self, run_id: str, pid: int | None, why: str) -> None:
+        """End a driver this task started and no longer wants (a killed task, a dry run): kill it outright
+        and record the run as DEAD, so nothing waits on it."""
+        run = self.get_run(run_id)
+        if run is not None and run.active:
+            self.log.warning("Killing run %s: %s (%s)", run_id, why, self.driver.kill(run))
+            self.state.store.mark_dead(run_id, f"abandoned: {why}")
+        elif run is None and pid:
+            self.log.warning("Killing the driver of run %s (pid %s) before it registered: %s", run_id, pid, why)
+            local_driver.signal_group(pid, signal.SIGKILL)
+
+    # -- stopping --------------------------------------------------------------------------------------
+    def stop_step(self, run_id: str, stage: str, timeout: float) -> RunWait:
+        """One stage of a graceful stop: the stop marker, then SIGTERM, then a kill; wait for the end."""
+        run = self.get_run(run_id)
+        if stage == "marker":
+            self.state.store.request_stop(run_id)
+            self.log.info("Asked run %s of job %s to stop; waiting up to %ss", run_id, run.job_id, timeout)
+        elif stage == "terminate":
+            self.log.warning("Run %s did not stop in time: sending SIGTERM", run_id)
+            self.driver.terminate(run)
+        else:
+            self.log.warning("Run %s ignored SIGTERM: %s", run_id, self.driver.kill(run))
+        return RunWait.within(timeout, run_id=run_id, job_id=run.job_id, until="ended", pid=run.pid,
+                              started_at=run.started_at)
+
+    def finish_stop(self, run_id: str, outcome: str, started: float) -> dict[str, Any]:
+        """``outcome``: stopped | terminated | killed: how far the escalation went."""
+        final = self.get_run(run_id)
+        if final.active and self.driver.is_alive(final) is False:
+            # Gone without recording an end: it died during the stop (or was killed).
+            outcome = "died" if outcome == "stopped" else outcome
+            self.state.store.mark_dead(run_id, f"driver gone during a graceful stop ({outcome})")
+            final = self.get_run(run_id)
+        return {"job_id": final.job_id, "run_id": run_id, "outcome": outcome, "exit_code": final.exit_code,
+                "status": final.status.value, "seconds": round(time.time() - started, 1)}
+
+    # -- the two recovery actions, around their launch --------------------------------------------------
+    def before_restart(self, reason: str, failed_run_id: str | None) -> None:
+        if failed_run_id and self.state.store.mark_dead(failed_run_id, f"found dead: {reason}"):
+            self.log.info("Recorded run %s as DEAD", failed_run_id)
+
+    def before_reset(self, job: StreamJobSpec, reason: str, *, allow_data_loss: bool) -> dict[str, Any]:
+        """Archive the current generation and decide where generation n+1 starts: the stored offsets,
+        checked against Kafka (invariant 5); fails on offsets Kafka no longer holds unless
+        ``allow_data_loss``, which records the accepted loss with the offsets it moves."""
+        resume, lost = self.resume_point(job, allow_data_loss=allow_data_loss)
+        generation = self.state.current_generation(job.job_id)
+        archive_path = None
+        active = {g.generation for g in self.checkpoints.list_generations(job.job_id) if not g.archived}
+        if generation in active:
+            archive_path = self.checkpoints.archive_generation(job.job_id, generation)
+            self.state.mark_archived(job.job_id, generation, archive_path, reason)
+            self.log.info("Archived generation %s of job %s to %s", generation, job.job_id, archive_path)
+        elif generation > 1 and self.state.store.get_generation(job.job_id, generation) is None:
+            # No driver ever registered this generation: every earlier one is archived, so a reset died
+            # between its archive and its start (or a reset's new run never came up).  Finish that reset:
+            # start this generation, and report the archive it made, instead of skipping a number.
+            previous = self.state.store.get_generation(job.job_id, generation - 1) or {}
+            generation, archive_path = generation - 1, previous.get("archive_path")
+            self.log.info("Generation %s of job %s was archived to %s by an earlier reset that did not start "
+                          "generation %s: starting it now", generation, job.job_id, archive_path, generation + 1)
+        faults.maybe_crash("reset_after_archive")
+        if lost:  # accepted loss: recorded with the offsets it moves, before anything reads from there
+            self.state.store.accept_loss(job.job_id, generation + 1, lost, resume, reason)
+            self.log.warning("Job %s: accepted the loss of %s; generation %s starts at %s", job.job_id,
+                             "; ".join(r.describe() for r in lost), generation + 1,
+                             kafka_offsets.to_spark_json(resume))
+        return {"generation": generation + 1, "archived_generation": generation, "archive_path": archive_path,
+                "starting_offsets": kafka_offsets.to_spark_json(resume) if resume else None,
+                "lost_ranges": [r.to_dict() for r in lost]}
+
+    def record_restart(self, action: str, reason: str, failed_run_id: str | None, run_id: str) -> None:
+        self.state.record_restart(self.job_id, action, reason, failed_run_id, run_id)
+
+    # -- blocking ---------------------------------------------------------------------------------------
+    def block(self, wait: RunWait) -> Outcome:
+        """Wait in this process (``deferrable=False``)."""
+        return RunWatch(wait, self.get_run, self.driver.is_alive, self.caught_up).block()
+
+
+def watch_for(wait: RunWait, state_conn_id: str, kafka_conn_id: str,
+              topics: list[str]) -> tuple[RunWatch, Callable[[], None]]:
+    """A watch over ``wait`` built from connections (for the trigger), and how to close its clients."""
+    state, kafka = StreamStateHook(state_conn_id), KafkaOffsetsHook(kafka_conn_id)
+    return (RunWatch(wait, state.store.get_run, StreamDriverHook.is_alive,
+                     lambda: caught_up(state, kafka, wait.job_id, topics)), state.close)
+
+
+def caught_up(state: StreamStateHook, kafka: KafkaOffsetsHook, job_id: str, topics) -> bool:
+    """Kafka holds nothing beyond the stored offsets: no batch is coming (unknown counts as no)."""
+    try:
+        return kafka.lag(state.stored_offsets(job_id), topics) == 0
+    except Exception:
+        return False
+
+
+def log_tail(path: str | None, lines: int = 25) -> str:
+    if not path or not Path(path).exists():
+        return "(no local driver log)"
+    content = Path(path).read_text(errors="replace").splitlines()
+    return "\n".join(line[:300] for line in content[-lines:])

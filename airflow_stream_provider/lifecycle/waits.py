@@ -1,0 +1,116 @@
+"""What a lifecycle step waits for, and how one poll decides it: shared by the trigger (deferrable
+operators, in the triggerer) and the blocking path (``deferrable=False``), so both wait the same way.
+
+A wait is plain data (:class:`RunWait`), so it travels through a deferral; its deadline is absolute, so a
+task resumed after a worker crash keeps the original bound instead of starting the clock again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from airflow_stream_provider import local_driver
+from airflow_stream_provider.state.records import RunRecord
+
+#: How one wait ended.
+#: ready: the query runs; batch: the run committed a batch (past ``min_batch_id``); ended: the driver is
+#: gone (its row says so, or its process); idle: the query runs and Kafka holds nothing beyond the stored
+#: offsets for ``IDLE_CONFIRM_S`` (no batch is coming); timeout: none of these by the deadline.
+Outcome = Literal["ready", "batch", "ended", "idle", "timeout"]
+#: Caught up (no Kafka record beyond the stored offsets) for this long: no batch is coming, so waiting
+#: for one would only wait out the timeout.
+IDLE_CONFIRM_S = 5.0
+POLL_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class RunWait:
+    """Wait on run ``run_id`` until ``until`` happens (or it ends, or ``deadline``, a wall-clock time).
+
+    ``until``: ``ready`` (its query started), ``batch`` (it committed a batch with id >= ``min_batch_id``),
+    or ``ended``.  ``idle``: also finish, as ``idle``, once the running query has nothing to read.
+    ``pid``/``log_path``: the process started for it, watched before the driver registers its row.
+    """
+
+    run_id: str
+    job_id: str
+    until: Literal["ready", "batch", "ended"]
+    deadline: float
+    idle: bool = False
+    min_batch_id: int = 0
+    pid: int | None = None
+    started_at: float | None = None
+    log_path: str | None = None
+
+    @classmethod
+    def within(cls, timeout: float, **fields: Any) -> RunWait:
+        return cls(deadline=time.time() + float(timeout), **fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunWait:
+        return cls(**data)
+
+
+class RunWatch:
+    """Polls one wait: ``poll()`` returns its outcome once decided, else None.  Blocking; the trigger runs
+    it in a thread.  ``caught_up()`` says whether Kafka holds nothing beyond the job's stored offsets."""
+
+    def __init__(self, wait: RunWait, get_run: Callable[[str], RunRecord | None],
+                 driver_alive: Callable[[RunRecord], bool | None], caught_up: Callable[[], bool]):
+        self.wait = wait
+        self._get_run, self._driver_alive, self._caught_up = get_run, driver_alive, caught_up
+        self._idle_since: float | None = None
+        self._gone_polls = 0
+        self.run: RunRecord | None = None
+
+    def poll(self) -> Outcome | None:
+        wait = self.wait
+        run = self.run = self._get_run(wait.run_id)
+        if run is not None:
+            if wait.until == "ready" and run.running_query:
+                return "ready"
+            if wait.until == "batch" and run.last_batch_id is not None and run.last_batch_id >= wait.min_batch_id:
+                return "batch"
+        if self._gone(run):
+            # Once more: let the driver finish writing its termination record before it is read.
+            self._gone_polls += 1
+            if self._gone_polls > 1 or (run is not None and not run.active):
+                return "ended"
+        elif wait.idle and run is not None and run.running_query and self._idle_confirmed():
+            return "idle"
+        if time.time() >= wait.deadline:
+            return "timeout"
+        return None
+
+    def _gone(self, run: RunRecord | None) -> bool:
+        if run is not None and not run.active:
+            return self._driver_alive(run) is not True
+        if run is not None and self._driver_alive(run) is False:
+            return True
+        pid = self.wait.pid
+        return pid is not None and not local_driver.process_alive(pid, self.wait.started_at)
+
+    def _idle_confirmed(self) -> bool:
+        if not self._caught_up():
+            self._idle_since = None
+            return False
+        self._idle_since = self._idle_since or time.monotonic()
+        return time.monotonic() - self._idle_since >= IDLE_CONFIRM_S
+
+    def block(self) -> Outcome:
+        """Poll until decided (the blocking path of ``deferrable=False``)."""
+        while (outcome := self.poll()) is None:
+            time.sleep(POLL_INTERVAL_S)
+        return outcome
+
+
+def pause(seconds: float) -> None:
+    """A backoff on the blocking path (``deferrable=False``)."""
+    if seconds > 0:
+        time.sleep(seconds)

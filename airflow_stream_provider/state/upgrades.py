@@ -1,0 +1,95 @@
+"""An upgrade's phases, recorded as it moves through them (like the Flink operator's reconciliation status):
+a killed upgrade task resumes or rolls back on retry from what is recorded here, and ``status`` shows it."""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Column, Float, String, Table, Text, insert, select, update
+
+from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.store import StateStore
+
+
+class UpgradePhase(enum.StrEnum):
+    PREFLIGHT = "PREFLIGHT"
+    STOPPING = "STOPPING"
+    STARTING = "STARTING"
+    VERIFYING = "VERIFYING"
+    ROLLING_BACK = "ROLLING_BACK"
+    DONE = "DONE"
+
+
+upgrades = Table(
+    "stream_upgrades",
+    schema.metadata,
+    Column("upgrade_id", String(64), primary_key=True),
+    Column("job_id", String(100), nullable=False, index=True),
+    Column("from_version", String(200)),
+    Column("to_version", String(200)),
+    Column("phase", String(20), nullable=False),
+    #: how a finished upgrade ended: upgraded | aborted | rolled back | failed
+    Column("result", String(20)),
+    #: the upgrade's own state between phases (JSON): what a retry resumes from
+    Column("detail", Text),
+    Column("started_at", Float),
+    Column("updated_at", Float),
+)
+
+
+@dataclass(frozen=True)
+class UpgradeRecord:
+    upgrade_id: str
+    job_id: str
+    from_version: str | None
+    to_version: str | None
+    phase: UpgradePhase
+    result: str | None
+    detail: dict[str, Any]
+    started_at: float
+    updated_at: float
+
+
+class UpgradeLog:
+    """Reads and writes ``stream_upgrades`` (created on first use: older state databases lack it)."""
+
+    def __init__(self, store: StateStore):
+        self.engine = store.engine
+        upgrades.create(self.engine, checkfirst=True)
+
+    def begin(self, job_id: str, from_version: str | None, to_version: str | None,
+              detail: dict[str, Any]) -> str:
+        upgrade_id, now = uuid.uuid4().hex, time.time()
+        with self.engine.begin() as conn:
+            conn.execute(insert(upgrades).values(
+                upgrade_id=upgrade_id, job_id=job_id, from_version=from_version, to_version=to_version,
+                phase=UpgradePhase.PREFLIGHT.value, detail=json.dumps(detail), started_at=now, updated_at=now))
+        return upgrade_id
+
+    def move(self, upgrade_id: str, phase: UpgradePhase, detail: dict[str, Any],
+             result: str | None = None) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(update(upgrades).where(upgrades.c.upgrade_id == upgrade_id).values(
+                phase=phase.value, detail=json.dumps(detail), result=result, updated_at=time.time()))
+
+    def get(self, upgrade_id: str) -> UpgradeRecord | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(upgrades).where(upgrades.c.upgrade_id == upgrade_id)).mappings().first()
+        return _record(row) if row else None
+
+    def latest(self, job_id: str) -> UpgradeRecord | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(upgrades).where(upgrades.c.job_id == job_id)
+                               .order_by(upgrades.c.started_at.desc()).limit(1)).mappings().first()
+        return _record(row) if row else None
+
+
+def _record(row) -> UpgradeRecord:
+    return UpgradeRecord(row["upgrade_id"], row["job_id"], row["from_version"], row["to_version"],
+                         UpgradePhase(row["phase"]), row["result"], json.loads(row["detail"] or "{}"),
+                         row["started_at"], row["updated_at"])

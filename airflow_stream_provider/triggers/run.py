@@ -1,0 +1,71 @@
+"""The trigger a deferred lifecycle step waits on: one run reaching a point (its query runs, it committed a
+batch, it ended), without holding a worker slot.
+
+The decision is :class:`~airflow_stream_provider.lifecycle.waits.RunWatch`'s, the same one the blocking path uses;
+this class only runs it in a thread of the triggerer's event loop.  No side effects: a trigger may run
+twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from airflow_stream_provider.lifecycle.waits import POLL_INTERVAL_S, RunWait
+
+
+class StreamRunTrigger(BaseTrigger):
+    """Fire once ``wait`` is decided (or, without a wait, after ``pause_s``), with
+    ``{"outcome": ..., "run_id": ..., "resume": resume}``; an error reading the state database fires
+    ``{"outcome": "error", "message": ...}`` so the task fails with it instead of hanging.
+
+    ``resume`` is the deferred flow's own state (the method to continue in and its arguments), carried in
+    the event: ``dag.test()`` hands the resumed method the event alone, not the deferral's kwargs.
+    """
+
+    def __init__(self, *, wait: dict[str, Any] | None, state_conn_id: str, kafka_conn_id: str,
+                 topics: list[str] | None = None, pause_s: float = 0.0, resume: dict[str, Any] | None = None):
+        super().__init__()
+        self.wait = RunWait.from_dict(wait) if wait else None
+        self.state_conn_id = state_conn_id
+        self.kafka_conn_id = kafka_conn_id
+        self.topics = list(topics or [])
+        self.pause_s = float(pause_s)
+        self.resume = resume or {}
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}", {
+            "wait": self.wait and self.wait.to_dict(), "state_conn_id": self.state_conn_id,
+            "kafka_conn_id": self.kafka_conn_id, "topics": self.topics, "pause_s": self.pause_s,
+            "resume": self.resume})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        if self.wait is None:
+            await asyncio.sleep(self.pause_s)
+            yield TriggerEvent({"outcome": "paused", "run_id": None, "resume": self.resume})
+            return
+        async for event in self._watch():
+            yield TriggerEvent({**event, "resume": self.resume})
+
+    async def _watch(self) -> AsyncIterator[dict[str, Any]]:
+        from airflow_stream_provider.lifecycle.controller import watch_for
+
+        watch, close = await asyncio.to_thread(watch_for, self.wait, self.state_conn_id, self.kafka_conn_id,
+                                               self.topics)
+        try:
+            while True:
+                try:
+                    outcome = await asyncio.to_thread(watch.poll)
+                except Exception as err:
+                    yield {"outcome": "error", "run_id": self.wait.run_id,
+                           "message": f"waiting on run {self.wait.run_id}: {err!r}"}
+                    return
+                if outcome is not None:
+                    yield {"outcome": outcome, "run_id": self.wait.run_id}
+                    return
+                await asyncio.sleep(POLL_INTERVAL_S)
+        finally:
+            close()

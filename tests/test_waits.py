@@ -1,0 +1,83 @@
+"""What a lifecycle step waits for, decided one poll at a time (the trigger and the blocking path share it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import pytest
+
+from airflow_stream_provider.lifecycle import waits
+from airflow_stream_provider.lifecycle.waits import RunWait, RunWatch
+from airflow_stream_provider.state.records import RunRecord, RunStatus
+from airflow_stream_provider.triggers.run import StreamRunTrigger
+
+NOW = time.time()
+STARTING = RunRecord("r1", "j", 1, 1, RunStatus.STARTING, pid=4242, host="h", started_at=NOW)
+RUNNING = replace(STARTING, status=RunStatus.RUNNING, query_started_at=NOW)
+
+
+def _watch(rows, until="ready", *, alive=True, caught_up=False, timeout=60.0, **fields):
+    rows = iter(rows)
+    wait = RunWait.within(timeout, run_id="r1", job_id="j", until=until, **fields)
+    return RunWatch(wait, lambda _run_id: next(rows), lambda _run: alive, lambda: caught_up)
+
+
+def test_ready_once_the_query_runs():
+    watch = _watch([STARTING, RUNNING])
+    assert watch.poll() is None
+    assert watch.poll() == "ready"
+
+
+def test_a_batch_counts_from_min_batch_id():
+    watch = _watch([replace(RUNNING, last_batch_id=0), replace(RUNNING, last_batch_id=1)], "batch", min_batch_id=1)
+    assert watch.poll() is None
+    assert watch.poll() == "batch"
+
+
+def test_a_recorded_end_ends_the_wait_at_once_a_vanished_driver_after_a_second_look():
+    assert _watch([replace(RUNNING, status=RunStatus.FAILED)], alive=False).poll() == "ended"
+    vanished = _watch([RUNNING, RUNNING], "ended", alive=False)
+    assert vanished.poll() is None  # time for the driver's termination record
+    assert vanished.poll() == "ended"
+
+
+def test_a_driver_that_never_registered_ends_the_wait_when_its_process_is_gone():
+    watch = _watch([None, None], pid=2**22 + 17, started_at=NOW)  # no such process
+    assert watch.poll() is None
+    assert watch.poll() == "ended"
+
+
+def test_idle_only_after_staying_caught_up(monkeypatch):
+    monkeypatch.setattr(waits, "IDLE_CONFIRM_S", 0.05)
+    watch = _watch([RUNNING] * 3, "batch", idle=True, caught_up=True)
+    assert watch.poll() is None
+    time.sleep(0.06)
+    assert watch.poll() == "idle"
+
+
+def test_the_deadline_is_absolute():
+    assert _watch([STARTING], timeout=-1).poll() == "timeout"
+
+
+def test_the_trigger_round_trips_and_carries_the_flow_state():
+    wait = RunWait.within(5, run_id="r1", job_id="j", until="ended")
+    trigger = StreamRunTrigger(wait=wait.to_dict(), state_conn_id="s", kafka_conn_id="k", topics=["t"],
+                               resume={"method": "_next", "state": {"ctx": {"a": 1}}})
+    path, kwargs = trigger.serialize()
+    assert path == "airflow_stream_provider.triggers.run.StreamRunTrigger"
+    again = StreamRunTrigger(**kwargs)
+    assert again.wait == wait and again.resume == trigger.resume
+
+
+@pytest.mark.parametrize("seconds", [0.01])
+def test_a_pause_fires_with_the_flow_state(seconds):
+    trigger = StreamRunTrigger(wait=None, state_conn_id="s", kafka_conn_id="k", pause_s=seconds,
+                               resume={"method": "_act", "state": {}})
+
+    async def first():
+        async for event in trigger.run():
+            return event.payload
+
+    assert asyncio.run(first()) == {"outcome": "paused", "run_id": None, "resume": {"method": "_act", "state": {}}}
