@@ -9,6 +9,7 @@ from typing import Any
 from airflow.sdk import BaseHook
 
 from airflow_stream_provider import kafka_client, kafka_offsets
+from airflow_stream_provider.get_provider_info import ui_field_behaviour
 from airflow_stream_provider.kafka_offsets import LostRange, Offsets
 
 
@@ -27,11 +28,8 @@ class KafkaOffsetsHook(BaseHook):
 
     @classmethod
     def get_ui_field_behaviour(cls) -> dict[str, Any]:
-        return {
-            "hidden_fields": ["schema", "login", "password"],
-            "relabeling": {"host": "Broker host"},
-            "placeholders": {"extra": '{"bootstrap_servers": "k1:9092,k2:9092", "security_protocol": "SSL"}'},
-        }
+        """The form declared in provider info (Airflow 3.2+ reads it from there, without FAB)."""
+        return ui_field_behaviour(cls.conn_type)
 
     @cached_property
     def _settings(self) -> tuple[str, dict[str, Any]]:
@@ -51,6 +49,30 @@ class KafkaOffsetsHook(BaseHook):
     def client_options(self) -> dict[str, Any]:
         return self._settings[1]
 
+    def test_connection(self, timeout_s: float = 10.0) -> tuple[bool, str]:
+        """Airflow's "Test" button: reach the brokers and read the cluster's topic list within ``timeout_s``.
+
+        Returns ``(ok, message)``; the message names the brokers, never the client settings in extra
+        (they may hold SASL credentials)."""
+        try:
+            bootstrap, options = self._settings
+        except Exception as err:
+            return False, f"Kafka connection {self.kafka_conn_id!r} is incomplete: {err}"
+        timeout_ms = max(1000, int(timeout_s * 1000))
+        # Bounded: the client's defaults wait 30 s to bootstrap and 30 s per request.
+        options = {**options, "bootstrap_timeout_ms": timeout_ms, "request_timeout_ms": timeout_ms + 1000}
+        client = None
+        try:
+            client = kafka_client.new_consumer(bootstrap, options)
+            topics = client.topics()
+        except Exception as err:
+            return False, _redact(f"Cannot reach Kafka at {bootstrap} within {timeout_s:g} s: "
+                                  f"{type(err).__name__}: {err}", self.client_options)
+        finally:
+            if client is not None:
+                client.close()
+        return True, f"Connected to Kafka at {bootstrap}: {len(topics)} topic(s) visible"
+
     def watermarks(self, topics: Sequence[str]) -> tuple[Offsets, Offsets]:
         """(earliest, latest) per partition.  A fresh client per call: a long-lived triggerer must not keep
         a connection whose metadata went stale."""
@@ -68,3 +90,12 @@ class KafkaOffsetsHook(BaseHook):
     def lost_ranges(self, stored: Offsets, topics: Sequence[str]) -> list[LostRange]:
         earliest, latest = self.watermarks(topics)
         return kafka_offsets.find_lost_ranges(stored, earliest, latest)
+
+
+def _redact(message: str, options: dict[str, Any]) -> str:
+    """Mask any secret of the client settings (``sasl_plain_password``, ``ssl_password``...) that an error
+    message may quote."""
+    for key, value in options.items():
+        if "password" in key.lower() and isinstance(value, str) and value:
+            message = message.replace(value, "***")
+    return message
