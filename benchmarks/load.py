@@ -12,7 +12,7 @@ import json
 
 from kafka import KafkaProducer
 
-from tests.stack.events import MALFORMED_SAMPLES, EventProducer, Produced
+from stack.events import MALFORMED_SAMPLES, EventProducer, Produced
 
 
 class BacklogProducer(EventProducer):

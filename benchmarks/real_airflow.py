@@ -48,8 +48,8 @@ def _dags(workdir: Path, variant: str) -> tuple[Path, tuple[str, ...]]:
 
 def measure(stack: Stack, variant: str, kills: int, total: Audit, seed: int = 14) -> list[float]:
     """``kills`` SIGKILLs of the live driver at uniformly random moments; seconds to processing again."""
-    from tests.stack.deployment import StreamDeployment
-    from tests.stack.events import EventProducer, Trickle
+    from stack.deployment import StreamDeployment
+    from stack.events import EventProducer, Trickle
 
     rng = random.Random(f"{seed}-{variant}")
     job_id = f"airflow-{variant.replace('_', '-')}-{rng.randrange(16**6):06x}"

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from benchmarks.audit import Audit, audit
 from benchmarks.stack import EVENTS_JOB, EVENTS_JOB_V2, Job, Stack, kill_driver_tree, say
-from tests.stack.events import Trickle
+from stack.events import Trickle
 
 #: The example health DAG's sensor looks every 2 s; a kill lands anywhere in that interval.
 POLL_INTERVAL_S = 2.0
@@ -80,7 +80,7 @@ def _finish(stack: Stack, job: Job, producer, total: Audit) -> None:
 # -- the floor ---------------------------------------------------------------------------------------
 def cold_start(stack: Stack, repeats: int, total: Audit) -> list[float]:
     """Spawn of a driver on an existing checkpoint with records waiting -> its first committed batch."""
-    from tests.stack.jobs import JobRunner, make_spec
+    from stack.jobs import JobRunner, make_spec
 
     job = stack.new_job("cold-start")
     spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url,

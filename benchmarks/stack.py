@@ -134,9 +134,9 @@ class Stack:
     # -- life ---------------------------------------------------------------------------------------
     def start(self) -> Stack:
         sys.path.insert(0, str(REPO))
-        from tests.stack import postgres
-        from tests.stack.broker import Broker
-        from tests.stack.jobs import TEST_SPARK_CONF, spark_env
+        from stack import postgres
+        from stack.broker import Broker
+        from stack.jobs import TEST_SPARK_CONF, spark_env
 
         say(f"starting Tansu; work directory {self.workdir}")
         self.broker = Broker(self.workdir / "tansu.log").start()
@@ -174,7 +174,7 @@ class Stack:
         return self
 
     def stop(self) -> None:
-        from tests.stack import postgres
+        from stack import postgres
 
         for job in self.jobs:
             self.kill_live_drivers(job)
@@ -203,7 +203,7 @@ class Stack:
     def database(self, kind: str) -> str:
         if kind == "sqlite":
             return f"sqlite:///{self.workdir / f'state-{uuid.uuid4().hex[:8]}.db'}"
-        from tests.stack import postgres
+        from stack import postgres
 
         name, url = postgres.create_database()
         self.pg_databases.append(name)

@@ -16,7 +16,7 @@ from sqlalchemy import func, inspect, select, text
 
 from benchmarks.audit import Audit, audit
 from benchmarks.stack import AT_LEAST_ONCE_JOB, EVENTS_JOB, Job, Stack, say, tree_rss
-from tests.stack.jobs import JobRunner, make_spec
+from stack.jobs import JobRunner, make_spec
 
 
 class PeakRss(threading.Thread):

@@ -43,7 +43,7 @@ def say(message: str) -> None:
 class Story:
     def __init__(self, workdir: Path, events: int):
         sys.path.insert(0, str(REPO))
-        from tests.stack.broker import Broker
+        from stack.broker import Broker
 
         self.workdir = workdir
         self.events = events
@@ -53,8 +53,8 @@ class Story:
 
     # -- the stack ----------------------------------------------------------------------------------
     def start(self) -> None:
-        from tests.stack.deployment import StreamDeployment
-        from tests.stack.events import EventProducer
+        from stack.deployment import StreamDeployment
+        from stack.events import EventProducer
 
         say(f"starting the local Kafka-protocol broker (Tansu); work directory {self.workdir}")
         self.broker.start()
@@ -105,8 +105,8 @@ class Story:
 
     def kill_and_watch(self, when: str) -> None:
         """SIGKILL the live driver; Airflow alone must notice and repair it.  Report what it did."""
-        from tests.stack.deployment import kill_driver
-        from tests.stack.events import Trickle
+        from stack.deployment import kill_driver
+        from stack.events import Trickle
 
         with Trickle(self.producer, chunk=10, pause_s=0.5):  # a live topic: "processing" is a committed batch
             victim = self.deployment.processing()
@@ -137,7 +137,7 @@ class Story:
         self.wait_caught_up()
 
         self.produce(self.events // 6)
-        from tests.stack.events import Trickle
+        from stack.events import Trickle
 
         with Trickle(self.producer, chunk=20, pause_s=1.0):  # a live topic keeps flowing during the upgrade
             upgraded = self.trigger("stream_upgrade", application=str(REPO / "spark_jobs" / "events_job_v2.py"),
@@ -211,7 +211,7 @@ def stop_leftovers(workdir: Path) -> int:
     import psutil
 
     sys.path.insert(0, str(REPO))
-    from tests.stack.real_airflow import stop_left_running
+    from stack.real_airflow import stop_left_running
 
     stopped = stop_left_running(workdir / "airflow")
     groups = set()

@@ -6,10 +6,11 @@ import uuid
 
 import pytest
 
-from tests.stack import airflow as airflow_stack
-from tests.stack import dagruns, postgres
-from tests.stack.broker import Broker
-from tests.stack.jobs import JobRunner, make_spec
+from stack import postgres
+from stack.broker import Broker
+from stack.jobs import JobRunner, make_spec
+from tests.dagtest import airflow as airflow_stack
+from tests.dagtest import dagruns
 
 airflow_stack.configure_environment()  # before any test module imports airflow
 
@@ -129,9 +130,9 @@ def pytest_terminal_summary(terminalreporter):
 
 #: Files whose tests each run several Spark drivers: started first, so that the two workers do not end
 #: the run waiting on one long scenario each.
-_HEAVY = ("test_real_airflow.py", "test_upgrades.py", "test_runtime_e2e.py", "test_example_dags.py", "test_faults.py",
-          "test_provider_dags.py", "test_outages.py", "test_standalone_cluster.py", "test_bad_input.py",
-          "test_security.py")
+_HEAVY = ("test_lifecycle.py", "test_deferral.py", "test_upgrades.py", "test_runtime.py", "test_example_dags.py",
+          "test_faults.py", "test_provider_dags.py", "test_outages.py", "test_standalone_cluster.py",
+          "test_bad_input.py", "test_security.py")
 
 
 def pytest_collection_modifyitems(items):

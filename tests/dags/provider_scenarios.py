@@ -13,7 +13,7 @@ from airflow_stream_provider.operators.stop import StopStreamingJobOperator
 from airflow_stream_provider.operators.submit import SubmitStreamingJobOperator
 from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
 from airflow_stream_provider.sensors.health import CheckpointIncompatibilitySensor
-from tests.stack.observed import ObservedHealthSensor
+from tests.dagtest.observed import ObservedHealthSensor
 
 JOB = {
     "spec": "{{ params.spec }}",

@@ -1,0 +1,171 @@
+"""The example job deployed on a real Airflow: the four DAGs of ``dags/`` under a real scheduler,
+triggerer, dag-processor and api-server, driven only as a person would (REST API), and observed only
+from outside (the state database, the broker, the REST API).
+
+Shared by the demo, the end-to-end tier and the ``mttr_real_airflow`` benchmark, so all three prove the
+same thing the same way.  Imports no Airflow module: this process is a client, not a component.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+
+from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.records import RunRecord
+from airflow_stream_provider.state.store import ACTIVE_STATUSES, StateStore
+from stack.jobs import EVENTS_JOB, REPO, TEST_SPARK_CONF, spark_env
+from stack.real_airflow import RealAirflow
+
+DAG_IDS = ("stream_deploy", "stream_health", "stream_stop", "stream_upgrade")
+
+
+def kill_driver(pid: int) -> None:
+    """SIGKILL to the driver's whole process group (the JVM and the Python driver): a machine dying."""
+    from airflow_stream_provider import local_driver
+
+    try:
+        local_driver.signal_group(os.getpgid(pid), signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class StreamDeployment:
+    """One stream job (SQLite state and results) on its own real Airflow."""
+
+    def __init__(self, workdir: Path, broker, job_id: str, topic: str, *, dags_folder: Path = REPO / "dags",
+                 dag_ids: tuple[str, ...] = DAG_IDS, spec: dict | None = None, watch: dict | None = None,
+                 variables: dict | None = None, spark_conf: dict | None = None):
+        self.workdir = workdir
+        self.dag_ids = dag_ids
+        self.broker = broker
+        self.job_id = job_id
+        self.database_url = f"sqlite:///{workdir / 'stream.db'}"
+        driver = spark_env()
+        self.spec = {"job_id": job_id, "version": "1.0", "checkpoint_root": str(workdir / "checkpoints"),
+                     "trigger_interval": "1 second", "heartbeat_seconds": 1.0,
+                     "kafka": {"topics": [topic], "source": "python", "max_offsets_per_trigger": 2000},
+                     **(spec or {})}
+        self.variables = {
+            "stream_job_spec": self.spec,
+            "stream_job_application": EVENTS_JOB,
+            "stream_spark_conf": spark_conf if spark_conf is not None else TEST_SPARK_CONF,
+            "stream_driver_env": {k: driver[k] for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON",
+                                                         "SPARK_LOCAL_IP")},
+            "stream_driver_log_dir": str(workdir / "driver-logs"),
+            "stream_reset_policy": "after_preflight",
+            "stream_watch": {"heartbeat_timeout": 15, "stuck_after": 300, "poll_interval": 2, **(watch or {})},
+            **(variables or {}),
+        }
+        connections = {
+            "stream_state_default": {"conn_type": "stream_state", "extra": {"url": self.database_url}},
+            "stream_kafka_default": {"conn_type": "stream_kafka", "host": "127.0.0.1", "port": broker.port},
+            "spark_default": {"conn_type": "spark", "host": "local[2]",
+                              "extra": {"deploy-mode": "client", "spark-binary": "spark-submit"}},
+        }
+        env = {f"AIRFLOW_CONN_{conn_id.upper()}": json.dumps(fields) for conn_id, fields in connections.items()}
+        env["PATH"] = driver["PATH"]  # spark-submit of the driver environment
+        self.airflow = RealAirflow(workdir / "airflow", dags_folder, env=env)
+        self.store = StateStore.from_url(self.database_url)
+        self.store.ensure_schema()
+
+    # -- life ---------------------------------------------------------------------------------------
+    def start(self) -> StreamDeployment:
+        self.airflow.start(self.variables)
+        for dag_id in self.dag_ids:
+            self.airflow.wait_dag(dag_id)
+        return self
+
+    def stop(self) -> None:
+        """Every driver of the job, then every Airflow component (whole process groups)."""
+        for run in self.runs():
+            if run.pid and run.status in ACTIVE_STATUSES:
+                kill_driver(run.pid)
+        self.airflow.stop()
+        self.store.dispose()
+
+    # -- driving it as a person would ----------------------------------------------------------------
+    def trigger(self, dag_id: str, timeout: float = 600, **conf) -> dict[str, Any]:
+        """Trigger ``dag_id`` through the REST API and wait for it; return {task_id: (state, XCom)}."""
+        run_id = self.airflow.trigger_dag(dag_id, conf or None)
+        run = self.airflow.wait_dag_run(dag_id, run_id, timeout)
+        return self.tasks(dag_id, run_id) | {"_run": (run["state"], run_id)}
+
+    def tasks(self, dag_id: str, run_id: str) -> dict[str, Any]:
+        found = {}
+        for ti in self.airflow.task_instances(dag_id, run_id):
+            value = self.airflow.xcom(dag_id, run_id, ti["task_id"]) if ti["state"] == "success" else None
+            found[ti["task_id"]] = (ti["state"], value)
+        return found
+
+    def explain(self, dag_id: str, run_id: str) -> str:
+        """The failed tasks' logs, for an assertion message."""
+        parts = []
+        for ti in self.airflow.task_instances(dag_id, run_id):
+            if ti["state"] not in ("success", "skipped"):
+                log = self.airflow.task_log(dag_id, run_id, ti["task_id"], max(1, ti["try_number"]))
+                parts.append(f"--- {ti['task_id']} ({ti['state']})\n{log[-3000:]}")
+        return "\n".join(parts)
+
+    # -- observing it -----------------------------------------------------------------------------------
+    def runs(self) -> list[RunRecord]:
+        return self.store.runs(self.job_id, include_dry_runs=False)
+
+    def latest_run(self) -> RunRecord | None:
+        return self.store.latest_run(self.job_id)
+
+    def first_commit(self, run_id: str, after: float = 0.0) -> float | None:
+        """When ``run_id`` first committed a batch after ``after``: the moment it is processing."""
+        ledger = schema.batches
+        with self.store.engine.connect() as conn:
+            return conn.execute(select(func.min(ledger.c.committed_at)).where(
+                ledger.c.job_id == self.job_id, ledger.c.run_id == run_id, ledger.c.committed_at > after)).scalar()
+
+    def processing(self, timeout: float = 300, other_than: str | None = None, after: float = 0.0) -> dict:
+        """The live run once it has committed a batch (a run other than ``other_than``); with the moment of
+        its first commit after ``after`` in ``committed_at``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            run = self.latest_run()
+            if run and run.run_id != other_than and run.status == "RUNNING" and run.pid:
+                committed = self.first_commit(run.run_id, after)
+                if committed:
+                    return {**run, "committed_at": committed}
+            time.sleep(0.2)
+        raise TimeoutError(f"job {self.job_id}: no run other than {other_than} processed within {timeout:.0f}s; "
+                           f"runs: {[(r['run_id'][:8], r['status'], r['failure_kind']) for r in self.runs()]}")
+
+    def wait_caught_up(self, produced, timeout: float = 300, progress=None) -> None:
+        end = {(produced.topic, p): o for p, o in produced.end_offsets.items()}
+        deadline = time.monotonic() + timeout
+        last = -1
+        while time.monotonic() < deadline:
+            stored = self.store.stored_offsets(self.job_id)
+            done = sum(stored.get(tp, 0) for tp in end)
+            if progress and done != last:
+                progress(f"  applied through offset sum {done} of {sum(end.values())}")
+                last = done
+            if all(stored.get(tp, 0) >= offset for tp, offset in end.items()):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"job {self.job_id} did not catch up within {timeout:.0f}s: stored "
+                           f"{self.store.stored_offsets(self.job_id)} vs {end}")
+
+    def health_runs(self, since: float = 0.0) -> list[dict]:
+        """``stream_health`` runs that started after ``since``, oldest first."""
+        runs = [r for r in self.airflow.dag_runs("stream_health")
+                if r.get("start_date") and epoch(r["start_date"]) >= since]
+        return sorted(runs, key=lambda r: r["start_date"])
+
+
+def epoch(iso: str) -> float:
+    """Unix seconds of a timestamp the REST API returned."""
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()

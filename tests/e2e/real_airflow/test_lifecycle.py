@@ -1,0 +1,149 @@
+"""The example DAGs on a real Airflow: scheduler, triggerer, dag-processor and api-server as separate
+processes (LocalExecutor, SQLite metadata), driven through the REST API as a person would, and repaired
+by Airflow alone: the always-on watcher reports each death, ``stream_health`` runs on the asset event.
+
+The test only kills and observes.  Each case ends with exact counts against Kafka and the result tables.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from sqlalchemy import text
+
+from stack.deployment import StreamDeployment, epoch, kill_driver
+from stack.events import EventProducer, Trickle
+from stack.jobs import REPO, check_exactly_once
+from tests.dagtest.dagruns import FIXTURE_JOBS
+
+#: Seconds within which a watched job must process again after a SIGKILL: the watcher's poll (2 s), the
+#: scheduler, a task's start, the recover task and a driver's cold start on 2 shared cores.  Generous:
+#: the figures are reported, the benchmark ``mttr_real_airflow`` measures them.
+RECOVERY_TIMEOUT = 240
+
+
+@pytest.fixture
+def deployment(broker, topic, job_id, tmp_path):
+    instance = StreamDeployment(tmp_path, broker, job_id, topic)
+    try:
+        yield instance.start()
+    finally:
+        instance.stop()
+
+
+def _deploy(deployment: StreamDeployment, producer: EventProducer) -> None:
+    tasks = deployment.trigger("stream_deploy")
+    state, run_id = tasks["_run"]
+    assert state == "success", deployment.explain("stream_deploy", run_id)
+    deployment.wait_caught_up(producer.produced)
+
+
+def _kill_and_wait(deployment: StreamDeployment, delay: float) -> float:
+    """SIGKILL the live driver ``delay`` seconds after it first processed; the seconds until a new run
+    processes again."""
+    victim = deployment.processing()
+    time.sleep(delay)
+    killed_at = time.time()
+    kill_driver(victim["pid"])
+    recovered = deployment.processing(RECOVERY_TIMEOUT, other_than=victim["run_id"], after=killed_at)
+    return recovered["committed_at"] - killed_at
+
+
+def test_every_kill_is_repaired_by_airflow_alone_exactly_once(deployment, broker, topic, figures):
+    producer = EventProducer(broker, topic, seed=5)
+    producer.send(1500)
+    _deploy(deployment, producer)
+    rng = random.Random(8)
+    seconds = []
+    with Trickle(producer, chunk=10, pause_s=0.5):
+        # at random moments, and once right after a recovery (its first batch)
+        for delay in (rng.uniform(0, 10), 0.0, rng.uniform(0, 10)):
+            seconds.append(_kill_and_wait(deployment, delay))
+
+        # The triggerer dies; the driver dies while nobody watches; the triggerer returns and reports it.
+        victim = deployment.processing()
+        deployment.airflow.kill_component("triggerer")
+        killed_at = time.time()
+        kill_driver(victim["pid"])
+        time.sleep(8)
+        restarted_at = time.time()
+        deployment.airflow.start_component("triggerer")
+        recovered = deployment.processing(RECOVERY_TIMEOUT, other_than=victim["run_id"], after=killed_at)
+        triggerer_gap_s = recovered["committed_at"] - killed_at
+        (repair,) = [r for r in deployment.health_runs(since=killed_at)
+                     if (deployment.tasks("stream_health", r["dag_run_id"]).get("recover", (None, None))[1]
+                         or {}).get("run_id") == recovered["run_id"]]
+        assert repair["run_type"] == "asset_triggered", repair
+        assert epoch(repair["start_date"]) > restarted_at, "reported by the restarted triggerer, not before"
+
+    producer.send(300)
+    deployment.wait_caught_up(producer.produced)
+    tasks = deployment.trigger("stream_stop")
+    assert tasks["stop"][0] == "success" and tasks["stop"][1]["outcome"] == "stopped", tasks
+    counts = check_exactly_once(deployment.store, deployment.job_id, producer.produced)
+
+    # Each death was one asset event and one stream_health run that restarted the job: no run for a
+    # condition that merely persisted, none from the hourly sweep.
+    repaired = [r for r in deployment.health_runs() if r["run_type"] == "asset_triggered"
+                and deployment.tasks("stream_health", r["dag_run_id"]).get("recover", (None,))[0] == "success"]
+    assert len(repaired) == 4, [(r["dag_run_id"], r["state"]) for r in deployment.health_runs()]
+    restarts = [r for r in deployment.runs() if r["status"] == "DEAD"]
+    assert len(restarts) == 4, [(r["run_id"][:8], r["status"]) for r in deployment.runs()]
+    figures.record("real airflow kill -9 -> processing again", seconds=[round(s, 1) for s in seconds],
+                   triggerer_down_seconds=round(triggerer_gap_s, 1), **counts)
+
+
+def test_an_incompatible_upgrade_through_the_api_resets_exactly_once(deployment, broker, topic, figures):
+    producer = EventProducer(broker, topic, seed=6)
+    producer.send(1500)
+    _deploy(deployment, producer)
+    with Trickle(producer, chunk=10, pause_s=1.0):
+        tasks = deployment.trigger("stream_upgrade", timeout=900,
+                                   application=str(REPO / "spark_jobs" / "events_job_v2.py"), version="2.0")
+    state, run_id = tasks["_run"]
+    assert state == "success", deployment.explain("stream_upgrade", run_id)
+    upgraded = tasks["upgrade"][1]
+    assert upgraded["preflight"]["verdict"] == "incompatible", upgraded
+    assert upgraded["generation"] == 2 and upgraded["archived_generation"] == 1, upgraded
+    producer.send(500)
+    deployment.wait_caught_up(producer.produced)
+    assert deployment.trigger("stream_stop")["stop"][0] == "success"
+    counts = check_exactly_once(deployment.store, deployment.job_id, producer.produced)
+    assert not [r for r in deployment.health_runs() if r["run_type"] == "asset_triggered"
+                and r["state"] == "success"
+                and deployment.tasks("stream_health", r["dag_run_id"]).get("recover", (None,))[0] == "success"], \
+        "an upgrade is not a failure: the watcher must not have restarted anything"
+    figures.record("real airflow incompatible upgrade", error_class=upgraded["preflight"]["error_class"], **counts)
+
+
+def test_a_crash_loop_ends_in_the_budgets_clear_failure(deployment, broker, topic):
+    producer = EventProducer(broker, topic, seed=7)
+    producer.send(200)
+    deployment.airflow.set_variable("stream_job_application", str(FIXTURE_JOBS / "crash_on_batch.py"))
+    tasks = deployment.trigger("stream_deploy")
+    assert tasks["_run"][0] == "success", tasks
+
+    # Every restart fails again (USER_CODE); the watcher reports each new failure, stream_health restarts
+    # within the budget (3 per 30 minutes) and then fails saying so.
+    def out_of_budget() -> list[dict]:
+        return [r for r in deployment.health_runs() if r["state"] == "failed"
+                and deployment.tasks("stream_health", r["dag_run_id"]).get("recover", (None,))[0] == "failed"]
+
+    deadline = time.monotonic() + 600
+    while not (failed := out_of_budget()) and time.monotonic() < deadline:
+        time.sleep(3)
+    assert failed, [(r["dag_run_id"], r["state"]) for r in deployment.health_runs()]
+    log = deployment.airflow.task_log("stream_health", failed[0]["dag_run_id"], "recover")
+    assert "is out of its restart budget: 3 restarts in the last 30 min whose run never committed a batch " \
+           "(max 3)" in log, log[-3000:]
+    assert "FAILED/USER_CODE" in log and "FOREACH_BATCH_USER_FUNCTION_ERROR" in log, log[-3000:]
+
+    time.sleep(10)  # the persisting failure makes no further event and no further restart
+    runs = deployment.runs()
+    assert [r["failure_kind"] for r in runs] == ["USER_CODE"] * 4, [(r["status"], r["failure_kind"]) for r in runs]
+    assert "simulated bug in the job's results function" in runs[-1]["termination_message"]
+    with deployment.store.engine.connect() as conn:
+        assert conn.execute(text("SELECT COUNT(*) FROM stream_batches")).scalar() == 0
+    assert deployment.store.stored_offsets(deployment.job_id) == {}, "a failed batch applies nothing"

@@ -1,0 +1,98 @@
+"""Bad configuration fails before anything starts, with a message that names the field and the fix.
+
+Real Airflow operators against a real broker and a real state database; no driver may be started and
+no run recorded in any of these cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_stream_provider.operators.base import StreamJobError
+from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
+from airflow_stream_provider.operators.submit import SubmitStreamingJobOperator
+from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
+from stack.broker import free_port
+from stack.jobs import EVENTS_JOB
+from tests.dagtest import airflow as airflow_stack
+from tests.dagtest.dagruns import runs
+
+
+@pytest.fixture
+def job(stream):
+    """Operator arguments for the test's job (connections set by the ``stream`` fixture)."""
+    params = stream["params"]
+    return {"spec": params["spec"], "application": EVENTS_JOB, "conf": params["conf"],
+            "env_vars": params["env_vars"], "driver_log_dir": params["driver_log_dir"], "ready_timeout": 30}
+
+
+def _submit(job, **spec_changes):
+    spec = {**job["spec"], **spec_changes}
+    SubmitStreamingJobOperator(task_id="submit", **{**job, "spec": spec}).execute(context={})
+
+
+def _nothing_started(stream):
+    assert runs(stream["state"], stream["job_id"]) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "fix"),
+    [
+        ({"job_id": "../x"}, "job_id", "no '/' or '..'"),
+        ({"kafka": {"topics": ["t"], "starting_offsets": '{"t": {"0": -7}}'}}, "kafka.starting_offsets",
+         "earliest"),
+        ({"trigger_interval": "soon"}, "trigger_interval", ""),
+        ({"kafka": {"topics": ["t"], "source": "jvm-ish"}}, "kafka.source", "auto"),
+        ({"checkpont_root": "/x"}, "checkpont_root", "Known fields"),
+    ],
+)
+def test_invalid_spec_fields_are_named_with_the_fix(stream, job, change, field, fix):
+    with pytest.raises(AirflowFailException, match=f"'{field}'") as raised:
+        _submit(job, **change)
+    assert fix in str(raised.value)
+    _nothing_started(stream)
+
+
+def test_unknown_topic_is_refused_before_a_driver_starts(stream, job):
+    with pytest.raises(AirflowFailException, match=r"'kafka.topics': topics \['no-such-topic'\] do not exist"):
+        _submit(job, kafka={**job["spec"]["kafka"], "topics": ["no-such-topic"]})
+    _nothing_started(stream)
+
+
+def test_unreachable_brokers_are_named(stream, job, monkeypatch):
+    port = free_port()  # nothing listens there
+    monkeypatch.setenv(*airflow_stack.connection_env("stream_kafka_default", conn_type="stream_kafka",
+                                                     host="127.0.0.1", port=port))
+    with pytest.raises(StreamJobError, match=f"127.0.0.1:{port} .connection 'stream_kafka_default'.*nothing was started"):
+        _submit(job)
+    _nothing_started(stream)
+
+
+def test_checkpoint_root_that_cannot_be_written(stream, job, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(AirflowFailException, match="'checkpoint_root'.*not a writable directory"):
+        _submit(job, checkpoint_root=str(blocker / "checkpoints"))
+    _nothing_started(stream)
+
+
+def test_missing_connection_says_which_and_how(stream, job, monkeypatch):
+    with monkeypatch.context() as patch, pytest.raises(AirflowFailException, match="stream_state_default.*Create it"):
+        patch.delenv("AIRFLOW_CONN_STREAM_STATE_DEFAULT")
+        _submit(job)
+    _nothing_started(stream)
+
+
+@pytest.mark.parametrize(
+    ("operator", "argument", "choices"),
+    [
+        (SubmitStreamingJobOperator, {"if_running": "replcae"}, "replace"),
+        (RecoverStreamingJobOperator, {"on_incompatible": "rest"}, "reset"),
+        (UpgradeStreamingJobOperator, {"reset_policy": "Auto"}, "after_preflight"),
+    ],
+)
+def test_misspelt_policies_list_the_choices(stream, job, operator, argument, choices):
+    with pytest.raises(AirflowFailException, match=choices):
+        operator(task_id="t", **job, **argument).execute(context={})
+    _nothing_started(stream)

@@ -1,0 +1,137 @@
+"""The Airflow side end to end: real DAGs run by real Airflow (``dag.test()``) against real drivers, a real
+broker and a real state database.
+
+The state database is SQLite here: the Airflow side reads it through the same SQLAlchemy code as
+PostgreSQL, which the runtime tests cover with real drivers.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+from airflow_stream_provider import failures
+from airflow_stream_provider.hooks.driver import StreamDriverHook
+from stack.events import EventProducer
+from stack.jobs import check_exactly_once
+from tests.dags import provider_scenarios as dags
+from tests.dagtest import observed
+from tests.dagtest.dagruns import FIXTURE_JOBS, caught_up, run_dag
+
+
+# -- scenarios -------------------------------------------------------------------------------------------
+def test_kill9_is_detected_by_a_deferred_sensor_and_recovered(stream, broker, figures):
+    state, job_id, params = stream["state"], stream["job_id"], stream["params"]
+    producer = EventProducer(broker, stream["topic"])
+    producer.send(2000)
+
+    status, tasks = run_dag(dags.deploy, params)
+    assert status == "success", tasks
+    first = tasks["submit"][1]
+    assert first["action"] == "submitted" and first["generation"] == 1 and first["epoch"] == 1
+
+    # The sensor defers (the job is healthy); once its trigger polls, the driver is killed with SIGKILL.
+    killed_at: list[float] = []
+
+    def kill_when_watched():
+        if observed.TRIGGER_STARTED.wait(300):
+            killed_at.append(time.time())
+            StreamDriverHook._signal(state.store.get_run(first["run_id"]), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_watched, daemon=True)
+    killer.start()
+    status, tasks = run_dag(dags.health, params)
+    killer.join(10)
+    assert status == "success", tasks
+    assert killed_at and observed.TRIGGER_FIRED_AT, "the sensor did not defer to its trigger"
+    detection_s = observed.TRIGGER_FIRED_AT[0] - killed_at[0]
+    diagnosis, recovered = tasks["health"][1], tasks["recover"][1]
+    assert diagnosis["health"] == "DEAD" and diagnosis["run_id"] == first["run_id"], diagnosis
+    assert recovered["action"] == "restart" and recovered["generation"] == 1, recovered
+    recovered_at = state.store.get_run(recovered["run_id"]).query_started_at
+
+    producer.send(800)
+    caught_up(state, job_id, producer)
+
+    # A second kill of the job, healthy again (its restarted run committed batches): no crash loop, so
+    # neither backoff nor budget (Kubernetes' CrashLoopBackOff resets after a successful run, too).
+    StreamDriverHook._signal(state.store.get_run(recovered["run_id"]), signal.SIGKILL)
+    status, tasks = run_dag(dags.health, params, max_restarts=1)
+    assert status == "success", tasks
+    again = tasks["recover"][1]
+    assert again["action"] == "restart" and (recovered["backoff_s"], again["backoff_s"]) == (0, 0), again
+    assert state.store.get_run(recovered["run_id"]).status == "DEAD", "a killed run must not stay RUNNING"
+    producer.send(400)
+    caught_up(state, job_id, producer)
+
+    status, tasks = run_dag(dags.stop, params)
+    assert status == "success" and tasks["stop"][1]["outcome"] == "stopped", tasks
+    assert tasks["stop"][1]["exit_code"] == failures.EXIT_STOPPED
+    status, tasks = run_dag(dags.stop, params)  # a second stop is a no-op that says so
+    assert status == "success" and tasks["stop"][1]["outcome"] == "not running", tasks
+
+    counts = check_exactly_once(state.store, job_id, producer.produced)
+    figures.record("airflow kill -9 -> DEAD", detection_seconds=round(detection_s, 2),
+                   kill_to_recovered_query_seconds=round(recovered_at - killed_at[0], 1), **counts)
+
+
+def test_incompatible_checkpoint_is_reset_from_stored_offsets(stream, broker, figures):
+    state, job_id, params = stream["state"], stream["job_id"], stream["params"]
+    producer = EventProducer(broker, stream["topic"])
+    producer.send(1500)
+    assert run_dag(dags.deploy, params)[0] == "success"
+    caught_up(state, job_id, producer)
+
+    # Version 2 adds a stateful operator: Spark cannot run it on version 1's checkpoint.
+    upgraded = {**params, "application": str(FIXTURE_JOBS / "dedup_by_position.py"),
+                "spec": {**params["spec"], "version": "2.0"}}
+    run_dag(dags.deploy, upgraded, if_running="replace")  # stops 1.0 gracefully, starts 2.0 on its checkpoint
+    producer.send(500)  # Spark validates the state lazily: the error comes with the first batch of data
+
+    status, tasks = run_dag(dags.incompatible, upgraded, reason="upgrade to 2.0")
+    assert status == "success", tasks
+    found, reset = tasks["checkpoint"][1], tasks["reset"][1]
+    assert found["failure_kind"] == "CHECKPOINT_INCOMPATIBLE", found
+    assert found["error_class"] == "STREAMING_STATEFUL_OPERATOR_MISSING_STATE_DIRECTORY", found
+    assert reset["generation"] == 2 and reset["archived_generation"] == 1, reset
+    archive = Path(reset["archive_path"])
+    assert archive.is_dir() and (archive / "offsets").is_dir(), "generation 1 must be archived, not deleted"
+    assert not (Path(params["spec"]["checkpoint_root"]) / job_id / "gen-1").exists()
+
+    producer.send(700)
+    caught_up(state, job_id, producer)
+    assert run_dag(dags.stop, upgraded)[0] == "success"
+    counts = check_exactly_once(state.store, job_id, producer.produced)
+    figures.record("airflow incompatible checkpoint -> reset", archive=archive.name, **counts)
+
+
+def test_crash_loop_ends_at_the_restart_budget(stream, broker):
+    state, job_id = stream["state"], stream["job_id"]
+    EventProducer(broker, stream["topic"]).send(200)
+    crashing = {**stream["params"], "application": str(FIXTURE_JOBS / "crash_on_batch.py")}
+    run_dag(dags.deploy, crashing)  # its query starts, then its first batch fails
+    outcomes = []
+    for _ in range(3):
+        status, tasks = run_dag(dags.health, crashing, max_restarts=2)
+        outcomes.append(tasks["recover"][0])
+        if tasks["recover"][0] == "failed":
+            break
+    assert outcomes == ["success", "success", "failed"], outcomes
+    assert len(state.restarts_since(job_id, 0)) == 2
+    last = state.latest_run(job_id)
+    assert last.failure_kind == "USER_CODE" and "simulated bug" in last.termination_message
+
+
+def test_stuck_query_is_reported_stuck(stream, broker):
+    state, job_id = stream["state"], stream["job_id"]
+    EventProducer(broker, stream["topic"]).send(300)
+    stuck = {**stream["params"], "application": str(FIXTURE_JOBS / "stuck_on_batch.py")}
+    assert run_dag(dags.deploy, stuck)[0] == "success"
+    status, tasks = run_dag(dags.watch, stuck, stuck_after=8)
+    assert status == "success", tasks
+    found = tasks["health"][1]
+    assert found["health"] == "STUCK" and found["lag"] == 300, found
+    run = state.latest_run(job_id)
+    assert run.status == "RUNNING" and run.last_batch_id is None

@@ -1,0 +1,133 @@
+"""The "Test" button of the state and Kafka connections, against real servers and unreachable ones.
+
+A failed test must name what it tried to reach and never show the password.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
+from airflow_stream_provider.hooks.state import StreamStateHook
+from stack.broker import free_port
+from tests.dagtest import airflow as airflow_stack
+
+PASSWORD = "s3cret-Pw-7731"
+
+
+def _set_connection(monkeypatch, conn_id: str, **fields) -> None:
+    monkeypatch.setenv(*airflow_stack.connection_env(conn_id, **fields))
+
+
+# -- state database ------------------------------------------------------------------------------------
+def test_state_on_a_sqlite_file(tmp_path, monkeypatch):
+    path = tmp_path / "state.db"
+    _set_connection(monkeypatch, "state_ok", conn_type="stream_state", extra={"url": f"sqlite:///{path}"})
+    ok, message = StreamStateHook("state_ok").test_connection()
+    assert ok, message
+    assert str(path) in message
+
+
+def test_state_on_a_sqlite_file_that_cannot_be_opened(tmp_path, monkeypatch):
+    path = tmp_path / "no-such-dir" / "state.db"
+    _set_connection(monkeypatch, "state_bad", conn_type="stream_state", extra={"url": f"sqlite:///{path}"})
+    ok, message = StreamStateHook("state_bad").test_connection()
+    assert not ok
+    assert str(path) in message and "unable to open database file" in message
+
+
+def test_state_without_a_database(monkeypatch):
+    _set_connection(monkeypatch, "state_empty", conn_type="stream_state")
+    ok, message = StreamStateHook("state_empty").test_connection()
+    assert not ok
+    assert "state_empty" in message and "names no database" in message
+
+
+@pytest.mark.postgres
+def test_state_on_postgresql(postgres_url, monkeypatch):
+    """Host, port, database, login and password fields (the server trusts local users, so the password
+    is sent and ignored): the message names the database and not the password."""
+    url = make_url(postgres_url)
+    _set_connection(monkeypatch, "state_pg", conn_type="stream_state", host=url.host, port=url.port,
+                    schema=url.database, login=url.username, password=PASSWORD)
+    ok, message = StreamStateHook("state_pg").test_connection()
+    assert ok, message
+    assert url.database in message and f"{url.host}:{url.port}" in message
+    assert PASSWORD not in message
+
+
+@pytest.mark.postgres
+def test_state_on_a_postgresql_url_with_its_password(postgres_url, monkeypatch):
+    url = make_url(postgres_url).set(password=PASSWORD)
+    _set_connection(monkeypatch, "state_pg_url", conn_type="stream_state",
+                    extra={"url": url.render_as_string(hide_password=False)})
+    ok, message = StreamStateHook("state_pg_url").test_connection()
+    assert ok, message
+    assert url.database in message and PASSWORD not in message
+
+
+@pytest.mark.postgres
+def test_state_on_an_unreachable_postgresql(postgres_server, monkeypatch):
+    port = free_port()
+    _set_connection(monkeypatch, "state_pg_down", conn_type="stream_state", host="127.0.0.1", port=port,
+                    schema="stream", login="postgres", password=PASSWORD)
+    started = time.monotonic()
+    ok, message = StreamStateHook("state_pg_down").test_connection()
+    assert not ok
+    assert time.monotonic() - started < 15
+    assert f"127.0.0.1:{port}" in message and "stream" in message
+    assert PASSWORD not in message
+
+
+@pytest.mark.postgres
+def test_state_on_a_missing_postgresql_database(postgres_url, monkeypatch):
+    url = make_url(postgres_url).set(database="no_such_stream_db")
+    _set_connection(monkeypatch, "state_pg_nodb", conn_type="stream_state", host=url.host, port=url.port,
+                    schema=url.database, login=url.username, password=PASSWORD)
+    ok, message = StreamStateHook("state_pg_nodb").test_connection()
+    assert not ok
+    assert 'database "no_such_stream_db" does not exist' in message
+    assert PASSWORD not in message
+
+
+def test_state_through_airflows_connection_test(tmp_path, monkeypatch):
+    """What the UI's button calls: ``Connection.test_connection()`` finds the hook by connection type."""
+    from airflow.models.connection import Connection
+
+    path = tmp_path / "state.db"
+    _set_connection(monkeypatch, "state_ui", conn_type="stream_state", extra={"url": f"sqlite:///{path}"})
+    conn = Connection(conn_id="state_ui", conn_type="stream_state", extra={"url": f"sqlite:///{path}"})
+    assert conn.test_connection() == (True, f"Connected to the state database sqlite:///{path}")
+
+
+# -- Kafka ---------------------------------------------------------------------------------------------
+def test_kafka_on_the_broker(broker, monkeypatch):
+    broker.create_topic(f"test-connection-{uuid.uuid4().hex[:8]}", 1)
+    _set_connection(monkeypatch, "kafka_ok", conn_type="stream_kafka", host="127.0.0.1", port=broker.port)
+    ok, message = KafkaOffsetsHook("kafka_ok").test_connection()
+    assert ok, message
+    assert broker.bootstrap in message and "topic" in message
+
+
+def test_kafka_on_an_unused_port(monkeypatch):
+    port = free_port()
+    _set_connection(monkeypatch, "kafka_down", conn_type="stream_kafka",
+                    extra={"bootstrap_servers": f"127.0.0.1:{port}", "sasl_plain_password": PASSWORD})
+    started = time.monotonic()
+    ok, message = KafkaOffsetsHook("kafka_down").test_connection(timeout_s=2)
+    elapsed = time.monotonic() - started
+    assert not ok
+    assert elapsed < 10, f"the test took {elapsed:.1f} s despite a 2 s timeout"
+    assert f"127.0.0.1:{port}" in message
+    assert PASSWORD not in message
+
+
+def test_kafka_without_a_broker(monkeypatch):
+    _set_connection(monkeypatch, "kafka_empty", conn_type="stream_kafka")
+    ok, message = KafkaOffsetsHook("kafka_empty").test_connection()
+    assert not ok
+    assert "kafka_empty" in message and "names no broker" in message

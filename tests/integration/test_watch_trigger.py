@@ -1,0 +1,246 @@
+"""The always-on watcher under asyncio, against a real state database (SQLite and PostgreSQL) and the
+triggerer's own shared-stream manager: one event per transition, never again while the condition
+persists, nothing lost across a triggerer restart, one poll for every watched job, and clear events for
+an unknown job or an unreachable database while the watcher keeps running."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from airflow.triggers.shared_stream import SharedStreamManager
+
+from airflow_stream_provider.state.store import HealthReportKey, StateStore
+from airflow_stream_provider.triggers import watch
+from airflow_stream_provider.triggers.watch import StreamJobWatchTrigger
+from tests.dagtest import airflow as airflow_stack
+
+POLL = 0.2
+
+
+def _trigger(job_id: str = "job", **kwargs) -> StreamJobWatchTrigger:
+    return StreamJobWatchTrigger(job_id=job_id, heartbeat_timeout=5, poll_interval=POLL, **kwargs)
+
+
+def _running(store: StateStore, job_id: str = "job") -> str:
+    ticket = store.begin_run(job_id, 1, "1.0")
+    store.mark_query_started(ticket.run_id)
+    return ticket.run_id
+
+
+def _kill(store: StateStore, run_id: str) -> None:
+    """What a SIGKILL leaves behind where the process cannot be checked: a run whose heartbeat stops."""
+    store._update_run(run_id, heartbeat_at=time.time() - 60)
+
+
+async def _events(trigger: StreamJobWatchTrigger, seconds: float) -> list[dict]:
+    """Every event ``trigger`` yields within ``seconds``, as the triggerer would collect them."""
+    found: list[dict] = []
+
+    async def collect():
+        async for event in trigger.run():
+            found.append(event.payload)
+
+    task = asyncio.ensure_future(collect())
+    await asyncio.sleep(seconds)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return found
+
+
+def test_serialises_and_shares_one_poll_per_database_and_thresholds():
+    classpath, kwargs = _trigger().serialize()
+    assert classpath == "airflow_stream_provider.triggers.watch.StreamJobWatchTrigger"
+    assert StreamJobWatchTrigger(**json.loads(json.dumps(kwargs))).serialize() == (classpath, kwargs)
+    assert _trigger("a").shared_stream_key() == _trigger("b").shared_stream_key()
+    assert _trigger("a").shared_stream_key() != _trigger("a", stuck_after=60).shared_stream_key()
+    with pytest.raises(ValueError, match=r"fire_on \['HEALTHY'\].*choose from"):
+        _trigger(fire_on=["DEAD", "HEALTHY"])
+
+
+def test_one_event_per_transition_and_none_while_it_persists(state_store):
+    run_id = _running(state_store)
+
+    async def scenario():
+        events = await _events(_trigger(), 1.0)
+        assert events == [], "a healthy job makes no event"
+        _kill(state_store, run_id)
+        return await _events(_trigger(), 2.0)  # about ten polls of a dead run
+
+    events = asyncio.run(scenario())
+    assert [(e["status"], e["diagnosis"]["health"], e["diagnosis"]["run_id"]) for e in events] == [
+        ("fired", "DEAD", run_id)], events
+    assert "is recorded as RUNNING but its last heartbeat is" in events[0]["message"]
+    reported = {w.job_id: w.reported for w in state_store.watched_jobs()}["job"]
+    assert reported == {HealthReportKey(run_id, "DEAD", "")}, "the report is persisted"
+
+    # A triggerer restart: a new trigger instance, nothing in memory.  The condition persists: no event.
+    assert asyncio.run(_events(_trigger(), 1.0)) == []
+    # The run is then recorded DEAD by recovery: same run, same health, still no event.
+    state_store.mark_dead(run_id, "driver gone")
+    assert asyncio.run(_events(_trigger(), 1.0)) == []
+
+
+def test_a_new_failure_of_a_new_run_fires_again_with_its_kind(state_store):
+    first = _running(state_store)
+    _kill(state_store, first)
+    assert [e["diagnosis"]["run_id"] for e in asyncio.run(_events(_trigger(), 1.0))] == [first]
+    second = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.finish_run(second, status="FAILED", exit_code=3, failure_kind="CHECKPOINT_INCOMPATIBLE",
+                     error_class="STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE",
+                     message="[STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE] Provided key schema does not match")
+    events = asyncio.run(_events(_trigger(), 1.0))
+    assert [(e["diagnosis"]["run_id"], e["diagnosis"]["failure_kind"], e["diagnosis"]["error_class"])
+            for e in events] == [(second, "CHECKPOINT_INCOMPATIBLE", "STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE")]
+
+
+def test_a_death_while_the_triggerer_was_down_is_reported_when_it_returns(state_store):
+    run_id = _running(state_store)
+    assert asyncio.run(_events(_trigger(), 0.6)) == []  # the triggerer watched, then went away
+    _kill(state_store, run_id)  # ... and the driver died meanwhile
+    events = asyncio.run(_events(_trigger(), 1.0))  # the triggerer is back
+    assert [(e["diagnosis"]["health"], e["diagnosis"]["run_id"]) for e in events] == [("DEAD", run_id)]
+
+
+def test_fire_on_limits_what_is_reported(state_store):
+    run_id = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.finish_run(run_id, status="FAILED", exit_code=1, failure_kind="USER_CODE", message="bug")
+    assert asyncio.run(_events(_trigger(fire_on=["DEAD"]), 0.8)) == []
+    assert len(asyncio.run(_events(_trigger(fire_on=["FAILED"]), 0.8))) == 1
+
+
+def test_watchers_of_many_jobs_share_one_poll_in_the_triggerer(state_store, monkeypatch):
+    """Through the triggerer's own SharedStreamManager: one state-database poll per interval feeds every
+    watcher, and each fires for its own job only."""
+    runs = {job: _running(state_store, job) for job in ("a", "b", "c")}
+    polls: list[float] = []
+    poll = watch.JobsWatch.poll
+    monkeypatch.setattr(watch.JobsWatch, "poll", lambda self: polls.append(time.time()) or poll(self))
+
+    async def scenario():
+        manager = SharedStreamManager()
+        found: dict[str, list[dict]] = {job: [] for job in runs}
+
+        async def subscriber(trigger_id: int, job: str):
+            trigger = _trigger(job)
+            stream = manager.subscribe(trigger_id=trigger_id, trigger=trigger, key=trigger.shared_stream_key())
+            async for event in trigger.filter_shared_stream(stream):
+                found[job].append(event.payload)
+
+        tasks = [asyncio.ensure_future(subscriber(i, job)) for i, job in enumerate(runs)]
+        await asyncio.sleep(0.6)
+        _kill(state_store, runs["b"])
+        await asyncio.sleep(1.0)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await manager.stop_all()
+        return found
+
+    found = asyncio.run(scenario())
+    assert found["a"] == [] and found["c"] == []
+    assert [(e["job_id"], e["diagnosis"]["run_id"]) for e in found["b"]] == [("b", runs["b"])]
+    seconds = polls[-1] - polls[0]
+    assert len(polls) <= seconds / POLL + 2, f"{len(polls)} polls in {seconds:.1f}s for three watchers"
+
+
+def test_an_unknown_job_is_reported_once_and_the_watcher_keeps_watching(state_store):
+    async def scenario():
+        trigger = _trigger("not-deployed-yet")
+        found: list[dict] = []
+
+        async def collect():
+            async for event in trigger.run():
+                found.append(event.payload)
+
+        task = asyncio.ensure_future(collect())
+        await asyncio.sleep(1.0)
+        run_id = _running(state_store, "not-deployed-yet")  # then it is deployed, and dies
+        _kill(state_store, run_id)
+        await asyncio.sleep(1.0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return found, run_id
+
+    found, run_id = asyncio.run(scenario())
+    assert [e["status"] for e in found] == ["error", "fired"], found
+    assert "job 'not-deployed-yet' is unknown to the state database" in found[0]["message"]
+    assert "Check the job id" in found[0]["message"]
+    assert found[1]["diagnosis"]["run_id"] == run_id
+
+
+def test_an_unreachable_database_is_reported_once_and_the_watcher_keeps_running(tmp_path, monkeypatch,
+                                                                                broker):
+    missing = tmp_path / "not-yet" / "state.db"  # SQLite cannot open a file in a missing directory
+    monkeypatch.setenv(*airflow_stack.connection_env("stream_state_default", conn_type="stream_state",
+                                                     extra={"url": f"sqlite:///{missing}"}))
+    monkeypatch.setenv(*airflow_stack.connection_env("stream_kafka_default", conn_type="stream_kafka",
+                                                     host="127.0.0.1", port=broker.port))
+
+    async def scenario():
+        found: list[dict] = []
+
+        async def collect():
+            async for event in _trigger().run():
+                found.append(event.payload)
+
+        task = asyncio.ensure_future(collect())
+        await asyncio.sleep(1.0)
+        missing.parent.mkdir()  # the database comes back, holding a dead run
+        store = StateStore.from_url(f"sqlite:///{missing}")
+        store.ensure_schema()
+        _kill(store, _running(store))
+        await asyncio.sleep(1.5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        store.dispose()
+        return found
+
+    found = asyncio.run(scenario())
+    assert [e["status"] for e in found] == ["error", "fired"], found
+    assert "cannot read the state database of connection 'stream_state_default'" in found[0]["message"]
+    assert "the watcher keeps polling" in found[0]["message"]
+
+
+def test_a_malformed_asset_uri_fails_at_parse_time_naming_the_form(tmp_path):
+    from airflow.dag_processing.dagbag import DagBag
+
+    (tmp_path / "bad_asset.py").write_text(
+        "import datetime as dt\n"
+        "from airflow.sdk import DAG, Asset\n"
+        "with DAG('bad_asset', schedule=Asset(uri='stream://events/extra', name='x'),\n"
+        "         start_date=dt.datetime(2026, 1, 1)):\n"
+        "    pass\n")
+    bag = DagBag(str(tmp_path))
+    (error,) = bag.import_errors.values()
+    assert "is not a stream job asset URI; expected stream://<job_id>" in error, error
+
+
+def test_a_run_that_leaves_the_condition_fires_again_when_it_reenters(state_store):
+    """A heartbeat that stalls and comes back (a long GC pause, a database lock) is two transitions."""
+    run_id = _running(state_store)
+    _kill(state_store, run_id)
+    assert len(asyncio.run(_events(_trigger(), 0.8))) == 1
+
+    async def back_then_gone_again():
+        trigger = _trigger()
+        found: list[dict] = []
+
+        async def collect():
+            async for event in trigger.run():
+                found.append(event.payload)
+
+        task = asyncio.ensure_future(collect())
+        state_store.heartbeat(run_id)  # it was alive after all
+        await asyncio.sleep(1.0)
+        assert {w.job_id: w.reported for w in state_store.watched_jobs()}["job"] == set(), "the report is forgotten"
+        _kill(state_store, run_id)
+        await asyncio.sleep(1.0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return found
+
+    events = asyncio.run(back_then_gone_again())
+    assert [(e["diagnosis"]["health"], e["diagnosis"]["run_id"]) for e in events] == [("DEAD", run_id)]
