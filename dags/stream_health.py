@@ -26,7 +26,7 @@ from stream_job import DAG_ARGS, WATCH, act_on, parse_time_variable
 
 from airflow_stream_provider.assets.stream import stream_job_asset
 from airflow_stream_provider.diagnosis import Thresholds
-from airflow_stream_provider.triggers.health import HealthProbe
+from airflow_stream_provider.lifecycle.health import HealthProbe
 
 log = logging.getLogger(__name__)
 SWEEP = CronTriggerTimetable("17 * * * *", timezone="UTC")  # the safety net: hourly, off the hour
@@ -45,8 +45,8 @@ with DAG("stream_health", schedule=SCHEDULE, max_active_runs=1, doc_md=__doc__, 
         for payload in reported:
             log.info("The watcher reported: %s", payload.get("message"))
         settings = {**{"heartbeat_timeout": 30.0, "stuck_after": 300.0}, **WATCH_SETTINGS}
-        probe = HealthProbe(job_id, topics, "stream_state_default", "stream_kafka_default",
-                            Thresholds(settings["heartbeat_timeout"], settings["stuck_after"]))
+        probe = HealthProbe.connect(job_id, topics, "stream_state_default", "stream_kafka_default",
+                                    Thresholds(settings["heartbeat_timeout"], settings["stuck_after"]))
         try:
             found = probe.check().to_dict()
         finally:

@@ -33,6 +33,7 @@ from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.kafka_offsets import LostRange, Offsets
+from airflow_stream_provider.lifecycle.health import HealthProbe
 from airflow_stream_provider.lifecycle.waits import Outcome, RunWait, RunWatch
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
@@ -67,18 +68,14 @@ class StreamJobController:
         return self.spec.job_id
 
     # -- facts -----------------------------------------------------------------------------------------
+    @cached_property
+    def probe(self) -> HealthProbe:
+        return HealthProbe(self.job_id, self.spec.kafka.topics, self.state, self.kafka, self.thresholds)
+
     def diagnose(self) -> Diagnosis:
-        """The job's health from its latest run, its driver process and the Kafka lag; a dead run is
-        recorded as DEAD, and a lost checkpoint is named."""
-        run = self.state.latest_run(self.job_id)
-        try:
-            lag = self.kafka.lag(self.state.stored_offsets(self.job_id), self.spec.kafka.topics)
-        except Exception as err:
-            self.log.warning("Could not read Kafka lag for job %s: %r", self.job_id, err)
-            lag = None
-        alive = self.driver.is_alive(run) if run else None
-        found = diagnosis.diagnose(self.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
-        self.state.record_death(run, found)
+        """The job's health as every sensor sees it (``HealthProbe``: a dead run is recorded DEAD), and a
+        lost checkpoint named."""
+        run, found = self.probe.observe()
         if found.health.needs_action and run is not None and run.last_batch_id is not None:
             found.evidence.extend(self._lost_checkpoint(run))
         return found

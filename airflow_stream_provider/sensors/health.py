@@ -12,7 +12,8 @@ from airflow.sdk.exceptions import AirflowException
 from airflow_stream_provider.diagnosis import Thresholds
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
-from airflow_stream_provider.triggers.health import HealthProbe, StreamHealthTrigger
+from airflow_stream_provider.lifecycle.health import HealthProbe
+from airflow_stream_provider.triggers.health import StreamHealthTrigger
 
 
 class StreamHealthSensor(BaseSensorOperator):
@@ -74,8 +75,8 @@ class StreamHealthSensor(BaseSensorOperator):
 
     @cached_property
     def _probe(self) -> HealthProbe:
-        return HealthProbe(self.job_id, self.topics, self.state_conn_id, self.kafka_conn_id,
-                           Thresholds(float(self.heartbeat_timeout), float(self.stuck_after)))
+        return HealthProbe.connect(self.job_id, self.topics, self.state_conn_id, self.kafka_conn_id,
+                                   Thresholds(float(self.heartbeat_timeout), float(self.stuck_after)))
 
 
 class CheckpointIncompatibilitySensor(StreamHealthSensor):

@@ -39,8 +39,10 @@ class StreamHealthTrigger(BaseTrigger):
             "poll_interval": self.poll_interval})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        probe = HealthProbe(self.job_id, self.topics, self.state_conn_id, self.kafka_conn_id,
-                            Thresholds(self.heartbeat_timeout, self.stuck_after))
+        from airflow_stream_provider.lifecycle.health import HealthProbe
+
+        probe = HealthProbe.connect(self.job_id, self.topics, self.state_conn_id, self.kafka_conn_id,
+                                    Thresholds(self.heartbeat_timeout, self.stuck_after))
         try:
             while True:
                 try:
@@ -64,39 +66,3 @@ class StreamHealthTrigger(BaseTrigger):
         if self.failure_kinds is not None:
             return found.failure_kind is not None and found.failure_kind.value in self.failure_kinds
         return True
-
-
-class HealthProbe:
-    """The blocking half of a health check, built once per watch so a trigger polling every few seconds
-    does not rebuild its database engine and Kafka client each time."""
-
-    def __init__(self, job_id: str, topics: Sequence[str], state_conn_id: str, kafka_conn_id: str,
-                 thresholds: Thresholds):
-        from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
-        from airflow_stream_provider.hooks.state import StreamStateHook
-
-        self.job_id = job_id
-        self.topics = list(topics)
-        self.thresholds = thresholds
-        self.state = StreamStateHook(state_conn_id)
-        self.kafka = KafkaOffsetsHook(kafka_conn_id)
-
-    def check(self) -> diagnosis.Diagnosis:
-        """The latest run, the driver process if it is on this host, and the Kafka lag (only worth reading
-        while the query runs: it is the evidence for STUCK)."""
-        from airflow_stream_provider.hooks.driver import StreamDriverHook
-
-        run = self.state.latest_run(self.job_id)
-        lag = None
-        if run and run.status == "RUNNING":
-            try:
-                lag = self.kafka.lag(self.state.stored_offsets(self.job_id), self.topics)
-            except Exception as err:
-                self.state.log.warning("Could not read the Kafka lag of job %s: %r", self.job_id, err)
-        alive = StreamDriverHook.is_alive(run) if run else None
-        found = diagnosis.diagnose(self.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
-        self.state.record_death(run, found)
-        return found
-
-    def close(self) -> None:
-        self.state.close()

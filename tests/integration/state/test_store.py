@@ -9,8 +9,8 @@ import sys
 
 from airflow_stream_provider.diagnosis import Health, Thresholds
 from airflow_stream_provider.kafka_offsets import LostRange
+from airflow_stream_provider.lifecycle.health import HealthProbe
 from airflow_stream_provider.state import schema
-from airflow_stream_provider.triggers.health import HealthProbe
 
 
 def test_latest_run_is_the_newest_epoch_whatever_the_hosts_clocks(state_store):
@@ -49,7 +49,7 @@ def test_a_run_found_dead_is_recorded_dead(state_store):
     gone.wait()
     ticket = state_store.begin_run("job", 1, "1.0", host=socket.gethostname(), pid=gone.pid)
     state_store.mark_query_started(ticket.run_id)
-    probe = HealthProbe("job", ["events"], "stream_state_default", "stream_kafka_default", Thresholds())
+    probe = HealthProbe.connect("job", ["events"], "stream_state_default", "stream_kafka_default", Thresholds())
     try:
         found = probe.check()
     finally:
