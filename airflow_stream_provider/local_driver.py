@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV, StreamJobSpec
+from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV
 
 
 @dataclass(frozen=True)
@@ -53,28 +53,6 @@ class DriverProcess:
         signal_group(self.pid, sig)
         if sig == signal.SIGKILL and self.popen is not None:
             self.popen.wait(30)
-
-
-def spark_submit_command(
-    spark_submit: str,
-    application: str,
-    spec: StreamJobSpec,
-    run_id: str,
-    *,
-    master: str = "local[2]",
-    conf: Mapping[str, str] | None = None,
-    py_files: Sequence[str] = (),
-    log_path: str | None = None,
-) -> list[str]:
-    cmd = [spark_submit, "--master", master, "--name", f"stream-{spec.job_id}"]
-    for key, value in sorted((conf or {}).items()):
-        cmd += ["--conf", f"{key}={value}"]
-    if py_files:
-        cmd += ["--py-files", ",".join(py_files)]
-    cmd += [application, "--spec", spec.to_json(), "--run-id", run_id]
-    if log_path:
-        cmd += ["--log-path", log_path]
-    return cmd
 
 
 def start_detached(

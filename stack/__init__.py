@@ -9,5 +9,7 @@
 - ``outages`` and ``standalone``: a Kafka proxy and a PostgreSQL server that can be taken away, and a
   Spark standalone cluster.
 
-It never imports Airflow or PySpark: it starts them as processes and watches them from outside.
+It starts Spark and Airflow as processes and watches them from outside.  It never imports PySpark, and
+Airflow only through the provider's own driver hook, so a test driver runs the spark-submit command that
+production builds.
 """

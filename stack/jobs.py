@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import time
 import uuid
@@ -22,6 +24,8 @@ SPARK_BIN = Path(os.environ.get("STREAM_SPARK_BIN", REPO / ".venv-spark" / "bin"
 #: Test drivers live for seconds to minutes on 2 shared cores: the JVM's quick (C1-only) JIT and serial
 #: GC cut a driver's CPU from spawn to caught up by about 40% (46 -> 29 CPU-seconds for 3,000 events).
 #: A long-running production driver wants the default tiered JIT; the benchmarks use JVM defaults.
+#: The Spark connection the stack's drivers are built with (set in this process's environment).
+STACK_SPARK_CONN = "stream_stack_spark"
 FAST_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 TEST_SPARK_CONF = {
     "spark.ui.enabled": "false",
@@ -94,21 +98,24 @@ class JobRunner:
         self.store.ensure_schema()
         self.drivers: list[local_driver.DriverProcess] = []
 
+    @functools.cached_property
+    def driver_hook(self):
+        """The provider's own driver hook over a local-mode Spark connection: the command a test driver runs
+        is built exactly as production builds it (``StreamDriverHook.submit_command``)."""
+        from airflow_stream_provider.hooks.driver import StreamDriverHook
+
+        os.environ.setdefault(f"AIRFLOW_CONN_{STACK_SPARK_CONN.upper()}", json.dumps(
+            {"conn_type": "spark", "host": "local[2]",
+             "extra": {"deploy-mode": "client", "spark-binary": "spark-submit"}}))
+        return StreamDriverHook(STACK_SPARK_CONN, conf=self.conf, log_dir=str(self.log_dir))
+
     def start(
         self, spec: StreamJobSpec | None = None, env: dict[str, str] | None = None
     ) -> local_driver.DriverProcess:
         spec = spec or self.spec
         run_id = uuid.uuid4().hex
         log_path = str(self.log_dir / f"driver-{len(self.drivers):02d}-{run_id[:8]}.log")
-        cmd = local_driver.spark_submit_command(
-            str(SPARK_BIN / "spark-submit"),
-            self.application,
-            spec,
-            run_id,
-            master="local[2]",
-            conf=self.conf,
-            log_path=log_path,
-        )
+        cmd = self.driver_hook.submit_command(self.application, spec, run_id, log_path)
         popen = local_driver.start_detached(cmd, log_path, env={**spark_env(), **(env or {})}, cwd=str(REPO))
         driver = local_driver.DriverProcess(popen.pid, log_path, run_id, popen)
         self.drivers.append(driver)

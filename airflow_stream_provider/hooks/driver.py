@@ -67,10 +67,24 @@ class StreamDriverHook(BaseHook):
         return SparkSubmitHook(conn_id=self.spark_conn_id, conf=conf, py_files=self.py_files, name=name,
                                application_args=application_args, env_vars=self.env_vars or None)
 
+    def log_path(self, job_id: str, run_id: str) -> str:
+        return str(Path(self.log_dir) / job_id / f"{run_id}.log")
+
+    @staticmethod
+    def driver_arguments(spec: StreamJobSpec, run_id: str, log_path: str) -> list[str]:
+        """What the harness reads from its command line.  The spec never holds a password (validated)."""
+        return ["--spec", spec.to_json(), "--run-id", run_id, "--log-path", log_path]
+
+    def submit_command(self, application: str, spec: StreamJobSpec, run_id: str, log_path: str) -> list[str]:
+        """The spark-submit command of a local or client-mode driver, as ``submit`` builds it: the test
+        stack starts its drivers with it, so tests run the command production runs."""
+        args = self.driver_arguments(spec, run_id, log_path)
+        return self._spark_submit(args, self.conf, f"stream-{spec.job_id}")._build_spark_submit_command(application)
+
     def submit(self, application: str, spec: StreamJobSpec, run_id: str, password: str | None) -> SubmittedDriver:
         """Start a driver for ``spec`` and return at once; the run row appears when the driver is up."""
-        log_path = str(Path(self.log_dir) / spec.job_id / f"{run_id}.log")
-        args = ["--spec", spec.to_json(), "--run-id", run_id, "--log-path", log_path]
+        log_path = self.log_path(spec.job_id, run_id)
+        args = self.driver_arguments(spec, run_id, log_path)
         name = f"stream-{spec.job_id}"
         hook = self._spark_submit(args, self.conf, name)
         master, deploy_mode = hook._connection["master"], hook._connection["deploy_mode"] or "client"
