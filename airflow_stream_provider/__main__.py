@@ -1,7 +1,7 @@
 """``python -m airflow_stream_provider``: a job's state at a glance, for on-call, without a running Airflow.
 
 ``status`` reads the state database (the password, if any, from STREAM_DATABASE_PASSWORD): the latest
-runs with their health inputs, the generations and the stored offsets; with ``--checkpoint-root`` also
+runs with their health inputs, the latest upgrade's phase, the generations and the stored offsets; with ``--checkpoint-root`` also
 what each generation's checkpoint holds (last batch, committed or not, its offsets).  ``prune`` applies a
 retention policy to a job's archived generations (never to active ones).
 """
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from airflow_stream_provider import diagnosis, kafka_offsets
 from airflow_stream_provider.state import schema
 from airflow_stream_provider.state.store import StateStore
+from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase, UpgradeRecord
 
 
 def _when(seconds: float | None) -> str:
@@ -38,7 +39,11 @@ def status(store: StateStore, job_id: str, runs: int = 5) -> str:
     found = diagnosis.diagnose(job_id, latest, driver_alive=None, lag=None)
     out = [f"job {job_id}: {found.health.value}"
            + (f"/{found.failure_kind.value}" if found.failure_kind else ""),
-           *(f"  {line}" for line in found.evidence), ""]
+           *(f"  {line}" for line in found.evidence)]
+    upgrade = UpgradeLog(store).latest(job_id)
+    if upgrade is not None:
+        out.append(_upgrade_line(upgrade))
+    out.append("")
     out.append(_table([[r.run_id[:12], r.status, r.generation, r.epoch, r.version,
                         _when(r.started_at), _when(r.heartbeat_at), r.last_batch_id,
                         r.exit_code if r.exit_code is not None else "-", r.failure_kind or "-"]
@@ -51,6 +56,16 @@ def status(store: StateStore, job_id: str, runs: int = 5) -> str:
     stored = store.stored_offsets(job_id)
     out += ["", f"stored offsets: {kafka_offsets.to_spark_json(stored) if stored else '(none yet)'}"]
     return "\n".join(out)
+
+
+def _upgrade_line(upgrade: UpgradeRecord) -> str:
+    """The latest upgrade: where it stands if unfinished (a retry of its task resumes or rolls back from
+    there), how it ended otherwise."""
+    versions = f"{upgrade.from_version or '?'} -> {upgrade.to_version or '?'}"
+    if upgrade.phase == UpgradePhase.DONE:
+        return f"last upgrade {versions}: {upgrade.result or 'done'} at {_when(upgrade.updated_at)}"
+    return (f"upgrade {versions} in progress: {upgrade.phase.value} since {_when(upgrade.updated_at)} "
+            f"(started {_when(upgrade.started_at)}); a retry of the upgrade task resumes or rolls it back")
 
 
 def checkpoint_history(checkpoint_root: str, job_id: str, checkpoint_conn_id: str | None = None) -> str:

@@ -33,6 +33,15 @@ class RecoverStreamingJobOperator(StreamJobOperator):
 
     Out of budget (``max_restarts`` within ``restart_window``), the task fails and says so.  Restarts
     whose run then committed a batch do not count: the job was healthy in between.
+
+    :param max_restarts: restarts allowed within ``restart_window`` before the task fails.
+    :param restart_window: seconds over which restarts are counted.
+    :param backoff_base: seconds to wait before the second restart in a row; doubled for each further one.
+        The wait is deferred: no worker slot is held.
+    :param backoff_max: the longest backoff, in seconds.
+    :param healthy_reset: seconds between two restarts after which the backoff starts over.
+    :param on_incompatible: ``reset`` (archive the checkpoint, resume from the stored offsets) or ``fail``
+        (leave it to a person) when the checkpoint cannot be read by the job's code.
     """
 
     template_fields = (*StreamJobOperator.template_fields, "on_incompatible", "max_restarts", "restart_window",

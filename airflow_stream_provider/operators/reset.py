@@ -17,6 +17,7 @@ class ResetStreamingJobOperator(StreamJobOperator):
         topic, a partition gone) and resume where Kafka still has data.  Each lost range is recorded in
         ``stream_accepted_losses`` with the reason, in the transaction that moves the stored offsets past
         it, and reported in the result.
+    :param reason: why the reset was made, recorded with the archived generation.
     """
 
     template_fields = (*StreamJobOperator.template_fields, "reason", "allow_data_loss")

@@ -50,6 +50,11 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
     :param reset_policy: ``auto`` | ``after_preflight`` | ``never``.
     :param previous_application: the job file to roll back to, when the old run was not launched by this
         provider (otherwise it is read from the old run's record).
+    :param preflight_timeout: seconds the dry run of the new code on a copy of the checkpoint may take.
+    :param verify_timeout: seconds the new run has to commit a batch or be caught up (default:
+        ``ready_timeout``).
+    :param allow_data_loss: as for the reset: accept stored offsets Kafka no longer holds.
+    :param keep_preflight_copy: keep the dry run's checkpoint copy for inspection.
     """
 
     template_fields = (*StreamJobOperator.template_fields, "version", "reset_policy", "previous_application",

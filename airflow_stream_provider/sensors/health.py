@@ -22,6 +22,16 @@ class StreamHealthSensor(BaseSensorOperator):
 
     Deferrable by default: a stream is watched for hours, and a sleeping worker slot per stream would
     waste the pool.  ``deferrable=False`` pokes from a worker instead.
+
+    :param job_id: the job to watch.
+    :param topics: the job's topics, for the Kafka lag (the evidence for STUCK).
+    :param state_conn_id: the ``stream_state`` connection.
+    :param kafka_conn_id: the ``stream_kafka`` connection.
+    :param fire_on: the health values that end the wait.
+    :param failure_kinds: with FAILED, only these failure kinds end it (all when unset).
+    :param heartbeat_timeout: seconds without a heartbeat after which a running driver counts as dead.
+    :param stuck_after: seconds without a batch, with records waiting, after which a query is stuck.
+    :param deferrable: wait in the triggerer (the default) instead of poking from a worker.
     """
 
     template_fields: Sequence[str] = ("job_id", "topics", "heartbeat_timeout", "stuck_after")

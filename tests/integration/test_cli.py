@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from airflow_stream_provider.__main__ import main
 from airflow_stream_provider.state.store import StateStore
+from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 
 
 def test_status_shows_runs_generations_and_offsets(tmp_path, capsys):
@@ -26,6 +27,23 @@ def test_status_shows_runs_generations_and_offsets(tmp_path, capsys):
     assert live.run_id[:12] in out and old.run_id[:12] in out and "DATA_LOSS" in out
     assert "/ckpt/orders/gen-1" in out and "active" in out
     assert 'stored offsets: {"orders":{"0":42}}' in out
+
+
+def test_status_shows_where_an_upgrade_stands(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    store = StateStore.from_url(url)
+    store.ensure_schema()
+    store.begin_run("orders", 1, "1.0")
+    log = UpgradeLog(store)
+    upgrade_id = log.begin("orders", "1.0", "2.0", {})
+    log.move(upgrade_id, UpgradePhase.VERIFYING, {"new_run_id": "r2"})
+    assert main(["status", "--database-url", url, "--job-id", "orders"]) == 0
+    assert "upgrade 1.0 -> 2.0 in progress: VERIFYING" in capsys.readouterr().out
+
+    log.move(upgrade_id, UpgradePhase.DONE, {}, result="rolled back")
+    store.dispose()
+    assert main(["status", "--database-url", url, "--job-id", "orders"]) == 0
+    assert "last upgrade 1.0 -> 2.0: rolled back" in capsys.readouterr().out
 
 
 def test_status_on_a_database_without_stream_state_says_so(tmp_path, capsys):
