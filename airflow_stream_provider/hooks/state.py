@@ -73,7 +73,8 @@ class StreamStateHook(BaseHook):
         if extra.get("url"):
             url = make_url(extra["url"])
             password = url.password or conn.password or None
-            return url.set(password=None).render_as_string(hide_password=False), password
+            # URL.set(password=None) keeps the password; _replace clears it.
+            return url._replace(password=None).render_as_string(hide_password=False), password
         if not conn.host:
             raise ValueError(f"connection {self.state_conn_id!r} names no database: set extra.url or the host, "
                              f"port, database and login of a PostgreSQL server")

@@ -1,0 +1,25 @@
+"""StreamStateHook reads its connection as Airflow resolves it (from the environment here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_stream_provider.hooks.state import StreamStateHook
+from tests.dagtest import airflow as airflow_stack
+
+
+@pytest.mark.parametrize("fields, url, password", [
+    ({"extra": {"url": "postgresql+psycopg://stream:s3cret@db:5432/results"}},
+     "postgresql+psycopg://stream@db:5432/results", "s3cret"),
+    ({"password": "fromfield", "extra": {"url": "postgresql+psycopg://stream@db:5432/results"}},
+     "postgresql+psycopg://stream@db:5432/results", "fromfield"),
+    ({"host": "db", "port": 6543, "schema": "results", "login": "stream", "password": "s3cret"},
+     "postgresql+psycopg://stream@db:6543/results", "s3cret"),
+    ({"extra": {"url": "sqlite:////var/lib/stream/state.db"}}, "sqlite:////var/lib/stream/state.db", None),
+], ids=["password-in-url", "password-field", "fields", "sqlite"])
+def test_the_database_url_never_holds_the_password(monkeypatch, fields, url, password):
+    """The URL goes into the job spec, the driver's command line and the recorded run; the password
+    travels only in the driver's environment."""
+    monkeypatch.setenv(*airflow_stack.connection_env("stream_state_test", conn_type="stream_state", **fields))
+    hook = StreamStateHook("stream_state_test")
+    assert hook.credentials == (url, password)
