@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from airflow_stream_provider.state.records import RunRecord
 from benchmarks.audit import Audit, audit
 from benchmarks.stack import EVENTS_JOB, EVENTS_JOB_V2, Job, Stack, kill_driver_tree, say
 from stack.events import Trickle
@@ -31,7 +32,7 @@ def _wait(condition: Callable[[], object], timeout: float, what: str) -> object:
     raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def _processing(job: Job) -> dict:
+def _processing(job: Job) -> RunRecord:
     """The live run, once it has committed a batch."""
     def ready():
         run = job.latest_run()
@@ -120,14 +121,14 @@ def kill_and_recover(stack: Stack, job: Job) -> tuple[float, float, float]:
             return
         time.sleep(random.uniform(0, POLL_INTERVAL_S))
         killed_at.append(time.time())
-        kill_driver_tree(victim["pid"])
+        kill_driver_tree(victim.pid)
 
     killer = threading.Thread(target=kill_when_watched, daemon=True)
     killer.start()
     tasks = stack.trigger_ok("bench_polling_health")
     killer.join(30)
     diagnosis, recovered = tasks["health"], tasks["recover"]
-    if not killed_at or diagnosis["health"] != "DEAD" or diagnosis["run_id"] != victim["run_id"]:
+    if not killed_at or diagnosis["health"] != "DEAD" or diagnosis["run_id"] != victim.run_id:
         raise RuntimeError(f"bench_polling_health did not see the killed run DEAD: {diagnosis}")
     first = job.wait_first_commit(run_id=recovered["run_id"])
     return diagnosis["diagnosed_at"] - killed_at[0], first - killed_at[0], recovered.get("backoff_s") or 0.0
@@ -173,7 +174,7 @@ def mttr_baseline(stack: Stack, repeats: int, total: Audit) -> list[float]:
                 victim = _processing(job)
                 time.sleep(random.uniform(0, POLL_INTERVAL_S))
                 killed_at = time.time()
-                kill_driver_tree(victim["pid"])
+                kill_driver_tree(victim.pid)
                 seconds.append(job.wait_first_commit(after=killed_at + 0.001) - killed_at)
                 say(f"  baseline kill -9 {attempt + 1}/{repeats}: processing again after {seconds[-1]:.1f}s")
             trickle.__exit__(None, None, None)

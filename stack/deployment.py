@@ -127,7 +127,7 @@ class StreamDeployment:
             return conn.execute(select(func.min(ledger.c.committed_at)).where(
                 ledger.c.job_id == self.job_id, ledger.c.run_id == run_id, ledger.c.committed_at > after)).scalar()
 
-    def processing(self, timeout: float = 300, other_than: str | None = None, after: float = 0.0) -> dict:
+    def processing(self, timeout: float = 300, other_than: str | None = None, after: float = 0.0) -> dict[str, Any]:
         """The live run once it has committed a batch (a run other than ``other_than``); with the moment of
         its first commit after ``after`` in ``committed_at``."""
         deadline = time.monotonic() + timeout
@@ -136,10 +136,10 @@ class StreamDeployment:
             if run and run.run_id != other_than and run.status == "RUNNING" and run.pid:
                 committed = self.first_commit(run.run_id, after)
                 if committed:
-                    return {**run, "committed_at": committed}
+                    return {**run.to_dict(), "committed_at": committed}
             time.sleep(0.2)
         raise TimeoutError(f"job {self.job_id}: no run other than {other_than} processed within {timeout:.0f}s; "
-                           f"runs: {[(r['run_id'][:8], r['status'], r['failure_kind']) for r in self.runs()]}")
+                           f"runs: {[(r.run_id[:8], r.status, r.failure_kind) for r in self.runs()]}")
 
     def wait_caught_up(self, produced, timeout: float = 300, progress=None) -> None:
         end = {(produced.topic, p): o for p, o in produced.end_offsets.items()}

@@ -318,10 +318,21 @@ class RealAirflow:
             time.sleep(0.5)
 
     def trigger_dag(self, dag_id: str, conf: dict | None = None) -> str:
-        """A manual run (no logical date, like the UI's trigger button); returns its dag_run_id."""
-        response = self._request("POST", f"/dags/{_q(dag_id)}/dagRuns", json={"logical_date": None,
-                                                                                "conf": conf or {}})
-        return response.json()["dag_run_id"]
+        """A manual run (no logical date, like the UI's trigger button); returns its dag_run_id.
+
+        The metadata database here is SQLite, whose writers wait at most a few seconds for its one lock: a
+        busy scheduler can make the API answer 500 "Database error".  The run id is chosen here, so a
+        retry cannot start the run twice (409 means the earlier attempt created it after all)."""
+        run_id = f"manual__{datetime.now(UTC).isoformat()}_{secrets.token_hex(3)}"
+        body = {"dag_run_id": run_id, "logical_date": None, "conf": conf or {}}
+        for attempt in range(3):
+            response = self._request("POST", f"/dags/{_q(dag_id)}/dagRuns", ok=(200, 409, 500), json=body)
+            if response.status_code in (200, 409):
+                return run_id
+            if "Database error" not in response.text or attempt == 2:
+                break
+            time.sleep(1 + attempt)
+        raise RuntimeError(f"POST /api/v2/dags/{dag_id}/dagRuns -> {response.status_code}: {response.text[:1000]}")
 
     def dag_runs(self, dag_id: str) -> list[dict]:
         """Newest first (at most 100): dag_run_id, state, run_type, run_after, start_date, end_date, conf..."""

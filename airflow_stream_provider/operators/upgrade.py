@@ -262,7 +262,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
                                spec_json=new.to_json(), application=self.application)
 
     def _started(self, context, started, ctx) -> dict[str, Any]:
-        ctx["started"] = started
+        ctx["started"] = {"action": "reuse", **started}  # a reset's result names itself "reset"
         return self._verify(context, ctx)
 
     # -- verify ------------------------------------------------------------------------------------------
@@ -336,6 +336,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
                                application=previous["application"])
 
     def _rollback_started(self, context, started, ctx) -> dict[str, Any]:
+        started = {"action": "restart", **started}  # on the kept generation; a reset names itself "reset"
         ctx["rolled_back"] = started
         ctx["started"] = started
         return self._verify(context, ctx, "_rollback_verified")

@@ -80,7 +80,7 @@ def test_crash_at_every_step_boundary_then_recovery(stream, broker, figures):
     stopping = state.latest_run(job_id)
     status, tasks = run_dag(dags.stop, params)
     assert status == "success" and tasks["stop"][1]["outcome"] == "died", tasks
-    assert state.store.get_run(stopping["run_id"]).status == "DEAD", "no clean stop may be recorded"
+    assert state.store.get_run(stopping.run_id).status == "DEAD", "no clean stop may be recorded"
     crashes.append("during_stop")
     status, tasks = run_dag(dags.health, _with_fault(params, None), max_restarts=10)
     assert status == "success" and tasks["recover"][1]["action"] == "restart", tasks
@@ -124,7 +124,7 @@ def test_reset_killed_between_archive_and_start_is_completed_by_the_next_attempt
                                stdout=output, stderr=subprocess.STDOUT, timeout=600)
     assert child.returncode == -signal.SIGKILL, (stream["tmp"] / "killed-reset.log").read_text()[-3000:]
     stopped = state.store.get_run(first["run_id"])
-    assert stopped["status"] == "STOPPED", "the reset stops the live run gracefully before it archives"
+    assert stopped.status == "STOPPED", "the reset stops the live run gracefully before it archives"
     archived = state.store.get_generation(job_id, 1)
     archive = Path(archived["archive_path"])
     assert archived["archived_at"] and (archive / "offsets").is_dir() and (archive / "commits").is_dir()

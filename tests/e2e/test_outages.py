@@ -93,7 +93,7 @@ def test_broker_outage_short_is_ridden_out_long_ends_transient_and_is_recovered(
     status, tasks = run_dag(dags.deploy, params)
     assert status == "failed" and tasks["submit"][0] == "failed", tasks
     assert f"already runs (run {first['run_id']}" in capfd.readouterr().out
-    assert [r["run_id"] for r in runs(state, job_id)] == [first["run_id"]]
+    assert [r.run_id for r in runs(state, job_id)] == [first["run_id"]]
 
     # Some seconds without the broker: the clients retry, the driver lives on and catches up.
     with Trickle(producer, chunk=20, pause_s=0.5):
@@ -103,7 +103,7 @@ def test_broker_outage_short_is_ridden_out_long_ends_transient_and_is_recovered(
         proxy.start()
         time.sleep(2)
     caught_up(state, job_id, producer)
-    assert [r["run_id"] for r in runs(state, job_id)] == [first["run_id"]]
+    assert [r.run_id for r in runs(state, job_id)] == [first["run_id"]]
     assert _alive(state.store.get_run(first["run_id"])), "a short broker outage must not end the driver"
 
     # A long outage: once the client gives up the query fails, and the driver records why.  Usually the

@@ -43,9 +43,9 @@ def test_graceful_stop_and_restart(broker, topic, runner, figures):
     producer.send(700)
     driver = runner.start()
     runner.wait_caught_up(_end(producer), driver)
-    os.kill(runner.run_row(driver)["pid"], signal.SIGTERM)
+    os.kill(runner.run_row(driver).pid, signal.SIGTERM)
     assert driver.wait(60) == failures.EXIT_STOPPED, runner.log_tail(driver)
-    assert runner.run_row(driver)["status"] == "STOPPED"
+    assert runner.run_row(driver).status == "STOPPED"
     counts = check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
     assert counts["read"] == 4700
     # progress is visible to standard Kafka lag tooling through the job's consumer group

@@ -104,7 +104,9 @@ def test_policy_never_then_stateful_upgrades(stream, broker, figures):
     stored = state.stored_offsets(job_id)
 
     dedup = _version(params, "dedup_by_position.py", "2.0")
+    # Run in this process without a triggerer: deferrable=False takes the blocking path.
     refusing = UpgradeStreamingJobOperator(task_id="upgrade", reset_policy="never", preflight_timeout=240,
+                                           deferrable=False,
                                            **{k: dedup[k] for k in ("spec", "application", "conf", "env_vars",
                                                                      "driver_log_dir", "ready_timeout")})
     with Trickle(producer), pytest.raises(AirflowFailException) as refused:
@@ -114,8 +116,8 @@ def test_policy_never_then_stateful_upgrades(stream, broker, figures):
     assert f"{job_id}/archive/gen-1-<UTC time>" in message and "generation 2" in message, message
     resume = kafka_offsets.from_spark_json(message.split("from the stored offsets ", 1)[1].split(". To do", 1)[0])
     assert resume.keys() == stored.keys() and all(resume[tp] >= stored[tp] for tp in stored), message
-    assert f"run {running['run_id']} (version 1.0) keeps running" in message, message
-    assert state.latest_run(job_id).run_id == running["run_id"]
+    assert f"run {running.run_id} (version 1.0) keeps running" in message, message
+    assert state.latest_run(job_id).run_id == running.run_id
     assert state.latest_run(job_id).status == "RUNNING" and state.current_generation(job_id) == 1
     producer.send(400)
     caught_up(state, job_id, producer)  # the old version kept processing through the refusal

@@ -89,8 +89,8 @@ def test_every_kill_is_repaired_by_airflow_alone_exactly_once(deployment, broker
     repaired = [r for r in deployment.health_runs() if r["run_type"] == "asset_triggered"
                 and deployment.tasks("stream_health", r["dag_run_id"]).get("recover", (None,))[0] == "success"]
     assert len(repaired) == 4, [(r["dag_run_id"], r["state"]) for r in deployment.health_runs()]
-    restarts = [r for r in deployment.runs() if r["status"] == "DEAD"]
-    assert len(restarts) == 4, [(r["run_id"][:8], r["status"]) for r in deployment.runs()]
+    restarts = [r for r in deployment.runs() if r.status == "DEAD"]
+    assert len(restarts) == 4, [(r.run_id[:8], r.status) for r in deployment.runs()]
     figures.record("real airflow kill -9 -> processing again", seconds=[round(s, 1) for s in seconds],
                    triggerer_down_seconds=round(triggerer_gap_s, 1), **counts)
 
@@ -142,8 +142,8 @@ def test_a_crash_loop_ends_in_the_budgets_clear_failure(deployment, broker, topi
 
     time.sleep(10)  # the persisting failure makes no further event and no further restart
     runs = deployment.runs()
-    assert [r["failure_kind"] for r in runs] == ["USER_CODE"] * 4, [(r["status"], r["failure_kind"]) for r in runs]
-    assert "simulated bug in the job's results function" in runs[-1]["termination_message"]
+    assert [r.failure_kind for r in runs] == ["USER_CODE"] * 4, [(r.status, r.failure_kind) for r in runs]
+    assert "simulated bug in the job's results function" in runs[-1].termination_message
     with deployment.store.engine.connect() as conn:
         assert conn.execute(text("SELECT COUNT(*) FROM stream_batches")).scalar() == 0
     assert deployment.store.stored_offsets(deployment.job_id) == {}, "a failed batch applies nothing"
