@@ -33,6 +33,7 @@ from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.kafka_offsets import LostRange, Offsets
+from airflow_stream_provider.lifecycle.driver_log import log_tail
 from airflow_stream_provider.lifecycle.health import HealthProbe
 from airflow_stream_provider.lifecycle.waits import Outcome, RunWait, RunWatch
 from airflow_stream_provider.spec import StreamJobSpec
@@ -225,7 +226,7 @@ class StreamJobController:
                              f"{timeout:.0f}s. Driver log: {launch['log_path']}")
 
     def start_failure(self, job_id: str, log_path: str | None, run: RunRecord | None) -> Exception:
-        tail = log_tail(log_path)
+        tail = log_tail(log_path, secrets=[self.state.password])
         if run is None:
             return StreamJobError(f"job {job_id}: the driver exited before registering its run "
                                   f"(state database unreachable, or bad arguments). Driver log "
@@ -315,7 +316,8 @@ class StreamJobController:
     # -- blocking ---------------------------------------------------------------------------------------
     def block(self, wait: RunWait) -> Outcome:
         """Wait in this process (``deferrable=False``)."""
-        return RunWatch(wait, self.get_run, self.driver.is_alive, self.caught_up).block()
+        watch = RunWatch(wait, self.get_run, self.driver.is_alive, self.caught_up, secrets=[self.state.password])
+        return watch.block(show=lambda line: self.log.info("driver | %s", line))
 
 
 def watch_for(wait: RunWait, state_conn_id: str, kafka_conn_id: str,
@@ -323,7 +325,8 @@ def watch_for(wait: RunWait, state_conn_id: str, kafka_conn_id: str,
     """A watch over ``wait`` built from connections (for the trigger), and how to close its clients."""
     state, kafka = StreamStateHook(state_conn_id), KafkaOffsetsHook(kafka_conn_id)
     return (RunWatch(wait, state.store.get_run, StreamDriverHook.is_alive,
-                     lambda: caught_up(state, kafka, wait.job_id, topics)), state.close)
+                     lambda: caught_up(state, kafka, wait.job_id, topics), secrets=[state.password]),
+            state.close)
 
 
 def caught_up(state: StreamStateHook, kafka: KafkaOffsetsHook, job_id: str, topics) -> bool:
@@ -332,10 +335,3 @@ def caught_up(state: StreamStateHook, kafka: KafkaOffsetsHook, job_id: str, topi
         return kafka.lag(state.stored_offsets(job_id), topics) == 0
     except Exception:
         return False
-
-
-def log_tail(path: str | None, lines: int = 25) -> str:
-    if not path or not Path(path).exists():
-        return "(no local driver log)"
-    content = Path(path).read_text(errors="replace").splitlines()
-    return "\n".join(line[:300] for line in content[-lines:])

@@ -8,11 +8,12 @@ task resumed after a worker crash keeps the original bound instead of starting t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from airflow_stream_provider import local_driver
+from airflow_stream_provider.lifecycle.driver_log import DriverLogFollower
 from airflow_stream_provider.state.records import RunRecord
 
 #: How one wait ended.
@@ -59,14 +60,18 @@ class RunWait:
 
 class RunWatch:
     """Polls one wait: ``poll()`` returns its outcome once decided, else None.  Blocking; the trigger runs
-    it in a thread.  ``caught_up()`` says whether Kafka holds nothing beyond the job's stored offsets."""
+    it in a thread.  ``caught_up()`` says whether Kafka holds nothing beyond the job's stored offsets.
+    ``driver_log()`` hands out the new lines of the run's driver log, with ``secrets`` masked."""
 
     def __init__(self, wait: RunWait, get_run: Callable[[str], RunRecord | None],
-                 driver_alive: Callable[[RunRecord], bool | None], caught_up: Callable[[], bool]):
+                 driver_alive: Callable[[RunRecord], bool | None], caught_up: Callable[[], bool],
+                 secrets: Sequence[str] = ()):
         self.wait = wait
         self._get_run, self._driver_alive, self._caught_up = get_run, driver_alive, caught_up
         self._idle_since: float | None = None
         self._gone_polls = 0
+        self._secrets = secrets
+        self._log: DriverLogFollower | None = None
         self.run: RunRecord | None = None
 
     def poll(self) -> Outcome | None:
@@ -103,11 +108,26 @@ class RunWatch:
         self._idle_since = self._idle_since or time.monotonic()
         return time.monotonic() - self._idle_since >= IDLE_CONFIRM_S
 
-    def block(self) -> Outcome:
-        """Poll until decided (the blocking path of ``deferrable=False``)."""
-        while (outcome := self.poll()) is None:
+    def driver_log(self) -> list[str]:
+        """The driver log's lines added since the last call: from its start while a launch waits for its
+        query, from where it stood when the wait began otherwise.  None where the log is not on this host."""
+        if self._log is None:
+            path = self.wait.log_path or (self.run.log_path if self.run else None)
+            if not path:
+                return []
+            self._log = DriverLogFollower(path, from_start=self.wait.until == "ready", secrets=self._secrets)
+        return self._log.new_lines()
+
+    def block(self, show: Callable[[str], None] | None = None) -> Outcome:
+        """Poll until decided (the blocking path of ``deferrable=False``), handing ``show`` each new line
+        of the driver log."""
+        while True:
+            outcome = self.poll()
+            for line in self.driver_log() if show else ():
+                show(line)
+            if outcome is not None:
+                return outcome
             time.sleep(POLL_INTERVAL_S)
-        return outcome
 
 
 def pause(seconds: float) -> None:

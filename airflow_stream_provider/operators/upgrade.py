@@ -13,7 +13,8 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_stream_provider import kafka_offsets, upgrade
 from airflow_stream_provider import spec as spec_module
 from airflow_stream_provider.failures import FailureKind
-from airflow_stream_provider.lifecycle.controller import StreamJobError, log_tail
+from airflow_stream_provider.lifecycle.controller import StreamJobError
+from airflow_stream_provider.lifecycle.driver_log import log_tail
 from airflow_stream_provider.lifecycle.waits import RunWait
 from airflow_stream_provider.operators.base import StreamJobOperator, _set_task_state, _task_state
 from airflow_stream_provider.spec import StreamJobSpec
@@ -378,7 +379,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         if preflight.verdict != Verdict.INCOMPATIBLE:
             return (f"{head}\nPreflight run {preflight.run_id} ({preflight.failure_kind}, {preflight.error_class}): "
                     f"{preflight.detail}\nFix the new version and rerun. Preflight driver log "
-                    f"{preflight.log_path}:\n{log_tail(preflight.log_path)}")
+                    f"{preflight.log_path}:\n{log_tail(preflight.log_path, secrets=[self.state.password])}")
         stored = self.state.stored_offsets(job_id)
         resume = kafka_offsets.to_spark_json(stored) if stored else f"{new.kafka.starting_offsets!r} (none stored)"
         archive = f"{self.controller.checkpoints.job_root(job_id)}/archive/gen-{generation}-<UTC time>"

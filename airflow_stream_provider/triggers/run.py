@@ -63,6 +63,8 @@ class StreamRunTrigger(BaseTrigger):
                     yield {"outcome": "error", "run_id": self.wait.run_id,
                            "message": f"waiting on run {self.wait.run_id}: {err!r}"}
                     return
+                for line in await asyncio.to_thread(watch.driver_log):
+                    self.log.info("driver | %s", line)
                 if outcome is not None:
                     yield {"outcome": outcome, "run_id": self.wait.run_id}
                     return

@@ -68,3 +68,6 @@ def test_a_deferred_submit_leaves_its_pool_slot_to_another_task(pooled):
     assert tasks["submit"][1]["action"] == "submitted" and tasks["probe"][1] == "ran", tasks
     # The probe saw the submit's run registered, and ended in the one slot before the submit did.
     assert _at(probe["end_date"]) < _at(submit["end_date"]), (submit, probe)
+    # While it waited in the triggerer, the driver's log went into the submit's task log.
+    log = pooled.airflow.task_log("stream_pooled", run_id, "submit")
+    assert "driver | $ spark-submit" in log, log[-3000:]
