@@ -9,7 +9,7 @@ DEMO_ARGS ?=
 BENCH_ARGS ?=
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 
-.PHONY: install test lint demo soak bench clean
+.PHONY: install browser test lint demo soak bench clean
 
 install: $(VENV)/.installed $(SPARK_VENV)/.installed
 
@@ -28,8 +28,14 @@ $(SPARK_VENV)/.installed: pyproject.toml
 # The default test run: real Spark drivers, a real Kafka-protocol broker (Tansu), PostgreSQL and SQLite.
 # The fixtures start the broker and a fresh PostgreSQL database themselves.  Two pytest workers: most
 # of a driver scenario is waiting (start-up, triggers, polling), so two share the 2 cores well.
-test: install
+test: install browser
 	$(VENV)/bin/python -m pytest -m "not soak" -n 2 --dist worksteal --durations=15 $(PYTEST_ARGS)
+
+# The status page's browser test drives Debian's chromium (Playwright's own download cannot work here).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { echo ">> installing Debian's chromium for the browser test"; \
+	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -qq && \
+	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -277,17 +277,21 @@ class RealAirflow:
         passwords = json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())
         return USERNAME, passwords[USERNAME]
 
+    def token(self) -> str:
+        """The admin's JWT: the REST API's bearer token, and what the UI keeps in its ``_token`` cookie."""
+        if self._token is None:
+            username, password = self.login()
+            response = self._http.post("/auth/token", json={"username": username, "password": password})
+            if response.status_code != 201:
+                raise RuntimeError(f"POST /auth/token -> {response.status_code}: {response.text[:500]}")
+            self._token = response.json()["access_token"]
+        return self._token
+
     def _request(self, method: str, path: str, ok: tuple[int, ...] = (200,), **kwargs: Any) -> httpx.Response:
         headers = kwargs.pop("headers", {})
         for attempt in range(2):
-            if self._token is None:
-                username, password = self.login()
-                response = self._http.post("/auth/token", json={"username": username, "password": password})
-                if response.status_code != 201:
-                    raise RuntimeError(f"POST /auth/token -> {response.status_code}: {response.text[:500]}")
-                self._token = response.json()["access_token"]
             response = self._http.request(method, f"/api/v2{path}", **kwargs,
-                                          headers={"Authorization": f"Bearer {self._token}", **headers})
+                                          headers={"Authorization": f"Bearer {self.token()}", **headers})
             if response.status_code in (401, 403) and attempt == 0:
                 self._token = None  # expired or invalid ("403 Invalid JWT token"): log in again once
                 continue

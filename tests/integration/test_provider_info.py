@@ -36,6 +36,12 @@ def test_every_listed_module_imports():
         module, _, name = conn["hook-class-name"].rpartition(".")
         hook = getattr(importlib.import_module(module), name)
         assert hook.conn_type == conn["connection-type"]
+    from airflow.plugins_manager import AirflowPlugin
+
+    for plugin in info["plugins"]:
+        module, _, name = plugin["plugin-class"].rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        assert issubclass(cls, AirflowPlugin) and cls.name == plugin["name"]
 
 
 # -- provider info against the modules on disk ---------------------------------------------------------
@@ -169,6 +175,19 @@ def test_behaviours_cli_lists_the_connection_types_without_fab(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     listed = {row["field_behaviours"] for row in json.loads(result.stdout)}
     assert set(_CONN_TYPES) <= listed, f"missing from `airflow providers behaviours`: {sorted(listed)}"
+
+
+def test_airflow_plugins_lists_the_status_page(tmp_path):
+    """``airflow plugins`` loads the plugin from provider info: its app and its menu entry."""
+    airflow = Path(sys.executable).parent / "airflow"
+    result = subprocess.run([str(airflow), "plugins", "--output", "json"], capture_output=True, text=True,
+                            timeout=300, env=_plain_airflow_env(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = {row["name"]: row for row in json.loads(result.stdout)}
+    assert "stream_status" in found, f"`airflow plugins` lists {sorted(found)}"
+    plugin = found["stream_status"]
+    assert "airflow-stream-provider" in str(plugin.get("source")), plugin
+    assert "/stream-status" in str(plugin["fastapi_apps"]) and "Streams" in str(plugin["external_views"]), plugin
 
 
 _PROBE = """

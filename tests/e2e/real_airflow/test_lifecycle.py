@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import time
 
-import pytest
 from sqlalchemy import text
 
 from stack.deployment import StreamDeployment, epoch, kill_driver
@@ -22,15 +21,6 @@ from tests.dagtest.dagruns import FIXTURE_JOBS
 #: scheduler, a task's start, the recover task and a driver's cold start on 2 shared cores.  Generous:
 #: the figures are reported, the benchmark ``mttr_real_airflow`` measures them.
 RECOVERY_TIMEOUT = 240
-
-
-@pytest.fixture
-def deployment(broker, topic, job_id, tmp_path):
-    instance = StreamDeployment(tmp_path, broker, job_id, topic)
-    try:
-        yield instance.start()
-    finally:
-        instance.stop()
 
 
 def _deploy(deployment: StreamDeployment, producer: EventProducer) -> None:

@@ -1,0 +1,76 @@
+"""The stream status page inside a real Airflow's UI, in a real headless Chromium: it shows what the
+state database and Kafka hold, only to a signed-in user, and never a database URL.
+
+The browser is Debian's ``chromium`` (``make test`` installs it), driven through Playwright's Python API
+with ``executable_path``: Playwright's own browser download cannot work on these machines.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+
+from stack.events import EventProducer
+from stack.jobs import REPO
+
+#: Kept after the run, for a person to look at (CI keeps the workspace's artifacts).
+ARTIFACTS = REPO / "test-artifacts"
+
+
+@pytest.fixture
+def chromium():
+    from playwright.sync_api import sync_playwright
+
+    executable = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert executable, "no chromium on PATH: `make test` installs Debian's chromium (apt-get install chromium)"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=["--no-sandbox"])
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def test_the_status_page_shows_the_job_to_a_signed_in_user_only(deployment, broker, topic, chromium):
+    producer = EventProducer(broker, topic, seed=11)
+    producer.send(800)
+    tasks = deployment.trigger("stream_deploy")
+    assert tasks["_run"][0] == "success", deployment.explain("stream_deploy", tasks["_run"][1])
+    deployment.wait_caught_up(producer.produced)
+    run = deployment.latest_run()
+    airflow = deployment.airflow
+
+    # No anonymous access, to the page or its data.
+    for path in ("/stream-status/", "/stream-status/api/jobs", f"/stream-status/api/jobs/{deployment.job_id}"):
+        assert httpx.get(airflow.url + path, trust_env=False).status_code == 401, path
+
+    context = chromium.new_context(viewport={"width": 1280, "height": 1400})
+    context.add_cookies([{"name": "_token", "value": airflow.token(), "url": airflow.url}])
+    page = context.new_page()
+    # Through the UI's own menu entry: the page is an external view, in an iframe of Airflow's UI.
+    page.goto(f"{airflow.url}/plugin/streams")
+    frame = page.frame_locator("iframe").first
+    job = frame.locator(f'section[data-job="{deployment.job_id}"]')
+    job.wait_for(timeout=60_000)
+
+    assert job.locator('[data-field="health"]').inner_text().startswith("HEALTHY")
+    text = job.inner_text()
+    assert run.run_id[:12] in text and f"pid {run.pid}" in text, text
+    dead = deployment.store.count(_dead_letters(), job_id=deployment.job_id)
+    assert dead > 0 and f"DEAD LETTERS ({dead})" in text.upper(), text
+    partitions = dict(producer.produced.end_offsets)
+    for partition, end in partitions.items():
+        assert f"{topic}\t{partition}\t{end}\t{end}\t0" in text, text  # stored = Kafka's end, lag 0
+    assert "sqlite:" not in page.content() + text and "database_url" not in text
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "status-page.png"), full_page=True)
+    context.close()
+
+
+def _dead_letters():
+    from airflow_stream_provider.state import schema
+
+    return schema.dead_letters

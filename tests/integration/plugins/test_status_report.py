@@ -1,0 +1,73 @@
+"""What the status page reports of a job, from a real state database (SQLite and PostgreSQL) filled by
+the batch transaction itself: runs with their diagnoses, generations, offsets against Kafka's end
+offsets, the ledger's batches and the dead letters, with no credential anywhere in it."""
+
+from __future__ import annotations
+
+import json
+
+from airflow_stream_provider.plugins.status.report import job_report, masked
+from airflow_stream_provider.state.transaction import BatchRange, RunContext, commit, plan
+
+T = "orders"
+
+
+def _commit(store, run: RunContext, batch_id: int, start: int, end: int, dead: list[int]) -> None:
+    batch = BatchRange(batch_id, {(T, 0): start}, {(T, 0): end})
+    commit(store, run, plan(store, run.job_id, batch), read={(T, 0): end - start}, writes=[],
+           dead_letters=[{"topic": T, "partition": 0, "offset": o, "key": None, "value": b'{"amount": "x"}',
+                          "error": "amount is not a number"} for o in dead])
+
+
+def test_the_report_tells_the_jobs_story_without_credentials(store):
+    store.ensure_generation("orders", 1, "/ckpt/orders/gen-1", None)
+    failed = store.begin_run("orders", 1, "1.0", host="nowhere", pid=1)
+    store.finish_run(failed.run_id, status="FAILED", exit_code=6, failure_kind="TRANSIENT",
+                     message="could not reach postgresql://stream:hunter2@db:5432/results\nretrying")
+    live = store.begin_run("orders", 1, "1.1", host="nowhere", pid=2)
+    store.mark_query_started(live.run_id)
+    run = RunContext("orders", live.run_id, live.epoch, 1)
+    _commit(store, run, 0, 0, 10, dead=[3])
+    _commit(store, run, 1, 10, 25, dead=[])
+
+    found = job_report(store, "orders", end_offsets=lambda topics: {(T, 0): 40, (T, 1): 5},
+                       driver_alive=lambda r: True, secrets=["hunter2"])
+
+    assert found["health"] == "HEALTHY" and found["current"]["run_id"] == live.run_id
+    assert [r["status"] for r in found["runs"]] == ["RUNNING", "FAILED"]
+    transient = found["runs"][1]
+    assert (transient["failure_kind"], transient["exit_code"]) == ("TRANSIENT", 6)
+    assert transient["message"] == "could not reach postgresql://stream:***@db:5432/results"
+    assert "unreachable" in transient["advice"]
+    assert found["generations"] == [{"generation": 1, "state": "active", "created_at": found["generations"][0]
+                                     ["created_at"], "archived_at": None, "path": "/ckpt/orders/gen-1",
+                                     "reason": None}]
+    assert found["offsets"]["partitions"] == [
+        {"topic": T, "partition": 0, "stored": 25, "end": 40, "lag": 15},
+        {"topic": T, "partition": 1, "stored": None, "end": 5, "lag": 5}]
+    assert found["offsets"]["lag"] == 20 and found["offsets"]["kafka_error"] is None
+    assert [(b["batch_id"], b["rows_read"], b["rows_applied"], b["rows_dead"]) for b in found["batches"]] == [
+        (0, 10, 9, 1), (1, 15, 15, 0)]
+    assert found["dead_letters"]["total"] == 1
+    assert found["dead_letters"]["samples"][0]["offset"] == 3
+    assert found["dead_letters"]["samples"][0]["value"] == '{"amount": "x"}'
+    assert "hunter2" not in json.dumps(found) and "database_url" not in json.dumps(found)
+
+
+def test_kafka_out_of_reach_is_said_and_the_rest_still_shown(store):
+    ticket = store.begin_run("orders", 1, "1.0")
+    store.record_launch(ticket.run_id, "orders_job.py", json.dumps({"kafka": {"topics": [T]}}))
+
+    def unreachable(topics):
+        raise ConnectionError("no broker at 10.0.0.9:9092")
+
+    found = job_report(store, "orders", end_offsets=unreachable, driver_alive=lambda r: None)
+    assert found["offsets"]["lag"] is None
+    assert "no broker at 10.0.0.9:9092" in found["offsets"]["kafka_error"]
+    assert found["runs"] and found["dead_letters"] == {"total": 0, "samples": []}
+
+
+def test_credentials_in_any_url_are_masked():
+    assert masked("kafka sasl://user:pw@b:9093 and https://a:b@h/x") == "kafka sasl://user:***@b:9093 and " \
+                                                                       "https://a:***@h/x"
+    assert masked("password hunter2 quoted", ["hunter2"]) == "password *** quoted"
