@@ -115,8 +115,6 @@ def get_provider_info() -> dict:
         "sensors": [{"integration-name": "Stream", "python-modules": [f"{_PKG}.sensors.health"]}],
         "triggers": [{"integration-name": "Stream", "python-modules": [
             f"{_PKG}.triggers.health", f"{_PKG}.triggers.watch", f"{_PKG}.triggers.run"]}],
-        "plugins": [{"name": "stream_status",
-                     "plugin-class": f"{_PKG}.plugins.status.plugin.StreamStatusPlugin"}],
         "asset-uris": [{"schemes": ["stream"], "handler": f"{_PKG}.assets.stream.sanitize_uri"}],
         "integrations": [{"integration-name": "Stream", "external-doc-url":
                           "https://spark.apache.org/docs/latest/structured-streaming-programming-guide.html",

@@ -4,6 +4,7 @@ sensor and trigger module on disk, and its connection forms reach Airflow withou
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import json
@@ -38,10 +39,11 @@ def test_every_listed_module_imports():
         assert hook.conn_type == conn["connection-type"]
     from airflow.plugins_manager import AirflowPlugin
 
-    for plugin in info["plugins"]:
-        module, _, name = plugin["plugin-class"].rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-        assert issubclass(cls, AirflowPlugin) and cls.name == plugin["name"]
+    plugins = {e.name: e for e in importlib.metadata.entry_points(group="airflow.plugins")
+               if e.value.startswith("airflow_stream_provider.")}
+    assert set(plugins) == {"stream_status"}, plugins
+    cls = plugins["stream_status"].load()
+    assert issubclass(cls, AirflowPlugin) and cls.name == "stream_status"
 
 
 # -- provider info against the modules on disk ---------------------------------------------------------

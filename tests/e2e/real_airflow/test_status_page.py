@@ -8,10 +8,12 @@ with ``executable_path``: Playwright's own browser download cannot work on these
 from __future__ import annotations
 
 import shutil
+import time
 
 import httpx
 import pytest
 
+from stack.deployment import kill_driver
 from stack.events import EventProducer
 from stack.jobs import REPO
 
@@ -35,10 +37,19 @@ def chromium():
 
 def test_the_status_page_shows_the_job_to_a_signed_in_user_only(deployment, broker, topic, chromium):
     producer = EventProducer(broker, topic, seed=11)
-    producer.send(800)
+    producer.send(300)
     tasks = deployment.trigger("stream_deploy")
     assert tasks["_run"][0] == "success", deployment.explain("stream_deploy", tasks["_run"][1])
     deployment.wait_caught_up(producer.produced)
+    # A death the health DAG repaired, then a few batches: the page has a story to tell.
+    victim = deployment.processing()
+    killed_at = time.time()
+    kill_driver(victim["pid"])
+    producer.send(150)  # the new run proves itself with a batch
+    deployment.processing(240, other_than=victim["run_id"], after=killed_at)
+    for _ in range(3):
+        producer.send(150)
+        deployment.wait_caught_up(producer.produced)
     run = deployment.latest_run()
     airflow = deployment.airflow
 
@@ -58,6 +69,8 @@ def test_the_status_page_shows_the_job_to_a_signed_in_user_only(deployment, brok
     assert job.locator('[data-field="health"]').inner_text().startswith("HEALTHY")
     text = job.inner_text()
     assert run.run_id[:12] in text and f"pid {run.pid}" in text, text
+    assert victim["run_id"][:12] in text and "DEAD" in text, "the killed run, with its diagnosis"
+    assert job.locator("svg rect").count() >= 5, "a bar per recent batch"
     dead = deployment.store.count(_dead_letters(), job_id=deployment.job_id)
     assert dead > 0 and f"DEAD LETTERS ({dead})" in text.upper(), text
     partitions = dict(producer.produced.end_offsets)
