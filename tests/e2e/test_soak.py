@@ -130,8 +130,8 @@ def test_soak(stream, broker, figures, capsys):
                 assert recovered["action"] == "restart", recovered
                 seconds = state.store.get_run(recovered["run_id"]).query_started_at - killed_at
                 recoveries.append(seconds)
-                say(f"kill {kills}/{KILLS} of run {run['run_id'][:8]} {moment} (last committed batch "
-                    f"{run['last_batch_id']}): DEAD -> restart, query running again after {seconds:.1f}s")
+                say(f"kill {kills}/{KILLS} of run {run.run_id[:8]} {moment} (last committed batch "
+                    f"{run.last_batch_id}): DEAD -> restart, query running again after {seconds:.1f}s")
             elif step == "stop":
                 status, tasks = run_dag(dags.stop, params)
                 assert status == "success" and tasks["stop"][1]["outcome"] == "stopped", tasks
