@@ -50,12 +50,14 @@ class DriverLogFollower:
         skipped = len(lines) - MAX_LINES_PER_READ
         if skipped > 0:
             lines = [f"... {skipped} driver log lines skipped (all are in {self.path})", *lines[-MAX_LINES_PER_READ:]]
-        return [self._mask(line[:MAX_LINE_CHARS]) for line in lines]
+        return [masked(line[:MAX_LINE_CHARS], self.secrets) for line in lines]
 
-    def _mask(self, line: str) -> str:
-        for secret in self.secrets:
-            line = line.replace(secret, "***")
-        return line
+
+def masked(text: str, secrets: Sequence[str | None]) -> str:
+    """``text`` with every non-empty secret replaced by ``***``."""
+    for secret in (s for s in secrets if s):
+        text = text.replace(secret, "***")
+    return text
 
 
 def log_tail(path: str | None, lines: int = 25, secrets: Sequence[str] = ()) -> str:
@@ -63,7 +65,4 @@ def log_tail(path: str | None, lines: int = 25, secrets: Sequence[str] = ()) -> 
     if not path or not Path(path).exists():
         return "(no local driver log)"
     content = Path(path).read_text(errors="replace").splitlines()
-    tail = "\n".join(line[:300] for line in content[-lines:])
-    for secret in (s for s in secrets if s):
-        tail = tail.replace(secret, "***")
-    return tail
+    return masked("\n".join(line[:300] for line in content[-lines:]), secrets)

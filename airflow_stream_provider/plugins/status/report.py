@@ -15,6 +15,7 @@ from typing import Any
 from airflow_stream_provider import diagnosis
 from airflow_stream_provider.failures import FailureKind
 from airflow_stream_provider.kafka_offsets import Offsets
+from airflow_stream_provider.lifecycle import driver_log
 from airflow_stream_provider.state import overview
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.store import StateStore
@@ -27,10 +28,7 @@ _URL_CREDENTIALS = re.compile(r"(\w[\w+.-]*://[^/\s:@]+):[^@\s/]+@")
 def masked(text: str | None, secrets: Sequence[str | None] = ()) -> str | None:
     if text is None:
         return None
-    text = _URL_CREDENTIALS.sub(r"\1:***@", text)
-    for secret in (s for s in secrets if s):
-        text = text.replace(secret, "***")
-    return text
+    return driver_log.masked(_URL_CREDENTIALS.sub(r"\1:***@", text), secrets)
 
 
 def job_report(store: StateStore, job_id: str, *, end_offsets: Callable[[list[str]], Offsets] | None,
