@@ -115,6 +115,7 @@ def get_provider_info() -> dict:
         "sensors": [{"integration-name": "Stream", "python-modules": [f"{_PKG}.sensors.health"]}],
         "triggers": [{"integration-name": "Stream", "python-modules": [
             f"{_PKG}.triggers.health", f"{_PKG}.triggers.watch", f"{_PKG}.triggers.run"]}],
+        "extra-links": [f"{_PKG}.links.StreamDriverLogLink", f"{_PKG}.links.SparkUILink"],
         "asset-uris": [{"schemes": ["stream"], "handler": f"{_PKG}.assets.stream.sanitize_uri"}],
         "integrations": [{"integration-name": "Stream", "external-doc-url":
                           "https://spark.apache.org/docs/latest/structured-streaming-programming-guide.html",

@@ -368,6 +368,10 @@ class RealAirflow:
                                  f"/xcomEntries/{_q(key)}", ok=(200, 404))
         return response.json()["value"] if response.status_code == 200 else None
 
+    def links(self, dag_id: str, run_id: str, task_id: str) -> dict[str, str | None]:
+        """A task's extra links, name -> URL, as the UI shows them."""
+        return self._get(f"/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}/taskInstances/{_q(task_id)}/links")["extra_links"]
+
     def set_variable(self, key: str, value: Any) -> None:
         """Create or overwrite an Airflow Variable; non-strings are stored as JSON."""
         text = value if isinstance(value, str) else json.dumps(value)

@@ -60,6 +60,22 @@ def masked(text: str, secrets: Sequence[str | None]) -> str:
     return text
 
 
+def read_end(path: str, max_bytes: int) -> str | None:
+    """The end of a driver log, at most ``max_bytes`` and from a line start (not masked: the caller
+    knows the secrets); None when the file cannot be read on this host."""
+    try:
+        with Path(path).open("rb") as log:
+            size = log.seek(0, 2)
+            log.seek(max(0, size - max_bytes))
+            data = log.read()
+    except OSError:
+        return None
+    if size > max_bytes:  # drop the cut first line and say what is left out
+        data = data[data.find(b"\n") + 1:]
+        data = f"... the first {size - len(data)} bytes are left out; all are in {path}\n".encode() + data
+    return data.decode(errors="replace")
+
+
 def log_tail(path: str | None, lines: int = 25, secrets: Sequence[str] = ()) -> str:
     """The last lines of a driver log, for an error message, with ``secrets`` masked."""
     if not path or not Path(path).exists():

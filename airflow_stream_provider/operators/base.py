@@ -31,6 +31,7 @@ from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle import waits
 from airflow_stream_provider.lifecycle.controller import STOP_STAGES, StreamJobController, StreamJobError
 from airflow_stream_provider.lifecycle.waits import RunWait
+from airflow_stream_provider.links import STREAM_LINKS
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.triggers.run import StreamRunTrigger
@@ -69,6 +70,7 @@ class StreamJobOperator(BaseOperator):
                                       "checkpoint_conn_id")
     template_fields_renderers = {"spec": "json", "conf": "json"}
     ui_color = "#e8f1fb"
+    operator_extra_links = STREAM_LINKS
 
     def __init__(self, *, spec: dict[str, Any], application: str | None = None,
                  state_conn_id: str = StreamStateHook.default_conn_name,
@@ -97,6 +99,11 @@ class StreamJobOperator(BaseOperator):
         self.driver_log_dir = driver_log_dir
         self.deferrable = deferrable
         self._in_flight: dict[str, Any] | None = None
+
+    @property
+    def job_id(self) -> str | None:
+        """The job this task acts on (for its extra links); ``job`` is the validated spec."""
+        return self.spec.get("job_id") if isinstance(self.spec, dict) else None
 
     # -- the hooks and the controller (built lazily: templated fields are rendered after __init__) -------
     @cached_property

@@ -222,6 +222,9 @@ class StreamHarness:
             builder = builder.config(key, value)
         self.spark = builder.getOrCreate()
         self.spark.sparkContext.setLogLevel(os.environ.get("STREAM_SPARK_LOG_LEVEL", "WARN"))
+        ui_url = self.spark.sparkContext.uiWebUrl  # None with spark.ui.enabled=false
+        if ui_url:  # for the operators' "Spark UI" link and the status page
+            self.store.record_ui_url(self.run_id, ui_url)
 
     def _resolve_generation_start(self) -> kafka_offsets.Offsets:
         """The concrete offsets where this generation's batch 0 starts for the job's own topics.

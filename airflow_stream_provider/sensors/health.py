@@ -13,6 +13,7 @@ from airflow_stream_provider.diagnosis import Thresholds
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle.health import HealthProbe
+from airflow_stream_provider.links import STREAM_LINKS
 from airflow_stream_provider.triggers.health import StreamHealthTrigger
 
 
@@ -36,6 +37,7 @@ class StreamHealthSensor(BaseSensorOperator):
 
     template_fields: Sequence[str] = ("job_id", "topics", "heartbeat_timeout", "stuck_after")
     ui_color = "#fdf2e9"
+    operator_extra_links = STREAM_LINKS
     trigger_class = StreamHealthTrigger
 
     def __init__(self, *, job_id: str, topics: Sequence[str],

@@ -59,6 +59,8 @@ class RunRecord:
     log_path: str | None = None
     #: the submission handle on cluster masters (driver id, YARN application id, pod name)
     submission_id: str | None = None
+    #: the driver's Spark UI, while it runs (None when the UI is off)
+    ui_url: str | None = None
     #: what was launched (job file and spec JSON), recorded once the query runs
     application: str | None = None
     spec: str | None = None

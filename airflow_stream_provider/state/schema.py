@@ -17,7 +17,11 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    inspect,
+    text,
 )
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 
 metadata = MetaData()
 
@@ -78,6 +82,8 @@ runs = Table(
     Column("log_path", Text),
     #: The submission handle for cluster masters (driver id, YARN application id, pod name).
     Column("submission_id", Text),
+    #: The driver's Spark UI (``SparkContext.uiWebUrl``), recorded at start; None when the UI is off.
+    Column("ui_url", Text),
     #: What was launched (job file and spec JSON, which holds no secret), recorded by the launcher once
     #: the query runs: an upgrade rolls back to exactly this.
     Column("application", Text),
@@ -178,3 +184,33 @@ health_reports = Table(
     Column("reported_at", Float, nullable=False),
     Column("message", Text),
 )
+
+
+def add_missing_columns(engine: Engine) -> list[str]:
+    """Add the columns a newer release defines to tables an older release created; return what was added.
+
+    New columns are always nullable without a default, so ``ALTER TABLE ... ADD COLUMN`` runs in place on
+    both dialects and old rows read as NULL.  Two processes starting at once may both try: the loser's
+    error is ignored once the column exists.
+    """
+    added = []
+    inspector = inspect(engine)
+    quote = engine.dialect.identifier_preparer.quote
+    for table in metadata.sorted_tables:
+        present = {column["name"] for column in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in present:
+                continue
+            if not column.nullable or column.default is not None:
+                raise RuntimeError(f"{table.name}.{column.name} is missing from the state database and cannot "
+                                   "be added in place (it is NOT NULL or has a default): migrate it by hand")
+            ddl = (f"ALTER TABLE {quote(table.name)} ADD COLUMN {quote(column.name)} "
+                   f"{column.type.compile(dialect=engine.dialect)}")
+            try:
+                with engine.begin() as conn:
+                    conn.execute(text(ddl))
+            except DBAPIError:
+                if column.name not in {c["name"] for c in inspect(engine).get_columns(table.name)}:
+                    raise
+            added.append(f"{table.name}.{column.name}")
+    return added

@@ -79,7 +79,9 @@ class StateStore:
         return self.engine.dialect.name
 
     def ensure_schema(self) -> None:
+        """Create the tables; add the columns this release defines to tables an older one created."""
         schema.metadata.create_all(self.engine)
+        schema.add_missing_columns(self.engine)
 
     def has_schema(self) -> bool:
         """Does this database hold stream state at all (is it the job's state database)?"""
@@ -196,6 +198,9 @@ class StateStore:
                 .values(stop_requested_at=time.time())
             )
             return result.rowcount == 1
+
+    def record_ui_url(self, run_id: str, ui_url: str | None) -> None:
+        self._update_run(run_id, ui_url=ui_url)
 
     def record_launch(self, run_id: str, application: str, spec_json: str) -> None:
         self._update_run(run_id, application=application, spec=spec_json)

@@ -107,6 +107,20 @@ def test_provider_info_lists_the_modules_on_disk():
         assert not extra, f"get_provider_info()[{section!r}] lists {sorted(extra)}, which define no {section}"
 
 
+def test_every_operator_and_sensor_has_the_stream_links():
+    from airflow_stream_provider.links import STREAM_LINKS
+
+    _, allowed = modules_on_disk("airflow_stream_provider")
+    classes = [cls for module in allowed["operators"] | allowed["sensors"]
+               for _, cls in inspect.getmembers(importlib.import_module(module), inspect.isclass)
+               if cls.__module__ == module and _kind(cls) in ("operators", "sensors")]
+    assert len(classes) >= 8, classes
+    for cls in classes:
+        assert tuple(cls.operator_extra_links) == STREAM_LINKS, f"{cls.__name__} lacks the stream links"
+    assert {e.split(".")[-1] for e in get_provider_info()["extra-links"]} == {
+        type(link).__name__ for link in STREAM_LINKS}
+
+
 def test_an_unlisted_operator_module_is_found(tmp_path, monkeypatch):
     """The check above asks for a new operator module, and not for the base module it builds on."""
     package = tmp_path / "sample_provider"

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse
 
 from airflow_stream_provider.plugins.status import report
 from airflow_stream_provider.state.store import StateStore
 
 STATIC = Path(__file__).parent / "static"
-URL_PREFIX = "/stream-status"
+#: How much of a driver log one request returns: its end, where a failure is.
+LOG_BYTES = 1_000_000
 
 
 def _requires_access():
@@ -86,6 +87,28 @@ def create_app() -> FastAPI:
             raise
         except Exception as err:
             raise HTTPException(503, _unreachable(state_conn_id, err)) from err
+
+    @app.get("/api/runs/{run_id}/log", response_class=PlainTextResponse)
+    def run_log(run_id: str) -> str:
+        """A run's driver log (its end), masked; what the operators' "Driver log" link opens."""
+        from airflow_stream_provider.lifecycle import driver_log
+
+        state_conn_id, _ = _settings()
+        try:
+            store, password = _state(state_conn_id)
+            run = store.get_run(run_id) if store.has_schema() else None
+        except Exception as err:
+            raise HTTPException(503, _unreachable(state_conn_id, err)) from err
+        if run is None:
+            raise HTTPException(404, f"no run {run_id!r} in the state database")
+        if not run.log_path:
+            raise HTTPException(404, f"run {run_id} recorded no log file: its driver ran on a cluster "
+                                     f"({run.submission_id or 'no handle'}); its log is in the cluster's UI")
+        text = driver_log.read_end(run.log_path, LOG_BYTES)
+        if text is None:
+            raise HTTPException(404, f"the driver log of run {run_id} is {run.log_path} on {run.host}, which "
+                                     "this api-server cannot read: open it on that host")
+        return report.masked(text, [password])
 
     return app
 

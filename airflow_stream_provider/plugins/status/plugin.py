@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
-from airflow_stream_provider.plugins.status.app import URL_PREFIX, create_app
+from airflow_stream_provider.plugins.status import URL_PREFIX
+from airflow_stream_provider.plugins.status.app import create_app
 
 
 class StreamStatusPlugin(AirflowPlugin):

@@ -101,7 +101,8 @@ def _current(run: RunRecord | None, alive: bool | None, now: float, secrets) -> 
             "epoch": run.epoch, "host": run.host, "pid": run.pid, "handle": run.submission_id,
             "process_alive": alive, "started_at": run.started_at,
             "heartbeat_age_s": round(now - run.heartbeat_at, 1) if run.heartbeat_at else None,
-            "last_batch_id": run.last_batch_id, "log_path": run.log_path}
+            "last_batch_id": run.last_batch_id, "log_path": run.log_path,
+            "ui_url": run.ui_url if run.active else None}
 
 
 def _run(run: RunRecord, secrets) -> dict[str, Any]:

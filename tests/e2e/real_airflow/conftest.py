@@ -8,8 +8,14 @@ from stack.deployment import StreamDeployment
 
 
 @pytest.fixture
-def deployment(broker, topic, job_id, tmp_path):
-    instance = StreamDeployment(tmp_path, broker, job_id, topic)
+def deployment_options() -> dict:
+    """Keyword arguments of the test's ``StreamDeployment``; a test module overrides this fixture."""
+    return {}
+
+
+@pytest.fixture
+def deployment(broker, topic, job_id, tmp_path, deployment_options):
+    instance = StreamDeployment(tmp_path, broker, job_id, topic, **deployment_options)
     try:
         yield instance.start()
     finally:

@@ -15,10 +15,16 @@ import pytest
 
 from stack.deployment import kill_driver
 from stack.events import EventProducer
-from stack.jobs import REPO
+from stack.jobs import REPO, TEST_SPARK_CONF
 
 #: Kept after the run, for a person to look at (CI keeps the workspace's artifacts).
 ARTIFACTS = REPO / "test-artifacts"
+
+
+@pytest.fixture
+def deployment_options() -> dict:
+    """The Spark UI on (the stack turns it off to save each driver a second): the links lead to it."""
+    return {"spark_conf": {**TEST_SPARK_CONF, "spark.ui.enabled": "true"}}
 
 
 @pytest.fixture
@@ -41,6 +47,7 @@ def test_the_status_page_shows_the_job_to_a_signed_in_user_only(deployment, brok
     tasks = deployment.trigger("stream_deploy")
     assert tasks["_run"][0] == "success", deployment.explain("stream_deploy", tasks["_run"][1])
     deployment.wait_caught_up(producer.produced)
+    _the_submit_task_links_to_its_run(deployment, tasks["_run"][1])
     # A death the health DAG repaired, then a few batches: the page has a story to tell.
     victim = deployment.processing()
     killed_at = time.time()
@@ -71,6 +78,8 @@ def test_the_status_page_shows_the_job_to_a_signed_in_user_only(deployment, brok
     assert run.run_id[:12] in text and f"pid {run.pid}" in text, text
     assert victim["run_id"][:12] in text and "DEAD" in text, "the killed run, with its diagnosis"
     assert job.locator("svg rect").count() >= 5, "a bar per recent batch"
+    assert job.locator('[data-link="log"]').get_attribute("href") == f"api/runs/{run.run_id}/log"
+    assert job.locator('[data-link="spark-ui"]').get_attribute("href") == run.ui_url
     dead = deployment.store.count(_dead_letters(), job_id=deployment.job_id)
     assert dead > 0 and f"DEAD LETTERS ({dead})" in text.upper(), text
     partitions = dict(producer.produced.end_offsets)
@@ -81,6 +90,20 @@ def test_the_status_page_shows_the_job_to_a_signed_in_user_only(deployment, brok
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "status-page.png"), full_page=True)
     context.close()
+
+
+def _the_submit_task_links_to_its_run(deployment, dag_run_id: str) -> None:
+    """The task's extra links, as the UI gets them: the driver log through the status page (signed-in
+    users only) and the live driver's own Spark UI."""
+    airflow, run = deployment.airflow, deployment.latest_run()
+    links = airflow.links("stream_deploy", dag_run_id, "submit")
+    assert links["Driver log"] == f"{airflow.url}/stream-status/api/runs/{run.run_id}/log", links
+    assert run.ui_url and links["Spark UI"] == run.ui_url, links
+    assert "Spark" in httpx.get(run.ui_url, trust_env=False, follow_redirects=True, timeout=30).text
+    assert httpx.get(links["Driver log"], trust_env=False).status_code == 401
+    log = httpx.get(links["Driver log"], headers={"Authorization": f"Bearer {airflow.token()}"},
+                    trust_env=False, timeout=30)
+    assert log.status_code == 200 and f"run {run.run_id} holds epoch {run.epoch}" in log.text, log.text[-2000:]
 
 
 def _dead_letters():

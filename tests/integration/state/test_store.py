@@ -81,3 +81,22 @@ def test_a_lost_checkpoint_is_named_in_the_recovery_diagnosis(state_store, tmp_p
     offsets.mkdir(parents=True)
     (offsets / "7").write_text("v1\n{}\n{}\n")
     assert not any("it was lost" in line for line in recover.diagnose().evidence)
+
+
+def test_a_state_database_of_an_older_release_gains_the_new_columns_in_place(store):
+    """An older release created ``stream_runs`` without ``ui_url``: the next start adds the column, and
+    the runs recorded before read it as None.  A second start (or a racing one) changes nothing."""
+    from sqlalchemy import inspect, text
+
+    before = store.begin_run("job", 1, "1.0")
+    with store.engine.begin() as conn:  # the table as an older release left it
+        conn.execute(text("ALTER TABLE stream_runs DROP COLUMN ui_url"))
+    assert "ui_url" not in {c["name"] for c in inspect(store.engine).get_columns("stream_runs")}
+
+    store.ensure_schema()
+
+    assert store.get_run(before.run_id).ui_url is None
+    after = store.begin_run("job", 1, "1.0")
+    store.record_ui_url(after.run_id, "http://driver-host:4040")
+    assert store.get_run(after.run_id).ui_url == "http://driver-host:4040"
+    assert schema.add_missing_columns(store.engine) == []
