@@ -16,7 +16,7 @@ install: $(VENV)/.installed $(SPARK_VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	@echo ">> creating the Airflow-side environment in $(VENV)"
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[airflow,test]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[airflow,openlineage,test]'
 	@touch $@
 
 $(SPARK_VENV)/.installed: pyproject.toml
@@ -52,7 +52,7 @@ bench: install $(VENV)/.bench-installed
 	$(VENV)/bin/python -m benchmarks $(BENCH_ARGS)
 
 $(VENV)/.bench-installed: pyproject.toml $(VENV)/.installed
-	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[airflow,test,bench]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[airflow,openlineage,test,bench]'
 	@touch $@
 
 soak: install

@@ -41,7 +41,8 @@ class StreamDeployment:
 
     def __init__(self, workdir: Path, broker, job_id: str, topic: str, *, dags_folder: Path = REPO / "dags",
                  dag_ids: tuple[str, ...] = DAG_IDS, spec: dict | None = None, watch: dict | None = None,
-                 variables: dict | None = None, spark_conf: dict | None = None):
+                 variables: dict | None = None, spark_conf: dict | None = None,
+                 airflow_env: dict[str, str] | None = None):
         self.workdir = workdir
         self.dag_ids = dag_ids
         self.broker = broker
@@ -71,6 +72,7 @@ class StreamDeployment:
         }
         env = {f"AIRFLOW_CONN_{conn_id.upper()}": json.dumps(fields) for conn_id, fields in connections.items()}
         env["PATH"] = driver["PATH"]  # spark-submit of the driver environment
+        env.update(airflow_env or {})
         self.airflow = RealAirflow(workdir / "airflow", dags_folder, env=env)
         self.store = StateStore.from_url(self.database_url)
         self.store.ensure_schema()

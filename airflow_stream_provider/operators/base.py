@@ -31,7 +31,7 @@ from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle import waits
 from airflow_stream_provider.lifecycle.controller import STOP_STAGES, StreamJobController, StreamJobError
 from airflow_stream_provider.lifecycle.waits import RunWait
-from airflow_stream_provider.links import STREAM_LINKS
+from airflow_stream_provider.links import STREAM_LINKS, linked_run
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.triggers.run import StreamRunTrigger
@@ -145,6 +145,26 @@ class StreamJobOperator(BaseOperator):
         return StreamJobController(self.job, state=self.state, kafka=self.kafka, driver=self.driver,
                                    checkpoint_conn_id=self.checkpoint_conn_id, thresholds=self.thresholds,
                                    log=self.log)
+
+    # -- OpenLineage (called by its listener when installed): what a launch reads and writes ------------
+    #: this operator launches drivers; a stop moves no data and names none
+    launches = True
+
+    def get_openlineage_facets_on_start(self):
+        return self._lineage()
+
+    def get_openlineage_facets_on_complete(self, task_instance):
+        return self._lineage()
+
+    def get_openlineage_facets_on_failure(self, task_instance):
+        return self._lineage()
+
+    def _lineage(self):
+        from airflow.providers.openlineage.extractors import OperatorLineage
+
+        from airflow_stream_provider.lineage import job_lineage
+
+        return job_lineage(self.job, linked_run(self)) if self.launches else OperatorLineage()
 
     def diagnose(self) -> Diagnosis:
         return self.controller.diagnose()

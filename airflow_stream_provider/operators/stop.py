@@ -11,6 +11,8 @@ class StopStreamingJobOperator(StreamJobOperator):
     """Set the stop marker, wait for the driver to finish its batch and exit 0; escalate to SIGTERM and
     then a kill only after ``stop_timeout``.  Stopping a job that is not running is a no-op that says so."""
 
+    launches = False
+
     def start(self, context) -> dict[str, Any]:
         run = self.live_run()
         if run is None:

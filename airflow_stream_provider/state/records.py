@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -61,6 +62,8 @@ class RunRecord:
     submission_id: str | None = None
     #: the driver's Spark UI, while it runs (None when the UI is off)
     ui_url: str | None = None
+    #: the result tables the job's code writes (JSON list), recorded when its query starts
+    outputs: str | None = None
     #: what was launched (job file and spec JSON), recorded once the query runs
     application: str | None = None
     spec: str | None = None
@@ -76,6 +79,10 @@ class RunRecord:
     @property
     def active(self) -> bool:
         return self.status in ACTIVE_STATUSES
+
+    @property
+    def result_tables(self) -> list[str]:
+        return json.loads(self.outputs) if self.outputs else []
 
     @property
     def running_query(self) -> bool:

@@ -84,6 +84,8 @@ runs = Table(
     Column("submission_id", Text),
     #: The driver's Spark UI (``SparkContext.uiWebUrl``), recorded at start; None when the UI is off.
     Column("ui_url", Text),
+    #: The result tables the job's code writes (JSON list), recorded when the query starts: lineage.
+    Column("outputs", Text),
     #: What was launched (job file and spec JSON, which holds no secret), recorded by the launcher once
     #: the query runs: an upgrade rolls back to exactly this.
     Column("application", Text),

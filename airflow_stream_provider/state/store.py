@@ -202,6 +202,9 @@ class StateStore:
     def record_ui_url(self, run_id: str, ui_url: str | None) -> None:
         self._update_run(run_id, ui_url=ui_url)
 
+    def record_outputs(self, run_id: str, tables: Sequence[str]) -> None:
+        self._update_run(run_id, outputs=json.dumps(sorted(set(tables))))
+
     def record_launch(self, run_id: str, application: str, spec_json: str) -> None:
         self._update_run(run_id, application=application, spec=spec_json)
 

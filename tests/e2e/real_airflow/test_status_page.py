@@ -7,8 +7,10 @@ with ``executable_path``: Playwright's own browser download cannot work on these
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,9 +24,18 @@ ARTIFACTS = REPO / "test-artifacts"
 
 
 @pytest.fixture
-def deployment_options() -> dict:
-    """The Spark UI on (the stack turns it off to save each driver a second): the links lead to it."""
-    return {"spark_conf": {**TEST_SPARK_CONF, "spark.ui.enabled": "true"}}
+def lineage_file(tmp_path) -> Path:
+    return tmp_path / "openlineage.jsonl"
+
+
+@pytest.fixture
+def deployment_options(lineage_file) -> dict:
+    """The Spark UI on (the stack turns it off to save each driver a second): the links lead to it.
+    OpenLineage's file transport: the events the operators emit, as any OpenLineage backend gets them."""
+    transport = {"type": "file", "log_file_path": str(lineage_file), "append": True}
+    return {"spark_conf": {**TEST_SPARK_CONF, "spark.ui.enabled": "true"},
+            "airflow_env": {"AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(transport),
+                            "AIRFLOW__OPENLINEAGE__NAMESPACE": "stream-tests"}}
 
 
 @pytest.fixture
@@ -41,7 +52,8 @@ def chromium():
             browser.close()
 
 
-def test_the_status_page_shows_the_job_to_a_signed_in_user_only(deployment, broker, topic, chromium):
+def test_the_status_page_shows_the_job_to_a_signed_in_user_only(deployment, broker, topic, chromium,
+                                                                lineage_file):
     producer = EventProducer(broker, topic, seed=11)
     producer.send(300)
     tasks = deployment.trigger("stream_deploy")
@@ -59,6 +71,7 @@ def test_the_status_page_shows_the_job_to_a_signed_in_user_only(deployment, brok
         deployment.wait_caught_up(producer.produced)
     run = deployment.latest_run()
     airflow = deployment.airflow
+    _the_launches_emitted_lineage(deployment, lineage_file, f"kafka://127.0.0.1:{broker.port}", topic)
 
     # No anonymous access, to the page or its data.
     for path in ("/stream-status/", "/stream-status/api/jobs", f"/stream-status/api/jobs/{deployment.job_id}"):
@@ -104,6 +117,27 @@ def _the_submit_task_links_to_its_run(deployment, dag_run_id: str) -> None:
     log = httpx.get(links["Driver log"], headers={"Authorization": f"Bearer {airflow.token()}"},
                     trust_env=False, timeout=30)
     assert log.status_code == 200 and f"run {run.run_id} holds epoch {run.epoch}" in log.text, log.text[-2000:]
+
+
+def _the_launches_emitted_lineage(deployment, lineage_file: Path, kafka: str, topic: str) -> None:
+    """OpenLineage events of the submit (stream_deploy) and the recovery (stream_health): the topic in;
+    the result tables the driver named and the dead-letter table out, in the state database's namespace."""
+    database = f"sqlite://{deployment.workdir / 'stream.db'}"
+    wanted = {(database, table) for table in ("events", "kpi_minute", "dead_letters")}
+    deadline = time.monotonic() + 60  # the recovery's COMPLETE may still be on its way
+    while True:
+        events = [json.loads(line) for line in lineage_file.read_text().splitlines()] if lineage_file.exists() else []
+        done = {e["job"]["name"]: e for e in events if e["eventType"] == "COMPLETE"}
+        if {"stream_deploy.submit", "stream_health.recover"} <= set(done) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert {"stream_deploy.submit", "stream_health.recover"} <= set(done), sorted(done)
+    for name in ("stream_deploy.submit", "stream_health.recover"):
+        event = done[name]
+        assert event["job"]["namespace"] == "stream-tests"
+        assert [(d["namespace"], d["name"]) for d in event["inputs"]] == [(kafka, topic)], event["inputs"]
+        assert {(d["namespace"], d["name"]) for d in event["outputs"]} == wanted, event["outputs"]
+    assert "database_url" not in lineage_file.read_text()
 
 
 def _dead_letters():
