@@ -438,6 +438,8 @@ class StreamHarness:
         # checkpoint: that batch is the verdict, no later one need wait for new records.
         self._rerun_of_batch_0 = spec.dry_run and offset_log.source_offsets(0) is not None
         self.sink = self._new_sink(run, offset_log, results)
+        self.listener.sink_phases = lambda batch_id: (clock.phases if (clock := self.sink.clocks.get(batch_id))
+                                                      else None)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         return (
             records.writeStream.queryName(f"{spec.job_id}-gen{spec.generation}")

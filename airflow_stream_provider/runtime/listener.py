@@ -15,12 +15,16 @@ from airflow_stream_provider import failures
 from airflow_stream_provider.state.store import StateStore
 
 log = logging.getLogger(__name__)
+#: What each batch's progress line in the driver log holds: where its time went (the benchmark reads it).
+PROGRESS_LOGGED = ("batch_id", "input_rows", "duration_ms", "sink_s")
 
 
 class StateListener(StreamingQueryListener):
     def __init__(self, store: StateStore, run_id: str):
         self.store = store
         self.run_id = run_id
+        #: batch id -> the sink's seconds per phase (``BatchClock.phases``), when it ran the batch
+        self.sink_phases = lambda batch_id: None
         self.termination: dict | None = None
         #: Progress events seen: each one follows a fully completed batch (a graceful stop waits for one).
         self.batches_completed = 0
@@ -38,12 +42,14 @@ class StateListener(StreamingQueryListener):
             "input_rows_per_second": progress.inputRowsPerSecond,
             "processed_rows_per_second": progress.processedRowsPerSecond,
             "duration_ms": dict(progress.durationMs or {}),
+            "sink_s": self.sink_phases(progress.batchId),
             "sources": [
                 {"start": _json(s.startOffset), "end": _json(s.endOffset), "latest": _json(s.latestOffset)}
                 for s in progress.sources
             ],
         }
         # Only the sink marks a batch committed (it knows a replay from new work); this is progress detail.
+        log.info("progress %s", json.dumps({k: summary[k] for k in PROGRESS_LOGGED}))
         self._safely(self.store.record_progress, self.run_id, progress.batchId, summary, False)
 
     def onQueryIdle(self, event) -> None:

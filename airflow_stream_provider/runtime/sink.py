@@ -192,25 +192,35 @@ class TransactionalSink:
         self.stateful = stateful
         self._tables: dict[str, Table] = {}
         self._metadata = MetaData()
+        self._batch_started: float | None = None
+        #: where the recent batches' time went, by batch id (the listener adds it to the progress record)
+        self.clocks: dict[int, BatchClock] = {}
 
     def __call__(self, records: DataFrame, batch_id: int) -> None:
         faults.maybe_crash("batch_start", batch_id)
+        clock = self.clocks[batch_id] = BatchClock()
+        while len(self.clocks) > KEEP_CLOCKS:  # the listener reads a batch's clock just after it ends
+            del self.clocks[next(iter(self.clocks))]
+        self._batch_started = clock.started
         batch = self._batch_range(batch_id)
         if self.dry_run:  # a preflight replays a committed batch on purpose: run all of it, write nothing
             plan = transaction.whole_batch(batch)
         else:
             plan = transaction.plan(self.store, self.run.job_id, batch)
+            clock.lap("plan")
             # A batch that read nothing is no replay: a stateful query's no-data batch (run to move the
             # watermark) emits what its state releases (outer-join rows, closed windows, timers).
             if plan.is_replay and not batch.is_empty:
                 self._evaluate_replay(records, plan)
+                clock.lap("replay")
                 log.info("batch %s is a replay of committed offsets: skipped", batch_id)
                 return
         handed = records.persist()
         try:
-            outcome = self._apply(handed, plan)
+            outcome = self._apply(handed, plan, clock)
         finally:
             handed.unpersist()
+            clock.lap("release")
         if outcome is not None and self.after_commit is not None:
             self.after_commit(outcome)
 
@@ -253,7 +263,9 @@ class TransactionalSink:
         )
 
     # -- one batch: compute, commit, isolate poison records when either fails on a record ---------------
-    def _apply(self, handed: DataFrame, plan: transaction.BatchPlan) -> transaction.BatchOutcome | None:
+    def _apply(
+        self, handed: DataFrame, plan: transaction.BatchPlan, clock: BatchClock
+    ) -> transaction.BatchOutcome | None:
         """``handed`` is persisted: its first evaluation runs the job's transform on the batch (inside the
         stream: Spark hands ``foreachBatch`` the stream's output) and keeps the result."""
         batch_id = plan.range.batch_id
@@ -272,9 +284,11 @@ class TransactionalSink:
                 raise poison_error(poison, "the query keeps state, so its batch cannot be completed without "
                                     "the record") from err
         else:
+            clock.lap("read_parse")
             bounds.check(tally.span, self.run.job_id)  # before anything is computed from the records
             try:
                 computed = self._compute(fresh, bounds, tally)
+                clock.lap("results")
             except Exception as err:  # the job's results failed on the batch's records
                 if not may_be_record_error(err):
                     raise
@@ -293,6 +307,7 @@ class TransactionalSink:
             log.info("batch %s read nothing and its state released nothing: nothing to commit", batch_id)
             return None
         letters = self._poison_letters(source, poison)
+        clock.lap("isolate")  # nothing unless a record failed the job's code
         faults.maybe_crash("before_db_commit", batch_id)
         try:
             outcome = self._commit(plan, computed, letters)
@@ -319,17 +334,20 @@ class TransactionalSink:
                     raise poison_error(poison, f"its dead letter could not be written: {reason(again)}") \
                         from again
                 raise
+        clock.lap("commit")
+        clock.split("commit", "write", outcome.write_s)
         faults.maybe_crash("after_db_commit", batch_id)
         if outcome.skipped_replay:  # a batch that read nothing, run again after it was committed
             log.info("batch %s read nothing and was committed already: skipped", batch_id)
             return outcome
         log.info(
-            "batch %s committed: read %s, dead %s%s, offsets %s",
+            "batch %s committed: read %s, dead %s%s, offsets %s; seconds %s",
             batch_id,
             sum(outcome.read.values()),
             sum(outcome.dead.values()),
             f" (poison {', '.join(p.position for p in poison)})" if poison else "",
             outcome.committed_offsets,
+            clock.phases,
         )
         return outcome
 
@@ -349,7 +367,8 @@ class TransactionalSink:
             tp = (row["topic"], row["partition"])
             read[tp] = read.get(tp, 0) + 1
         return transaction.commit(
-            self.store, self.run, plan, read=read, dead_letters=computed.dead + letters, writes=computed.writes
+            self.store, self.run, plan, read=read, dead_letters=computed.dead + letters, writes=computed.writes,
+            started_at=self._batch_started,
         )
 
     def _trial_write(self, plan: transaction.BatchPlan, computed: _Computed) -> Exception | None:
@@ -560,6 +579,34 @@ class TransactionalSink:
                 self.store.ensure_table(table)
             self._tables[result.table] = table
         return table
+
+
+#: Batch clocks kept for the listener, which reads one just after its batch ends.
+KEEP_CLOCKS = 8
+
+
+class BatchClock:
+    """Where one batch's time goes in the sink, in seconds per phase: ``plan`` (offsets log and stored
+    offsets), ``read_parse`` (Spark reads the records and runs the job's transform, positions come back),
+    ``results`` (the job's results, computed and collected), ``isolate`` (poison records), ``write`` (rows
+    into the database), ``commit`` (the rest of the transaction), ``release`` (unpersist)."""
+
+    def __init__(self):
+        self.started = time.time()
+        self._mark = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        """The time since the previous lap goes to ``phase``."""
+        now = time.perf_counter()
+        self.phases[phase] = round(self.phases.get(phase, 0.0) + now - self._mark, 4)
+        self._mark = now
+
+    def split(self, phase: str, part: str, seconds: float) -> None:
+        """``seconds`` of ``phase`` were ``part``."""
+        seconds = min(seconds, self.phases.get(phase, 0.0))
+        self.phases[part] = round(seconds, 4)
+        self.phases[phase] = round(self.phases[phase] - seconds, 4)
 
 
 class _Bounds:

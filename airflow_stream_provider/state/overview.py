@@ -22,6 +22,8 @@ class BatchSummary:
     rows_applied: int
     rows_dead: int
     committed_at: float | None
+    #: from the driver beginning the batch to its commit (None in ledgers of older releases)
+    latency_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -39,14 +41,21 @@ def recent_batches(store: StateStore, job_id: str, limit: int = 60) -> list[Batc
     query = (select(ledger.c.generation, ledger.c.batch_id, func.sum(ledger.c.rows_read).label("rows_read"),
                     func.sum(ledger.c.rows_applied).label("rows_applied"),
                     func.sum(ledger.c.rows_dead).label("rows_dead"),
-                    func.max(ledger.c.committed_at).label("committed_at"))
+                    func.max(ledger.c.committed_at).label("committed_at"),
+                    func.min(ledger.c.started_at).label("started_at"))
              .where(ledger.c.job_id == job_id)
              .group_by(ledger.c.generation, ledger.c.batch_id)
              .order_by(ledger.c.generation.desc(), ledger.c.batch_id.desc()).limit(limit))
     with store.engine.connect() as conn:
         rows = conn.execute(query).mappings().all()
     return [BatchSummary(r["generation"], r["batch_id"], int(r["rows_read"]), int(r["rows_applied"]),
-                         int(r["rows_dead"]), r["committed_at"]) for r in reversed(rows)]
+                         int(r["rows_dead"]), r["committed_at"], _latency(r)) for r in reversed(rows)]
+
+
+def _latency(row) -> float | None:
+    if row["started_at"] is None or row["committed_at"] is None:
+        return None
+    return round(row["committed_at"] - row["started_at"], 3)
 
 
 def dead_letters(store: StateStore, job_id: str, samples: int = 5) -> tuple[int, list[dict[str, Any]]]:

@@ -123,6 +123,8 @@ batches = Table(
     Column("epoch", BigInteger, nullable=False),
     Column("run_id", String(64)),
     Column("committed_at", Float),
+    #: When the driver began the batch (Spark handed it over): committed_at - started_at is its latency.
+    Column("started_at", Float),
 )
 
 #: Ranges a reset gave up with ``allow_data_loss`` (fell out of retention, topic recreated, partition gone).

@@ -112,6 +112,8 @@ class BatchOutcome:
     dead: dict[TopicPartition, int] = field(default_factory=dict)
     committed_offsets: Offsets = field(default_factory=dict)
     skipped_replay: bool = False
+    #: seconds spent writing result rows and dead letters, inside the transaction
+    write_s: float = 0.0
 
 
 def plan(store: StateStore, job_id: str, batch: BatchRange) -> BatchPlan:
@@ -177,9 +179,11 @@ def commit(
     read: Mapping[TopicPartition, int],
     dead_letters: Sequence[Mapping[str, Any]],
     writes: Sequence[Write],
+    started_at: float | None = None,
 ) -> BatchOutcome:
     """Apply one planned batch atomically.  ``read`` counts the fresh records per partition; the rows in
-    ``writes`` and ``dead_letters`` come from those records only."""
+    ``writes`` and ``dead_letters`` come from those records only; ``started_at`` is when the driver began
+    the batch (for its latency in the ledger)."""
     outcome = BatchOutcome(batch_plan.range.batch_id, read=dict(read))
     for row in dead_letters:
         tp = (row["topic"], row["partition"])
@@ -202,11 +206,13 @@ def commit(
             outcome.skipped_replay = True
             return outcome
         ledger_batch = _ledger_batch_id(conn, run, batch_plan.range.batch_id)
+        began = time.perf_counter()
         for write in writes:
             if write.rows:
                 conn.execute(_upsert(conn.dialect.name, write), _dedupe(write))
         if dead_letters:
             conn.execute(schema.dead_letters.insert(), _dead_letter_rows(run, ledger_batch, dead_letters, now))
+        outcome.write_s = time.perf_counter() - began
         ledger = []
         for tp, first in (batch_plan.range.end if empty else batch_plan.apply_from).items():
             end = batch_plan.range.end[tp]
@@ -227,6 +233,7 @@ def commit(
                     "epoch": run.epoch,
                     "run_id": run.run_id,
                     "committed_at": now,
+                    "started_at": started_at,
                 }
             )
         if ledger:

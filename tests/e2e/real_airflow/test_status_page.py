@@ -91,6 +91,7 @@ def test_the_status_page_shows_the_job_to_a_signed_in_user_only(deployment, brok
     assert run.run_id[:12] in text and f"pid {run.pid}" in text, text
     assert victim["run_id"][:12] in text and "DEAD" in text, "the killed run, with its diagnosis"
     assert job.locator("svg rect").count() >= 5, "a bar per recent batch"
+    assert job.locator('svg polyline[data-series="latency"]').count() == 1, "the batches' latency"
     assert job.locator('[data-link="log"]').get_attribute("href") == f"api/runs/{run.run_id}/log"
     assert job.locator('[data-link="spark-ui"]').get_attribute("href") == run.ui_url
     dead = deployment.store.count(_dead_letters(), job_id=deployment.job_id)

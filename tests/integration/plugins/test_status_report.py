@@ -5,6 +5,7 @@ offsets, the ledger's batches and the dead letters, with no credential anywhere 
 from __future__ import annotations
 
 import json
+import time
 
 from airflow_stream_provider.plugins.status.report import job_report, masked
 from airflow_stream_provider.state.transaction import BatchRange, RunContext, commit, plan
@@ -15,6 +16,7 @@ T = "orders"
 def _commit(store, run: RunContext, batch_id: int, start: int, end: int, dead: list[int]) -> None:
     batch = BatchRange(batch_id, {(T, 0): start}, {(T, 0): end})
     commit(store, run, plan(store, run.job_id, batch), read={(T, 0): end - start}, writes=[],
+           started_at=time.time() - 0.5,
            dead_letters=[{"topic": T, "partition": 0, "offset": o, "key": None, "value": b'{"amount": "x"}',
                           "error": "amount is not a number"} for o in dead])
 
@@ -48,6 +50,7 @@ def test_the_report_tells_the_jobs_story_without_credentials(store):
     assert found["offsets"]["lag"] == 20 and found["offsets"]["kafka_error"] is None
     assert [(b["batch_id"], b["rows_read"], b["rows_applied"], b["rows_dead"]) for b in found["batches"]] == [
         (0, 10, 9, 1), (1, 15, 15, 0)]
+    assert all(0.5 <= b["latency_s"] < 5 for b in found["batches"]), found["batches"]
     assert found["dead_letters"]["total"] == 1
     assert found["dead_letters"]["samples"][0]["offset"] == 3
     assert found["dead_letters"]["samples"][0]["value"] == '{"amount": "x"}'
