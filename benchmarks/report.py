@@ -136,6 +136,26 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def _breakdown_lines(found: dict[str, dict[str, float]]) -> list[str]:
+    """Seconds per steady batch and phase, per drain: Spark's phases, the sink's, and the rest."""
+    if not found:
+        return []
+    drains = sorted(found)
+    phases = sorted({p for d in drains for p in found[d] if p != "batches"},
+                    key=lambda p: -max(found[d].get(p, 0) for d in drains))
+    lines = ["## Where a steady batch's time goes (seconds per batch)", "",
+             "| phase | " + " | ".join(f"`{d}`" for d in drains) + " |", "|---|" + "---:|" * len(drains)]
+    per_batch = {d: max(found[d].get("batches", 0), 1) for d in drains}
+    for phase in phases:
+        lines.append(f"| {phase} | " + " | ".join(_fmt(found[d].get(phase, 0) / per_batch[d]) for d in drains) + " |")
+    lines += ["", "From each driver's progress lines: Spark's own phases (`spark_*`, StreamingQueryProgress.durationMs), "
+              "the transactional sink's (`sink_*`: read_parse runs the job's transform on the batch; results "
+              "computes and collects the result tables; write is the rows' INSERTs; commit the rest of the "
+              "transaction), and `other`, the trigger's remaining time (for the append sink, its whole "
+              "batch).", ""]
+    return lines
+
+
 def markdown(r: dict[str, Any]) -> str:
     runs = r["runs"]
     lines = [
@@ -172,6 +192,7 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"| {database} | {_fmt(values['eos_msgs_s'])} | {_fmt(values['alo_msgs_s'])} | "
                      f"{_fmt(r['raw_consume_msgs_s'])} | {_fmt(values['eos_vs_raw'])} | {_fmt(values['eos_vs_alo'])} |")
     lines += ["", f"Runs: {', '.join(f'{k} {v}' for k, v in runs.items() if '/' in k or k.startswith('raw'))}.", ""]
+    lines += _breakdown_lines(r["scaling"].get("breakdown_s") or {})
     scaling = r["scaling"]
     for name, axis in (("history", "batches"), ("partitions", "partitions")):
         series = scaling.get(name)

@@ -9,8 +9,10 @@ start, measured on its own.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 
 from sqlalchemy import func, inspect, select, text
 
@@ -50,6 +52,37 @@ def _batches(job: Job, exactly_once: bool) -> list[tuple[int, float]]:
         else:
             rows = []
     return [(int(n), float(at)) for n, at in rows if n]
+
+
+#: Spark's phases outside the sink (StreamingQueryProgress.durationMs), as the breakdown names them.
+SPARK_PHASES = {"latestOffset": "spark_latest_offset", "queryPlanning": "spark_plan", "getBatch": "spark_get_batch",
+                "walCommit": "spark_wal_commit", "commitOffsets": "spark_commit_offsets"}
+
+
+def breakdown(log_path: str) -> dict[str, float]:
+    """Seconds per phase over the steady batches (every batch with records after the first), from the
+    driver's progress lines: Spark's own phases plus the sink's (``BatchClock``); ``other`` is what the
+    trigger took beyond them."""
+    totals: dict[str, float] = {}
+    progress = [json.loads(line.split(" progress ", 1)[1]) for line in Path(log_path).read_text().splitlines()
+                if " progress {" in line]
+    steady = [p for p in progress if p["input_rows"]][1:]
+    for p in steady:
+        spark = p["duration_ms"]
+        phases = {name: spark.get(key, 0) / 1000 for key, name in SPARK_PHASES.items()}
+        phases.update({f"sink_{k}": v for k, v in (p.get("sink_s") or {}).items()})
+        phases["other"] = max(0.0, spark.get("triggerExecution", 0) / 1000 - sum(phases.values()))
+        for name, seconds in phases.items():
+            totals[name] = totals.get(name, 0.0) + seconds
+    totals["batches"] = len(steady)
+    return totals
+
+
+def say_breakdown(kind: str, found: dict[str, float]) -> None:
+    total = sum(v for k, v in found.items() if k != "batches") or 1e-9
+    parts = ", ".join(f"{k} {v:.2f} s ({v / total:.0%})" for k, v in sorted(found.items(), key=lambda kv: -kv[1])
+                      if k != "batches" and v >= 0.005)
+    say(f"  {kind} where the time goes over {found['batches']:.0f} steady batches ({total:.1f} s): {parts}")
 
 
 def steady_rate(batches: list[tuple[int, float]]) -> float | None:
@@ -92,7 +125,10 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
         total += found
     producer.close()
     runner.store.dispose()
+    phases = breakdown(driver.log_path)
+    say_breakdown(f"{kind} on {database}", phases)
     result = {"msgs_s": steady_rate(batches), "batches": len(batches), "peak_rss_mb": memory.peak / 2**20,
+              "breakdown_s": phases,
               "peak_rss_jvm_mb": memory.peak_parts["jvm"] / 2**20,
               "peak_rss_python_mb": memory.peak_parts["python"] / 2**20, "topic": job.topic}
     say(f"  {kind} on {database}: {backlog} events in {len(batches)} batches, {result['msgs_s']:.0f} msgs/s, "
