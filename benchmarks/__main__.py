@@ -74,8 +74,9 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
                                                total=total)
                     key = f"{'eos' if exactly_once else 'alo'}_msgs_s/{database}"
                     samples.setdefault(key, []).append(drained["msgs_s"])
-                    samples["scaling"].setdefault("breakdown_s", {})[key.replace("_msgs_s", "")] = \
-                        drained["breakdown_s"]
+                    if drained["breakdown_s"]["batches"]:
+                        samples["scaling"].setdefault("breakdown_s", {})[key.replace("_msgs_s", "")] = \
+                            drained["breakdown_s"]
                     topic = drained["topic"]
                     if exactly_once and database == "sqlite":
                         drained_eos_sqlite[profile["backlog"]] = drained

@@ -79,6 +79,8 @@ def breakdown(log_path: str) -> dict[str, float]:
 
 
 def say_breakdown(kind: str, found: dict[str, float]) -> None:
+    if not found["batches"]:  # a driver without the harness's progress lines (the append sink)
+        return
     total = sum(v for k, v in found.items() if k != "batches") or 1e-9
     parts = ", ".join(f"{k} {v:.2f} s ({v / total:.0%})" for k, v in sorted(found.items(), key=lambda kv: -kv[1])
                       if k != "batches" and v >= 0.005)

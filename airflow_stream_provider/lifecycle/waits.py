@@ -24,6 +24,8 @@ Outcome = Literal["ready", "batch", "ended", "idle", "timeout"]
 #: Caught up (no Kafka record beyond the stored offsets) for this long: no batch is coming, so waiting
 #: for one would only wait out the timeout.
 IDLE_CONFIRM_S = 5.0
+#: How often the idle check asks Kafka (each ask opens a consumer): a few times per confirmation window.
+CAUGHT_UP_EVERY_S = 1.5
 POLL_INTERVAL_S = 0.5
 
 
@@ -69,6 +71,7 @@ class RunWatch:
         self.wait = wait
         self._get_run, self._driver_alive, self._caught_up = get_run, driver_alive, caught_up
         self._idle_since: float | None = None
+        self._asked_at: float | None = None
         self._gone_polls = 0
         self._secrets = secrets
         self._log: DriverLogFollower | None = None
@@ -102,11 +105,14 @@ class RunWatch:
         return pid is not None and not local_driver.process_alive(pid, self.wait.started_at)
 
     def _idle_confirmed(self) -> bool:
-        if not self._caught_up():
-            self._idle_since = None
-            return False
-        self._idle_since = self._idle_since or time.monotonic()
-        return time.monotonic() - self._idle_since >= IDLE_CONFIRM_S
+        now = time.monotonic()
+        if self._asked_at is None or now - self._asked_at >= CAUGHT_UP_EVERY_S:
+            self._asked_at = now
+            if not self._caught_up():
+                self._idle_since = None
+                return False
+            self._idle_since = self._idle_since or now
+        return self._idle_since is not None and now - self._idle_since >= IDLE_CONFIRM_S
 
     def driver_log(self) -> list[str]:
         """The driver log's lines added since the last call: from its start while a launch waits for its

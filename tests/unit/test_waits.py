@@ -57,6 +57,18 @@ def test_idle_only_after_staying_caught_up(monkeypatch):
     assert watch.poll() == "idle"
 
 
+def test_the_idle_check_asks_kafka_at_most_every_few_seconds(monkeypatch):
+    """Each ask opens a Kafka consumer: polling every 0.5 s must not open one each time."""
+    asked = []
+    wait = RunWait.within(60, run_id="r1", job_id="orders", until="batch", idle=True, min_batch_id=9)
+    watch = RunWatch(wait, lambda _run_id: RUNNING, lambda _run: True, lambda: asked.append(1) or False)
+    for _ in range(5):
+        assert watch.poll() is None
+    assert len(asked) == 1
+    monkeypatch.setattr(waits, "CAUGHT_UP_EVERY_S", 0.0)
+    assert watch.poll() is None and len(asked) == 2
+
+
 def test_the_deadline_is_absolute():
     assert _watch([STARTING], timeout=-1).poll() == "timeout"
 

@@ -45,7 +45,9 @@ def _state(conn_id: str) -> tuple[StateStore, str | None]:
     return StateStore.from_url(url, password), password
 
 
+@lru_cache(maxsize=1)
 def _end_offsets(kafka_conn_id: str):
+    """Kafka's end offsets, through one hook (its connection looked up once, like the state database's)."""
     from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 
     hook = KafkaOffsetsHook(kafka_conn_id)
