@@ -27,7 +27,7 @@ from sqlalchemy import Table, func, select
 from airflow_stream_provider import kafka_offsets
 from airflow_stream_provider.kafka_offsets import Offsets
 from airflow_stream_provider.state import schema
-from airflow_stream_provider.state.dialect import upsert
+from airflow_stream_provider.state.dialect import upsert, write_rows
 from airflow_stream_provider.state.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ def commit(
         began = time.perf_counter()
         for write in writes:
             if write.rows:
-                conn.execute(_upsert(conn.dialect.name, write), _dedupe(write))
+                write_rows(conn, write.table, write.key, write.increments, _dedupe(write))
         if dead_letters:
             conn.execute(schema.dead_letters.insert(), _dead_letter_rows(run, ledger_batch, dead_letters, now))
         outcome.write_s = time.perf_counter() - began
@@ -259,7 +259,7 @@ def trial_write(
         try:
             for write in writes:
                 if write.rows:
-                    conn.execute(_upsert(conn.dialect.name, write), _dedupe(write))
+                    write_rows(conn, write.table, write.key, write.increments, _dedupe(write))
             if dead_letters:
                 conn.execute(schema.dead_letters.insert(), _dead_letter_rows(run, batch_id, dead_letters, time.time()))
         finally:

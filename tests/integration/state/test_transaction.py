@@ -173,3 +173,29 @@ def test_trial_write_answers_without_writing(store, results_table):
         trial_write(store, run, 0, dead_letters=[letter], writes=[refused])
     assert is_data_error(caught.value), caught.value
     assert store.count(schema.dead_letters) == 0
+
+
+def test_a_large_postgresql_write_goes_through_copy_with_the_same_upsert_and_errors(store, results_table):
+    """From ``COPY_FROM_ROWS`` rows, PostgreSQL takes the rows through COPY into a temporary table: the
+    upsert keeps its meaning (increments add, other columns overwrite), a refused value is still a data
+    error (what poison isolation asks), and nothing of the staging stays behind."""
+    from airflow_stream_provider.state import dialect
+    from airflow_stream_provider.state.transaction import trial_write
+
+    if store.dialect != "postgresql":
+        pytest.skip("COPY is PostgreSQL's; SQLite always takes executemany")
+    n = dialect.COPY_FROM_ROWS * 3
+    run = _run(store)
+    for batch_id, (start, last) in enumerate([(0, "first"), (n, "second")]):
+        rows = [{"k": f"key-{i}", "n": i, "last": last} for i in range(n)]
+        commit(store, run, plan(store, "job", _batch(batch_id, start, start + n)), read={(T, 0): n},
+               dead_letters=[], writes=[Write(results_table, rows, ("k",), ("n",))])
+    totals = _totals(store, results_table)
+    assert len(totals) == n and totals["key-7"] == (14, "second") and totals[f"key-{n - 1}"] == (2 * (n - 1), "second")
+    refused = Write(results_table, [{"k": None, "n": 1}] + [{"k": f"x{i}", "n": 1} for i in range(n)], ("k",))
+    with pytest.raises(Exception) as caught:
+        trial_write(store, run, 2, dead_letters=[], writes=[refused])
+    assert dialect.is_data_error(caught.value), repr(caught.value)
+    with store.engine.connect() as conn:
+        staged = conn.exec_driver_sql("SELECT count(*) FROM pg_class WHERE relname LIKE 'stream_stage_%%'").scalar()
+    assert staged == 0 and len(_totals(store, results_table)) == n
