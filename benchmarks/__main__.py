@@ -28,10 +28,12 @@ from benchmarks.stack import REPO, Stack, say
 PROFILES = {
     "default": {"cold": 3, "mttr": 3, "baseline": 3, "upgrade": 2, "throughput_repeats": 1, "backlog": 60_000,
                 "max_offsets": 10_000, "raw_repeats": 3, "rss_backlogs": [15_000, 60_000, 150_000],
-                "history": [10, 100, 1000], "partitions": [1, 8, 32], "real_airflow_kills": 10},
+                "history": [10, 100, 1000], "partitions": [1, 8, 32], "real_airflow_kills": 10,
+                "batch_sizes": [5_000, 20_000, 50_000], "batch_backlog": 150_000},
     "quick": {"cold": 1, "mttr": 1, "baseline": 1, "upgrade": 1, "throughput_repeats": 1, "backlog": 6_000,
               "max_offsets": 2_000, "raw_repeats": 1, "rss_backlogs": [4_000, 6_000],
-              "history": [5, 20], "partitions": [1, 4], "real_airflow_kills": 1},
+              "history": [5, 20], "partitions": [1, 4], "real_airflow_kills": 1,
+              "batch_sizes": [1_000, 4_000], "batch_backlog": 12_000},
 }
 
 
@@ -85,7 +87,7 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
             samples["raw_consume_msgs_s"].append(throughput.raw_consume(stack, topic, profile["backlog"]))
             say(f"  raw kafka-python: {samples['raw_consume_msgs_s'][-1]:.0f} msgs/s")
     if section("rss", f"peak driver RSS for backlogs {profile['rss_backlogs']} (batches of {profile['max_offsets']:,})"):
-        rss = {"backlog": [], "peak_rss_mb": [], "jvm_mb": [], "python_mb": [], "msgs_s": [],
+        rss = {"backlog": [], "peak_rss_mb": [], "jvm_mb": [], "python_mb": [], "pss_mb": [], "msgs_s": [],
                "max_offsets_per_trigger": profile["max_offsets"]}
         for backlog in profile["rss_backlogs"]:
             drained = drained_eos_sqlite.get(backlog)
@@ -98,8 +100,28 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
             rss["peak_rss_mb"].append(round(drained["peak_rss_mb"], 1))
             rss["jvm_mb"].append(round(drained["peak_rss_jvm_mb"], 1))
             rss["python_mb"].append(round(drained["peak_rss_python_mb"], 1))
+            rss["pss_mb"].append(round(drained["peak_pss_mb"], 1))
             rss["msgs_s"].append(drained["msgs_s"])
         samples["scaling"]["rss_vs_backlog"] = rss
+    if section("batch", f"exactly-once on PostgreSQL against the batch size (maxOffsetsPerTrigger "
+                        f"{profile['batch_sizes']}), a {profile['batch_backlog']:,}-event backlog"):
+        series = {"max_offsets_per_trigger": [], "msgs_s": [], "peak_rss_mb": [], "jvm_mb": [], "python_mb": [],
+                  "pss_mb": [],
+                  "seconds_per_batch": [], "backlog": profile["batch_backlog"]}
+        for size in profile["batch_sizes"]:
+            drained = throughput.drain(stack, exactly_once=True, database="postgresql",
+                                       backlog=profile["batch_backlog"], max_offsets=size, total=total)
+            steady = drained["breakdown_s"]
+            series["max_offsets_per_trigger"].append(size)
+            series["msgs_s"].append(drained["msgs_s"])
+            series["peak_rss_mb"].append(round(drained["peak_rss_mb"], 1))
+            series["jvm_mb"].append(round(drained["peak_rss_jvm_mb"], 1))
+            series["python_mb"].append(round(drained["peak_rss_python_mb"], 1))
+            series["pss_mb"].append(round(drained["peak_pss_mb"], 1))
+            series["seconds_per_batch"].append(
+                round(sum(v for k, v in steady.items() if k != "batches") / steady["batches"], 3)
+                if steady["batches"] else None)
+        samples["scaling"]["batch_size"] = series
     if section("history", f"recovery and reset with {profile['history']} committed batches"):
         samples["scaling"]["history"] = recovery.by_history(stack, profile["history"], total)
     if section("partitions", f"recovery and reset with {profile['partitions']} partitions"):

@@ -58,7 +58,7 @@ def summarise(samples: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
 #: ``make bench`` must finish within this on a 2-core machine; judged only on a run of every section
 #: (``SECTIONS``, in the order they run).
 BUDGET_MINUTES = 30
-SECTIONS = ("cold", "mttr", "baseline", "upgrade", "throughput", "rss", "history", "partitions")
+SECTIONS = ("cold", "mttr", "baseline", "upgrade", "throughput", "rss", "batch", "history", "partitions")
 #: Run only when named (``--only``): about an hour, most of it waiting for the 5-minute polling DAG.
 OPTIONAL_SECTIONS = ("mttr_real_airflow",)
 REAL_AIRFLOW_VARIANTS = ("watcher", "polling", "spark_submit")
@@ -209,13 +209,29 @@ def markdown(r: dict[str, Any]) -> str:
             lines.append("")
     rss = scaling.get("rss_vs_backlog")
     if rss:
-        split = [rss.get("jvm_mb") or [None] * len(rss["backlog"]), rss.get("python_mb") or [None] * len(rss["backlog"])]
+        none = [None] * len(rss["backlog"])
+        split = [rss.get("jvm_mb") or none, rss.get("python_mb") or none, rss.get("pss_mb") or none]
         lines += ["## Peak driver RSS against backlog (maxOffsetsPerTrigger fixed)", "",
-                  "| backlog | peak RSS MB | of which JVM | of which Python | msgs/s |", "|---:|---:|---:|---:|---:|"]
-        lines += [f"| {b:,} | {_fmt(m)} | {_fmt(j)} | {_fmt(p)} | {_fmt(s)} |"
-                  for b, m, j, p, s in zip(rss["backlog"], rss["peak_rss_mb"], *split, rss["msgs_s"], strict=True)]
+                  "| backlog | peak RSS MB | of which JVM | of which Python | peak PSS MB | msgs/s |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {b:,} | {_fmt(m)} | {_fmt(j)} | {_fmt(p)} | {_fmt(q)} | {_fmt(s)} |"
+                  for b, m, j, p, q, s in zip(rss["backlog"], rss["peak_rss_mb"], *split, rss["msgs_s"], strict=True)]
         lines += ["", "The Python share is the driver's interpreter and Spark's Python workers (one per running "
-                  "task, reused); the JVM's heap is capped by spark.driver.memory.", ""]
+                  "task, reused); the JVM's heap is capped by spark.driver.memory. RSS is summed over the "
+                  "processes, so the pages Spark's forked Python workers share with their daemon count once "
+                  "per process; PSS divides each shared page among its sharers: what the tree really holds.", ""]
+    batch = scaling.get("batch_size")
+    if batch:
+        lines += [f"## Exactly-once on PostgreSQL against the batch size ({batch['backlog']:,}-event backlog)", "",
+                  "| maxOffsetsPerTrigger | msgs/s | s per steady batch | peak RSS MB | of which JVM | of which Python "
+                  "| peak PSS MB |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {n:,} | {_fmt(m)} | {_fmt(s)} | {_fmt(p)} | {_fmt(j)} | {_fmt(y)} | {_fmt(q)} |"
+                  for n, m, s, p, j, y, q in zip(batch["max_offsets_per_trigger"], batch["msgs_s"],
+                                                 batch["seconds_per_batch"], batch["peak_rss_mb"], batch["jvm_mb"],
+                                                 batch["python_mb"], batch.get("pss_mb") or [None] * len(batch["msgs_s"]),
+                                                 strict=True)]
+        lines += ["", "Most of a batch's time is fixed (planning and scheduling its Spark jobs, the Python data "
+                  "source's per-batch workers): larger batches spread it over more records.", ""]
     real = r.get("mttr_real_airflow")
     if real:
         labels = {"watcher": "always-on watcher -> `stream_health` on the asset event (as shipped)",

@@ -51,8 +51,10 @@ def kill_driver_tree(pid: int) -> None:
 
 def tree_rss(pid: int) -> dict[str, int]:
     """Resident memory of a driver in bytes: its JVM, and its Python processes (the driver and the
-    workers)."""
-    parts = {"jvm": 0, "python": 0}
+    workers); and ``pss``, the whole tree's proportional set size.  Summed RSS counts the pages that
+    Spark's forked Python workers share with their daemon once per process; PSS splits each shared page
+    among its sharers, so it is what the tree really holds."""
+    parts = {"jvm": 0, "python": 0, "pss": 0}
     try:
         driver = psutil.Process(pid)
         parent = driver.parent()
@@ -60,6 +62,7 @@ def tree_rss(pid: int) -> dict[str, int]:
         for process in [root, *root.children(recursive=True)]:
             try:
                 parts["jvm" if "java" in (process.name() or "") else "python"] += process.memory_info().rss
+                parts["pss"] += process.memory_full_info().pss
             except psutil.NoSuchProcess:
                 pass
     except psutil.NoSuchProcess:

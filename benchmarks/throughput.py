@@ -28,10 +28,12 @@ class PeakRss(threading.Thread):
         super().__init__(daemon=True)
         self.pid, self.peak, self.done = pid, 0, threading.Event()
         self.peak_parts = {"jvm": 0, "python": 0}  # at the peak of the total
+        self.peak_pss = 0
 
     def run(self) -> None:
         while not self.done.is_set():
             parts = tree_rss(self.pid)
+            self.peak_pss = max(self.peak_pss, parts.pop("pss"))
             if sum(parts.values()) > self.peak:
                 self.peak, self.peak_parts = sum(parts.values()), parts
             self.done.wait(0.25)
@@ -132,10 +134,11 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
     result = {"msgs_s": steady_rate(batches), "batches": len(batches), "peak_rss_mb": memory.peak / 2**20,
               "breakdown_s": phases,
               "peak_rss_jvm_mb": memory.peak_parts["jvm"] / 2**20,
-              "peak_rss_python_mb": memory.peak_parts["python"] / 2**20, "topic": job.topic}
+              "peak_rss_python_mb": memory.peak_parts["python"] / 2**20, "peak_pss_mb": memory.peak_pss / 2**20,
+              "topic": job.topic}
     say(f"  {kind} on {database}: {backlog} events in {len(batches)} batches, {result['msgs_s']:.0f} msgs/s, "
         f"peak driver RSS {result['peak_rss_mb']:.0f} MB (JVM {result['peak_rss_jvm_mb']:.0f}, Python "
-        f"{result['peak_rss_python_mb']:.0f})")
+        f"{result['peak_rss_python_mb']:.0f}); peak PSS {result['peak_pss_mb']:.0f} MB")
     return result
 
 
