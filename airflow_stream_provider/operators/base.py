@@ -31,7 +31,7 @@ from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle import waits
 from airflow_stream_provider.lifecycle.controller import STOP_STAGES, StreamJobController, StreamJobError
 from airflow_stream_provider.lifecycle.waits import RunWait
-from airflow_stream_provider.links import STREAM_LINKS, linked_run
+from airflow_stream_provider.links import STREAM_LINKS, latest_run
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.triggers.run import StreamRunTrigger
@@ -164,7 +164,7 @@ class StreamJobOperator(BaseOperator):
 
         from airflow_stream_provider.lineage import job_lineage
 
-        return job_lineage(self.job, linked_run(self)) if self.launches else OperatorLineage()
+        return job_lineage(self.job, latest_run(self)) if self.launches else OperatorLineage()
 
     def diagnose(self) -> Diagnosis:
         return self.controller.diagnose()

@@ -1,5 +1,6 @@
-"""Every operator and sensor links to its run's driver log and Spark UI, from a real state database
-(SQLite and PostgreSQL): the links Airflow stores when a task try ends, and none where there is no target."""
+"""Every operator and sensor links to its run's driver log and Spark UI, and the launching operators name
+their datasets for OpenLineage, from a real state database (SQLite and PostgreSQL): the links Airflow
+stores when a task try ends, none where there is no target, and lineage that names the run launched."""
 
 from __future__ import annotations
 
@@ -64,3 +65,22 @@ def test_an_unreadable_state_database_costs_the_links_not_the_task(monkeypatch, 
     with caplog.at_level(logging.WARNING, logger="airflow_stream_provider.links"):
         assert _links(_submit()) == {"Driver log": "", "Spark UI": ""}
     assert "cannot be read" in caplog.text
+
+
+def test_lineage_names_what_the_task_launched_and_the_links_follow(state, monkeypatch):
+    """OpenLineage asks at the task's start and again at its end: the end names the run launched in
+    between (read afresh, not remembered from the start), and so do the links computed after it."""
+    monkeypatch.setenv(*connection_env("stream_kafka_default", conn_type="stream_kafka", host="kafka-1", port=9092))
+    spec = {"job_id": "orders", "version": "1", "checkpoint_root": "/ckpt", "kafka": {"topics": ["orders"]}}
+    submit = SubmitStreamingJobOperator(task_id="submit", spec=spec, application="job.py")
+    started = submit.get_openlineage_facets_on_start()
+    assert [(d.namespace, d.name) for d in started.inputs] == [("kafka://kafka-1:9092", "orders")]
+    assert started.outputs == [], "no driver has named its tables yet"
+
+    ticket = state.begin_run("orders", 1, "1", log_path="/var/log/stream/orders.log")
+    state.record_outputs(ticket.run_id, ["events", "dead_letters"])
+    done = submit.get_openlineage_facets_on_complete(None)
+    assert sorted(d.name.rsplit(".", 1)[-1] for d in done.outputs) == ["dead_letters", "events"]
+    assert _links(submit)["Driver log"].endswith(f"/api/runs/{ticket.run_id}/log")
+    stop = StopStreamingJobOperator(task_id="stop", spec=spec)
+    assert stop.get_openlineage_facets_on_complete(None).outputs == [], "a stop moves no data"
