@@ -3,6 +3,8 @@ measurements themselves run with ``make bench``)."""
 
 from __future__ import annotations
 
+import json
+
 from benchmarks import report
 from benchmarks.throughput import steady_rate
 
@@ -64,11 +66,46 @@ def test_steady_rate_leaves_out_the_first_batch():
 
 
 def test_rss_table_splits_jvm_and_python_when_measured():
-    split = {**SAMPLES["scaling"]["rss_vs_backlog"], "jvm_mb": [500.0, 510.0], "python_mb": [400.0, 440.0]}
+    split = {**SAMPLES["scaling"]["rss_vs_backlog"], "jvm_mb": [500.0, 510.0], "python_mb": [400.0, 440.0],
+             "pss_mb": [700.0, 720.0]}
     measured = report.markdown(report.summarise({**SAMPLES, "scaling": {"rss_vs_backlog": split}}, {}))
-    assert "| 2 | 950 | 510 | 440 | 1.00 |" in measured
+    assert "| 2 | 950 | 510 | 440 | 720 | 1.00 |" in measured
     older = report.markdown(report.summarise(SAMPLES, {}))  # results written before the split: no numbers made up
-    assert "| 2 | 950 | – | – | 1.00 |" in older
+    assert "| 2 | 950 | – | – | – | 1.00 |" in older
+
+
+def test_the_breakdown_reads_the_drivers_progress_lines_and_leaves_out_the_first_batch(tmp_path):
+    from benchmarks.throughput import breakdown
+
+    def line(batch_id, rows, trigger_ms, sink):
+        progress = {"batch_id": batch_id, "input_rows": rows, "sink_s": sink,
+                    "duration_ms": {"triggerExecution": trigger_ms, "queryPlanning": 100, "addBatch": 900}}
+        return f"2026-11-24 10:00:00,000 INFO airflow_stream_provider.runtime.listener: progress {json.dumps(progress)}"
+
+    log = tmp_path / "driver.log"
+    log.write_text("\n".join([
+        "2026-11-24 10:00:00,000 INFO something else",
+        line(0, 100, 9000, {"read_parse": 5.0, "results": 3.0}),  # the first batch: cold, left out
+        line(1, 0, 50, None),  # an idle trigger: no records, left out
+        line(2, 100, 1200, {"read_parse": 0.6, "results": 0.3}),
+        line(3, 100, 1000, {"read_parse": 0.5, "results": 0.2}),
+    ]) + "\n")
+    found = breakdown(str(log))
+    assert found["batches"] == 2
+    assert round(found["sink_read_parse"], 3) == 1.1 and round(found["sink_results"], 3) == 0.5
+    assert round(found["spark_plan"], 3) == 0.2
+    assert round(found["other"], 3) == round(2.2 - 1.1 - 0.5 - 0.2, 3), "the trigger's time beyond the phases"
+    table = "\n".join(report._breakdown_lines({"eos/postgresql": found}))
+    assert "| sink_read_parse | 0.55 |" in table
+
+
+def test_the_batch_size_table_shows_rate_time_and_memory_per_size():
+    series = {"max_offsets_per_trigger": [5000, 50000], "msgs_s": [5000.0, 12000.0], "seconds_per_batch": [0.9, 2.4],
+              "peak_rss_mb": [1900.0, 2000.0], "jvm_mb": [800.0, 850.0], "python_mb": [1100.0, 1150.0],
+              "pss_mb": [1600.0, 1700.0], "backlog": 150000}
+    text = report.markdown(report.summarise({**SAMPLES, "scaling": {"batch_size": series}}, {}))
+    assert "against the batch size (150,000-event backlog)" in text
+    assert "| 50,000 | 12,000 | 2.40 | 2,000 | 850 | 1,150 | 1,700 |" in text
 
 
 def test_the_time_budget_is_judged_on_a_whole_default_run_only():
