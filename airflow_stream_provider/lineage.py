@@ -3,9 +3,10 @@ installed: the ``openlineage`` extra).
 
 A launch reads the job's Kafka topics (namespace ``kafka://<first bootstrap server>``) and writes its result
 tables and the dead-letter table (namespace from the state connection: ``postgres://host:port`` with
-``database.schema.table`` names, or ``sqlite://<path>``).  The result tables are the ones the driver named
-when its query started (``stream_runs.outputs``), so they follow the job's code across an upgrade.  No
-credential reaches a namespace.
+``database.schema.table`` names, or ``sqlite://<path>``).  The tables are the ones the job's newest run
+wrote (its sink records them at its first batch, ``stream_runs.outputs``), so they follow the job's code
+across an upgrade; a job's very first launch names them only once its first batch ran.  No credential
+reaches a namespace.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import TYPE_CHECKING
 from sqlalchemy.engine import make_url
 
 from airflow_stream_provider.spec import StreamJobSpec
-from airflow_stream_provider.state.records import RunRecord
 
 if TYPE_CHECKING:
     from airflow.providers.openlineage.extractors import OperatorLineage
@@ -37,12 +37,12 @@ def table_names(database_url: str, tables: list[str]) -> tuple[str, list[str]]:
     return f"{url.get_backend_name()}://{url.database or ''}", list(tables)
 
 
-def job_lineage(job: StreamJobSpec, run: RunRecord | None) -> OperatorLineage:
-    """The datasets of ``job`` as ``run`` (its latest launch) reads and writes them."""
+def job_lineage(job: StreamJobSpec, tables: list[str]) -> OperatorLineage:
+    """The datasets of ``job``: its topics in, ``tables`` (in its state database) out."""
     from airflow.providers.openlineage.extractors import OperatorLineage
     from openlineage.client.event_v2 import Dataset
 
     topics = kafka_namespace(job.kafka.bootstrap_servers)
-    namespace, names = table_names(job.database_url, run.result_tables if run else [])
+    namespace, names = table_names(job.database_url, tables)
     return OperatorLineage(inputs=[Dataset(namespace=topics, name=topic) for topic in job.kafka.topics],
                            outputs=[Dataset(namespace=namespace, name=name) for name in names])

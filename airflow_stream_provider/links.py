@@ -21,22 +21,20 @@ log = logging.getLogger(__name__)
 _CACHE = "_stream_linked_run"
 
 
-def latest_run(operator: Any) -> RunRecord | None:
-    """The job's latest run as the state database says now; None when it cannot be read."""
-    from airflow_stream_provider.hooks.state import StreamStateHook
-
-    try:
-        return StreamStateHook(operator.state_conn_id).latest_run(operator.job_id)
-    except Exception as err:  # a link or a lineage event must never fail the task, nor hide why it is missing
-        log.warning("The state database of %r cannot be read: %s", operator.state_conn_id, err)
-        return None
-
-
 def linked_run(operator: Any) -> RunRecord | None:
-    """``latest_run``, read once for both links: Airflow computes them together as the task's process
-    ends (it ends at each deferral), so nothing can launch in between."""
+    """The job's latest run, read once for both links: Airflow computes them together as the task's
+    process ends (it ends at each deferral), so nothing can launch in between.  None when it cannot be
+    read."""
     if _CACHE not in operator.__dict__:
-        operator.__dict__[_CACHE] = latest_run(operator)
+        from airflow_stream_provider.hooks.state import StreamStateHook
+
+        try:
+            found = StreamStateHook(operator.state_conn_id).latest_run(operator.job_id)
+        except Exception as err:  # a link must never fail the task, nor hide why it is missing
+            log.warning("No stream links: the state database of %r cannot be read: %s",
+                        operator.state_conn_id, err)
+            found = None
+        operator.__dict__[_CACHE] = found
     return operator.__dict__[_CACHE]
 
 

@@ -31,7 +31,7 @@ from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle import waits
 from airflow_stream_provider.lifecycle.controller import STOP_STAGES, StreamJobController, StreamJobError
 from airflow_stream_provider.lifecycle.waits import RunWait
-from airflow_stream_provider.links import STREAM_LINKS, latest_run
+from airflow_stream_provider.links import STREAM_LINKS
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.triggers.run import StreamRunTrigger
@@ -164,7 +164,14 @@ class StreamJobOperator(BaseOperator):
 
         from airflow_stream_provider.lineage import job_lineage
 
-        return job_lineage(self.job, latest_run(self)) if self.launches else OperatorLineage()
+        if not self.launches:
+            return OperatorLineage()
+        try:  # read afresh at every call: the end event must name what was launched after the start
+            tables = self.state.store.result_tables(self.job.job_id)
+        except Exception as err:  # a lineage event must never fail the task
+            self.log.warning("No lineage outputs: the state database cannot be read: %s", err)
+            tables = []
+        return job_lineage(self.job, tables)
 
     def diagnose(self) -> Diagnosis:
         return self.controller.diagnose()

@@ -37,8 +37,8 @@ from airflow_stream_provider.runtime.listener import StateListener
 from airflow_stream_provider.runtime.poison import POISON_POLICIES, keeps_state
 from airflow_stream_provider.runtime.sink import DEAD_LETTER_COLUMNS, ResultsFn, TransactionalSink
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
-from airflow_stream_provider.state import schema, transaction
 from airflow_stream_provider.state import store as state
+from airflow_stream_provider.state import transaction
 
 log = logging.getLogger("airflow_stream_provider.harness")
 
@@ -196,7 +196,6 @@ class StreamHarness:
                     failures.EXIT_CONFIG,
                 )
             self._transform, self._stateful = transform, keeps_state(records)
-            self._record_outputs(records, results)
             query = self._start_query(records, results)
             return self._watch(query)
         except StartupError as err:
@@ -412,20 +411,6 @@ class StreamHarness:
             return True
         except Exception:
             return False
-
-    def _record_outputs(self, records: DataFrame, results: ResultsFn) -> None:
-        """Name the tables the job's code writes, for lineage: ``results`` on an empty batch of the
-        records' schema (Spark only plans it).  A ``results`` that cannot run on an empty batch costs the
-        lineage, not the run: its real batches decide."""
-        from pyspark.sql import functions as F
-
-        empty = self.spark.createDataFrame([], records.schema).where(F.col("error").isNull())
-        try:
-            tables = [result.table for result in results(empty)]
-        except Exception as err:
-            log.warning("the job's result tables are unknown until its first batch (lineage): %r", err)
-            return
-        self.store.record_outputs(self.run_id, [*tables, schema.dead_letters.name])
 
     def _start_query(self, records: DataFrame, results: ResultsFn) -> StreamingQuery:
         spec = self.spec

@@ -79,7 +79,7 @@ from airflow_stream_provider.runtime.poison import (
     positions,
     reason,
 )
-from airflow_stream_provider.state import transaction
+from airflow_stream_provider.state import schema, transaction
 from airflow_stream_provider.state.dialect import is_data_error
 from airflow_stream_provider.state.store import StateStore, plain_text
 
@@ -193,6 +193,7 @@ class TransactionalSink:
         self._tables: dict[str, Table] = {}
         self._metadata = MetaData()
         self._batch_started: float | None = None
+        self._outputs: list[str] = []
         #: where the recent batches' time went, by batch id (the listener adds it to the progress record)
         self.clocks: dict[int, BatchClock] = {}
 
@@ -534,6 +535,7 @@ class TransactionalSink:
         run side by side: a micro-batch waits for the slowest, not for the sum (most of a small job is
         the driver planning it and the scheduler's round trips, which overlap)."""
         tables = [self._table(result) for result in results]  # DDL once, before any thread
+        self._record_outputs()
         if len(results) > 1:
             # pinned threads: each job carries the stream thread's job group, so stopping the query
             # cancels them like any job of the batch
@@ -546,6 +548,18 @@ class TransactionalSink:
             transaction.Write(table, batch_rows, tuple(result.key), tuple(result.increments))
             for table, batch_rows, result in zip(tables, rows, results, strict=True)
         ]
+
+    def _record_outputs(self) -> None:
+        """Name the tables this run writes (its result tables and the dead letters) on the run, for
+        lineage, whenever a new one appears.  A failure costs the lineage, never the batch."""
+        names = sorted({*self._tables, schema.dead_letters.name})
+        if names == self._outputs:
+            return
+        try:
+            self.store.record_outputs(self.run.run_id, names)
+            self._outputs = names
+        except Exception as err:
+            log.warning("could not record the run's result tables (lineage): %r", err)
 
     def _table(self, result: Result) -> Table:
         """The SQL table for a result, created from the frame's Spark schema on first use."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -79,10 +78,6 @@ class RunRecord:
     @property
     def active(self) -> bool:
         return self.status in ACTIVE_STATUSES
-
-    @property
-    def result_tables(self) -> list[str]:
-        return json.loads(self.outputs) if self.outputs else []
 
     @property
     def running_query(self) -> bool:

@@ -260,6 +260,17 @@ class StateStore:
                                .limit(1)).mappings().first()
             return RunRecord.from_row(row) if row else None
 
+    def result_tables(self, job_id: str) -> list[str]:
+        """The tables the job's newest run that wrote anything wrote (its sink names them at its first
+        batch, so a run still starting is represented by the one before it)."""
+        runs = schema.runs
+        query = (select(runs.c.outputs).where(runs.c.job_id == job_id, runs.c.dry_run.is_(False),
+                                               runs.c.outputs.is_not(None))
+                 .order_by(runs.c.epoch.desc()).limit(1))
+        with self.engine.connect() as conn:
+            outputs = conn.execute(query).scalar()
+        return json.loads(outputs) if outputs else []
+
     def runs(self, job_id: str, *, include_dry_runs: bool = True) -> list[RunRecord]:
         """Every run of ``job_id``, oldest first."""
         query = select(schema.runs).where(schema.runs.c.job_id == job_id)

@@ -67,9 +67,10 @@ def test_an_unreadable_state_database_costs_the_links_not_the_task(monkeypatch, 
     assert "cannot be read" in caplog.text
 
 
-def test_lineage_names_what_the_task_launched_and_the_links_follow(state, monkeypatch):
-    """OpenLineage asks at the task's start and again at its end: the end names the run launched in
-    between (read afresh, not remembered from the start), and so do the links computed after it."""
+def test_lineage_names_what_the_job_writes_and_the_links_follow_the_launch(state, monkeypatch):
+    """OpenLineage asks at the task's start and again at its end, reading afresh each time: the end names
+    the tables the job's newest writing run recorded (a run still starting is represented by the one
+    before it), and the links computed after it name the run launched in between."""
     monkeypatch.setenv(*connection_env("stream_kafka_default", conn_type="stream_kafka", host="kafka-1", port=9092))
     spec = {"job_id": "orders", "version": "1", "checkpoint_root": "/ckpt", "kafka": {"topics": ["orders"]}}
     submit = SubmitStreamingJobOperator(task_id="submit", spec=spec, application="job.py")
@@ -77,10 +78,14 @@ def test_lineage_names_what_the_task_launched_and_the_links_follow(state, monkey
     assert [(d.namespace, d.name) for d in started.inputs] == [("kafka://kafka-1:9092", "orders")]
     assert started.outputs == [], "no driver has named its tables yet"
 
-    ticket = state.begin_run("orders", 1, "1", log_path="/var/log/stream/orders.log")
-    state.record_outputs(ticket.run_id, ["events", "dead_letters"])
+    earlier = state.begin_run("orders", 1, "1", log_path="/var/log/stream/orders-1.log")
+    state.record_outputs(earlier.run_id, ["events", "dead_letters"])  # by its sink, at its first batch
+    launched = state.begin_run("orders", 1, "2", log_path="/var/log/stream/orders-2.log")  # no batch yet
     done = submit.get_openlineage_facets_on_complete(None)
     assert sorted(d.name.rsplit(".", 1)[-1] for d in done.outputs) == ["dead_letters", "events"]
-    assert _links(submit)["Driver log"].endswith(f"/api/runs/{ticket.run_id}/log")
+    state.record_outputs(launched.run_id, ["dead_letters", "events", "kpi_minute"])  # the new code's tables
+    again = submit.get_openlineage_facets_on_complete(None)
+    assert sorted(d.name.rsplit(".", 1)[-1] for d in again.outputs) == ["dead_letters", "events", "kpi_minute"]
+    assert _links(submit)["Driver log"].endswith(f"/api/runs/{launched.run_id}/log")
     stop = StopStreamingJobOperator(task_id="stop", spec=spec)
     assert stop.get_openlineage_facets_on_complete(None).outputs == [], "a stop moves no data"

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 from airflow_stream_provider.lineage import job_lineage, table_names
 from airflow_stream_provider.spec import StreamJobSpec
-from airflow_stream_provider.state.records import RunRecord, RunStatus
 
 
 def _spec(database_url: str) -> StreamJobSpec:
@@ -21,8 +18,7 @@ def test_postgres_tables_are_named_database_schema_table_without_the_password():
 
 
 def test_a_launch_reads_its_topics_and_writes_the_tables_its_driver_named():
-    run = RunRecord("r1", "orders", 3, 1, RunStatus.RUNNING, outputs=json.dumps(["dead_letters", "events"]))
-    lineage = job_lineage(_spec("postgresql://stream@db:6432/results"), run)
+    lineage = job_lineage(_spec("postgresql://stream@db:6432/results"), ["dead_letters", "events"])
     assert [(d.namespace, d.name) for d in lineage.inputs] == [("kafka://kafka-1:9092", "orders"),
                                                               ("kafka://kafka-1:9092", "refunds")]
     assert [(d.namespace, d.name) for d in lineage.outputs] == [("postgres://db:6432", "results.public.dead_letters"),
@@ -30,5 +26,5 @@ def test_a_launch_reads_its_topics_and_writes_the_tables_its_driver_named():
 
 
 def test_before_any_driver_named_its_tables_only_the_topics_are_known():
-    lineage = job_lineage(_spec("sqlite:////var/lib/stream/state.db"), None)
+    lineage = job_lineage(_spec("sqlite:////var/lib/stream/state.db"), [])
     assert [d.name for d in lineage.inputs] == ["orders", "refunds"] and lineage.outputs == []

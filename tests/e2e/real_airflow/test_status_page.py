@@ -122,7 +122,9 @@ def _the_submit_task_links_to_its_run(deployment, dag_run_id: str) -> None:
 
 def _the_launches_emitted_lineage(deployment, lineage_file: Path, kafka: str, topic: str) -> None:
     """OpenLineage events of the submit (stream_deploy) and the recovery (stream_health): the topic in;
-    the result tables the driver named and the dead-letter table out, in the state database's namespace."""
+    the result tables the job's sink wrote and the dead-letter table out, in the state database's
+    namespace.  The job's very first launch may end before its first batch named them: its event
+    names no other table."""
     database = f"sqlite://{deployment.workdir / 'stream.db'}"
     wanted = {(database, table) for table in ("events", "kpi_minute", "dead_letters")}
     deadline = time.monotonic() + 60  # the recovery's COMPLETE may still be on its way
@@ -137,7 +139,8 @@ def _the_launches_emitted_lineage(deployment, lineage_file: Path, kafka: str, to
         event = done[name]
         assert event["job"]["namespace"] == "stream-tests"
         assert [(d["namespace"], d["name"]) for d in event["inputs"]] == [(kafka, topic)], event["inputs"]
-        assert {(d["namespace"], d["name"]) for d in event["outputs"]} == wanted, event["outputs"]
+        outputs = {(d["namespace"], d["name"]) for d in event["outputs"]}
+        assert outputs == wanted or (name == "stream_deploy.submit" and outputs <= wanted), event["outputs"]
     assert "database_url" not in lineage_file.read_text()
 
 
