@@ -15,9 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
-
-from airflow_stream_provider.state import schema
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.store import ACTIVE_STATUSES, StateStore
 from stack.jobs import EVENTS_JOB, REPO, TEST_SPARK_CONF, spark_env
@@ -124,10 +121,7 @@ class StreamDeployment:
 
     def first_commit(self, run_id: str, after: float = 0.0) -> float | None:
         """When ``run_id`` first committed a batch after ``after``: the moment it is processing."""
-        ledger = schema.batches
-        with self.store.engine.connect() as conn:
-            return conn.execute(select(func.min(ledger.c.committed_at)).where(
-                ledger.c.job_id == self.job_id, ledger.c.run_id == run_id, ledger.c.committed_at > after)).scalar()
+        return self.store.first_commit(self.job_id, run_id, after)
 
     def processing(self, timeout: float = 300, other_than: str | None = None, after: float = 0.0) -> dict[str, Any]:
         """The live run once it has committed a batch (a run other than ``other_than``); with the moment of

@@ -111,12 +111,15 @@ class StateStore:
         host: str | None = None,
         pid: int | None = None,
         log_path: str | None = None,
-    ) -> RunTicket:
+        expected_epoch: int | None = None,
+    ) -> RunTicket | None:
         """Register a driver lifetime and take a new fencing epoch.
 
         The epoch bump and the run row are one transaction, so two drivers starting at once get
         different epochs and only the later one can commit.  A dry run (preflight) must not fence the
-        live run: it reads the current epoch without taking a new one.
+        live run: it reads the current epoch without taking a new one.  With ``expected_epoch`` (a
+        standby taking over the run that held it) nothing is registered, and None returned, when the
+        epoch has moved on: someone else took over first.
         """
         run_id = run_id or uuid.uuid4().hex
         now = time.time()
@@ -133,6 +136,8 @@ class StateStore:
                 epoch = 0
             else:
                 epoch = row.epoch
+            if expected_epoch is not None and epoch != expected_epoch:
+                return None
             if not dry_run:
                 epoch += 1
                 conn.execute(
@@ -259,6 +264,14 @@ class StateStore:
             row = conn.execute(query.order_by(schema.runs.c.epoch.desc(), schema.runs.c.started_at.desc())
                                .limit(1)).mappings().first()
             return RunRecord.from_row(row) if row else None
+
+    def first_commit(self, job_id: str, run_id: str, after: float = 0.0) -> float | None:
+        """When ``run_id`` first committed a batch after ``after`` (from the ledger): the moment a run that
+        replaced another is processing again."""
+        ledger = schema.batches
+        with self.engine.connect() as conn:
+            return conn.execute(select(func.min(ledger.c.committed_at)).where(
+                ledger.c.job_id == job_id, ledger.c.run_id == run_id, ledger.c.committed_at > after)).scalar()
 
     def result_tables(self, job_id: str) -> list[str]:
         """The tables the job's newest run that wrote anything wrote (its sink names them at its first

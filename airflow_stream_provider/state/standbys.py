@@ -1,0 +1,164 @@
+"""Warm standby drivers, as they register and wait: one row per standby driver lifetime.
+
+A standby is not a run: it holds no epoch and commits nothing until it takes over, when it begins a run
+under its own id (``StateStore.begin_run`` with the epoch it saw, so two standbys never both win).  Its
+row says what the Airflow side needs: whether one is warm and waiting, on which host and pid, and how
+it ended (took over, refused, stopped with the job, or found dead).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+from sqlalchemy import Column, Float, Integer, String, Table, Text, insert, select, update
+
+from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.store import StateStore, plain_text
+
+
+class StandbyStatus(enum.StrEnum):
+    """WARMING -> WAITING -> TOOK_OVER | REFUSED | ENDED; DEAD is the finding for one that vanished."""
+
+    WARMING = "WARMING"
+    WAITING = "WAITING"
+    TOOK_OVER = "TOOK_OVER"
+    REFUSED = "REFUSED"
+    ENDED = "ENDED"
+    DEAD = "DEAD"
+
+    @property
+    def live(self) -> bool:
+        return self in (StandbyStatus.WARMING, StandbyStatus.WAITING)
+
+
+standbys = Table(
+    "stream_standbys",
+    schema.metadata,
+    Column("standby_id", String(64), primary_key=True),
+    Column("job_id", String(100), nullable=False, index=True),
+    Column("version", String(200)),
+    Column("generation", Integer),
+    Column("host", String(255)),
+    Column("pid", Integer),
+    Column("log_path", Text),
+    Column("status", String(20), nullable=False),
+    Column("started_at", Float),
+    #: warm-up done: from here a takeover costs a query start and one batch
+    Column("ready_at", Float),
+    Column("heartbeat_at", Float),
+    Column("ended_at", Float),
+    #: the run it replaced, and when it took the epoch
+    Column("replaced_run_id", String(64)),
+    Column("took_over_at", Float),
+    #: why it took over, refused or ended
+    Column("message", Text),
+)
+
+
+@dataclass(frozen=True)
+class StandbyRecord:
+    standby_id: str
+    job_id: str
+    status: StandbyStatus
+    version: str | None = None
+    generation: int | None = None
+    host: str | None = None
+    pid: int | None = None
+    log_path: str | None = None
+    started_at: float | None = None
+    ready_at: float | None = None
+    heartbeat_at: float | None = None
+    ended_at: float | None = None
+    replaced_run_id: str | None = None
+    took_over_at: float | None = None
+    message: str | None = None
+
+    @classmethod
+    def from_row(cls, row: Any) -> StandbyRecord:
+        values = {f.name: row[f.name] for f in fields(cls)}
+        values["status"] = StandbyStatus(values["status"])
+        return cls(**values)
+
+    def describe(self) -> str:
+        where = f"pid {self.pid} on {self.host}"
+        if self.status == StandbyStatus.WAITING:
+            return f"standby {self.standby_id} (version {self.version}) is warm and waiting ({where})"
+        if self.status == StandbyStatus.WARMING:
+            return f"standby {self.standby_id} (version {self.version}) is warming up ({where})"
+        return f"standby {self.standby_id} {self.status.value.lower().replace('_', ' ')}: {self.message or ''}"
+
+
+class StandbyLog:
+    """Reads and writes ``stream_standbys`` (created on first use: older state databases lack it)."""
+
+    def __init__(self, store: StateStore):
+        self.engine = store.engine
+        standbys.create(self.engine, checkfirst=True)
+
+    def register(self, standby_id: str, job_id: str, version: str, generation: int, *, host: str, pid: int,
+                 log_path: str | None) -> None:
+        now = time.time()
+        with self.engine.begin() as conn:
+            conn.execute(insert(standbys).values(
+                standby_id=standby_id, job_id=job_id, version=version, generation=generation, host=host, pid=pid,
+                log_path=log_path, status=StandbyStatus.WARMING.value, started_at=now, heartbeat_at=now))
+
+    def ready(self, standby_id: str) -> None:
+        now = time.time()
+        self._update(standby_id, status=StandbyStatus.WAITING.value, ready_at=now, heartbeat_at=now)
+
+    def heartbeat(self, standby_id: str) -> StandbyStatus | None:
+        """Record that the standby is alive; return its status (ENDED once someone asked it to end)."""
+        with self.engine.begin() as conn:
+            conn.execute(update(standbys).where(standbys.c.standby_id == standby_id, _live())
+                         .values(heartbeat_at=time.time()))
+            status = conn.execute(select(standbys.c.status).where(standbys.c.standby_id == standby_id)).scalar()
+        return StandbyStatus(status) if status else None
+
+    def took_over(self, standby_id: str, replaced_run_id: str, why: str) -> None:
+        now = time.time()
+        self._update(standby_id, status=StandbyStatus.TOOK_OVER.value, replaced_run_id=replaced_run_id,
+                     took_over_at=now, ended_at=now, message=plain_text(why)[:4000])
+
+    def end(self, standby_id: str, status: StandbyStatus, why: str) -> bool:
+        """End a live standby (REFUSED, ENDED or DEAD); False when it had already ended."""
+        with self.engine.begin() as conn:
+            result = conn.execute(update(standbys).where(standbys.c.standby_id == standby_id, _live()).values(
+                status=status.value, ended_at=time.time(), message=plain_text(why)[:4000]))
+        return result.rowcount == 1
+
+    def end_all(self, job_id: str, why: str) -> list[str]:
+        """Ask every live standby of ``job_id`` to end (a graceful stop of the job): each sees it at its next
+        poll and exits.  Returns their ids."""
+        live = [s.standby_id for s in self.live(job_id)]
+        return [standby_id for standby_id in live if self.end(standby_id, StandbyStatus.ENDED, why)]
+
+    def get(self, standby_id: str) -> StandbyRecord | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(standbys).where(standbys.c.standby_id == standby_id)).mappings().first()
+        return StandbyRecord.from_row(row) if row else None
+
+    def live(self, job_id: str) -> list[StandbyRecord]:
+        """The standbys of ``job_id`` recorded as warming or waiting, oldest first (some may have died
+        without recording it: the caller checks their process or heartbeat)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(standbys).where(standbys.c.job_id == job_id, _live())
+                                .order_by(standbys.c.started_at)).mappings().all()
+        return [StandbyRecord.from_row(row) for row in rows]
+
+    def recent(self, job_id: str, limit: int = 10) -> list[StandbyRecord]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(standbys).where(standbys.c.job_id == job_id)
+                                .order_by(standbys.c.started_at.desc()).limit(limit)).mappings().all()
+        return [StandbyRecord.from_row(row) for row in rows]
+
+    def _update(self, standby_id: str, **values: Any) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(update(standbys).where(standbys.c.standby_id == standby_id).values(**values))
+
+
+def _live():
+    return standbys.c.status.in_([s.value for s in StandbyStatus if s.live])
