@@ -75,6 +75,12 @@ class StreamJobSpec:
     spark_conf: Mapping[str, str] = field(default_factory=dict)
     #: How often the driver writes a heartbeat and checks for a stop request.
     heartbeat_seconds: float = 2.0
+    #: A running driver silent for this long is dead, where its process cannot be checked (a standby on
+    #: another host; the same host checks the process).
+    heartbeat_timeout_seconds: float = 30.0
+    #: Keep a warm standby driver that takes over within seconds when the active one dies (local and
+    #: client deploy mode: the standby must run where the active driver can be checked).
+    standby: bool = False
     #: Old batches Spark keeps in the checkpoint (spark.sql.streaming.minBatchesToRetain).
     min_batches_to_retain: int = 100
     #: Preflight mode: run batches until one with id >= 1 ran (it reads state), write nothing, stop.
@@ -197,6 +203,12 @@ class StreamJobSpec:
             ) from None
         if self.heartbeat_seconds <= 0:
             raise SpecError("heartbeat_seconds", "must be positive", "Use e.g. 2.0")
+        if self.heartbeat_timeout_seconds < 2 * self.heartbeat_seconds:
+            raise SpecError("heartbeat_timeout_seconds",
+                            f"{self.heartbeat_timeout_seconds} is under two heartbeats ({self.heartbeat_seconds}s each)",
+                            "A driver would be found dead while it lives; use e.g. 30")
+        if not isinstance(self.standby, bool):
+            raise SpecError("standby", f"{self.standby!r} is not true or false", "Use true to keep a warm standby")
         if not isinstance(self.min_batches_to_retain, int) or self.min_batches_to_retain < 2:
             raise SpecError(
                 "min_batches_to_retain",

@@ -1,0 +1,81 @@
+"""When a warm standby takes a stream job over: the rule, pure (no Spark, no Airflow), so that the standby
+driver applies it and tests read it in one place.
+
+====================================  =========================================================
+the job's latest run                  the standby
+====================================  =========================================================
+on another generation than the        refuses (recorded): a reset moved on; start a new standby
+standby's
+of another code version               refuses, naming both versions
+none yet                              waits
+STOPPED (a clean stop)                ends: nothing to stand by for
+FAILED                                waits: the recovery decides, inside the restart budget
+DEAD, or its process is gone (same    takes over
+host), or silent past
+``heartbeat_timeout_seconds``
+(anywhere, even if its process lives)
+anything else                         waits
+====================================  =========================================================
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from airflow_stream_provider import diagnosis, local_driver
+from airflow_stream_provider.diagnosis import Health, Thresholds
+from airflow_stream_provider.spec import StreamJobSpec
+from airflow_stream_provider.state.records import RunRecord, RunStatus
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a waiting standby does next."""
+
+    action: Literal["wait", "take_over", "refuse", "end"]
+    why: str
+    run: RunRecord | None = None
+
+
+def decide(spec: StreamJobSpec, run: RunRecord | None, generation: int, *, driver_alive: bool | None,
+           now: float | None = None) -> Verdict:
+    """The standby's rule, pure: ``run`` is the job's latest run, ``generation`` its current generation,
+    ``driver_alive`` the process check where it is possible (else None: the heartbeat decides)."""
+    if generation != spec.generation:
+        return Verdict("refuse", f"the job is on generation {generation}, this standby was started for generation "
+                                 f"{spec.generation}: start a standby for the current generation", run)
+    if run is None:
+        return Verdict("wait", "no run of the job yet")
+    if run.version != spec.version:
+        return Verdict("refuse", f"standby version {spec.version!r} differs from version {run.version!r} of run "
+                                 f"{run.run_id}: a standby takes over only the code it runs. Start a standby of "
+                                 f"version {run.version!r}", run)
+    if run.status == RunStatus.STOPPED:
+        return Verdict("end", f"the job was stopped cleanly (run {run.run_id})", run)
+    if run.status == RunStatus.FAILED:
+        return Verdict("wait", f"run {run.run_id} failed ({run.failure_kind}): its recovery is decided within the "
+                               "restart budget", run)
+    if run.status == RunStatus.DEAD:
+        return Verdict("take_over", run.termination_message or f"run {run.run_id} is recorded DEAD", run)
+    now = time.time() if now is None else now
+    silent = now - (run.heartbeat_at or run.started_at or now)
+    if run.running_query and silent > spec.heartbeat_timeout_seconds:
+        # Alive or not: a driver silent this long is not processing (hung, paused, cut off).  The new epoch
+        # fences it should it come back; it then finds itself fenced and exits.
+        alive = " although its process lives" if driver_alive else ""
+        return Verdict("take_over", f"run {run.run_id} sent no heartbeat for {silent:.0f}s (timeout "
+                                    f"{spec.heartbeat_timeout_seconds:.0f}s){alive}", run)
+    found = diagnosis.diagnose(spec.job_id, run, driver_alive=driver_alive, lag=None, now=now,
+                               thresholds=Thresholds(heartbeat_timeout_s=spec.heartbeat_timeout_seconds))
+    if found.health == Health.DEAD:
+        return Verdict("take_over", "; ".join(found.evidence), run)
+    return Verdict("wait", f"run {run.run_id} is {found.health.value}", run)
+
+
+def driver_alive(run: RunRecord | None, host: str) -> bool | None:
+    """The process check of ``run``'s driver where it runs on ``host`` (None elsewhere)."""
+    if run is None or not run.pid or run.host != host or run.submission_id:
+        return None
+    return local_driver.process_alive(run.pid, run.started_at)
