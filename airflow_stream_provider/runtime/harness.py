@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 
 from pyspark import SparkConf
@@ -36,9 +37,11 @@ from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
 from airflow_stream_provider.runtime.listener import StateListener
 from airflow_stream_provider.runtime.poison import POISON_POLICIES, keeps_state
 from airflow_stream_provider.runtime.sink import DEAD_LETTER_COLUMNS, ResultsFn, TransactionalSink
+from airflow_stream_provider.runtime.standby import Standby, Takeover
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state import store as state
 from airflow_stream_provider.state import transaction
+from airflow_stream_provider.state.standbys import StandbyStatus
 
 log = logging.getLogger("airflow_stream_provider.harness")
 
@@ -91,34 +94,27 @@ class StreamHarness:
     :param log_path: where the launcher sends this driver's output, recorded with the run.
     """
 
-    def __init__(self, spec: StreamJobSpec, *, run_id: str | None = None, log_path: str | None = None):
+    def __init__(self, spec: StreamJobSpec, *, run_id: str | None = None, log_path: str | None = None,
+                 standby: bool = False):
         self.spec = spec.validate()
         self.store = state.StateStore.from_url(spec.database_url)
         self.store.ensure_schema()
-        self.ticket = self.store.begin_run(
-            spec.job_id,
-            spec.generation,
-            spec.version,
-            run_id=run_id,
-            dry_run=spec.dry_run,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            log_path=log_path,
-        )
-        self.run_id = self.ticket.run_id
+        self.run_id = run_id or uuid.uuid4().hex
+        self.log_path = log_path
         self._stop_signalled = False
         #: A dry run (upgrade preflight) stops by itself once one batch ran through the sink.
         self._preflight_done = False
         self._rerun_of_batch_0 = False
-        log.info(
-            "job %s version %s generation %s: run %s holds epoch %s%s",
-            spec.job_id,
-            spec.version,
-            spec.generation,
-            self.run_id,
-            self.ticket.epoch,
-            " (dry run)" if spec.dry_run else "",
-        )
+        #: a standby registers now and takes an epoch only when it takes over (see ``runtime.standby``)
+        self.standby: Standby | None = None
+        self._warming = False
+        if standby:
+            self.standby = Standby(self.store, spec, self.run_id, pid=os.getpid(), log_path=log_path)
+            self.standby.register()
+        else:
+            self._begin(self.store.begin_run(spec.job_id, spec.generation, spec.version, run_id=self.run_id,
+                                             dry_run=spec.dry_run, host=socket.gethostname(), pid=os.getpid(),
+                                             log_path=log_path))
         self.spark: SparkSession | None = None
         self._generation_start: kafka_offsets.Offsets = {}
         #: the generation's recorded start (None: not recorded yet) and what to record once every stream
@@ -131,6 +127,19 @@ class StreamHarness:
         self._transform: Callable[[DataFrame], DataFrame] | None = None
         self._stateful = True
 
+    def _begin(self, ticket: state.RunTicket) -> None:
+        spec = self.spec
+        self.ticket = ticket
+        log.info(
+            "job %s version %s generation %s: run %s holds epoch %s%s",
+            spec.job_id,
+            spec.version,
+            spec.generation,
+            self.run_id,
+            ticket.epoch,
+            " (dry run)" if spec.dry_run else "",
+        )
+
     # -- entry points ------------------------------------------------------------------------------
     @classmethod
     def from_argv(cls, argv: Sequence[str] | None = None) -> StreamHarness:
@@ -142,6 +151,8 @@ class StreamHarness:
         parser.add_argument("--spec", required=True, help="the job spec as JSON (StreamJobSpec.to_json)")
         parser.add_argument("--run-id", help="run id chosen by the launcher, so it can find this run")
         parser.add_argument("--log-path", help="where the launcher sends this driver's output")
+        parser.add_argument("--standby", action="store_true",
+                            help="start as the job's warm standby: take over when its active run is dead")
         args = parser.parse_args(argv)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:
@@ -150,7 +161,7 @@ class StreamHarness:
             log.error("invalid job spec: %s", err)
             sys.exit(failures.EXIT_CONFIG)
         try:
-            return cls(spec, run_id=args.run_id, log_path=args.log_path)
+            return cls(spec, run_id=args.run_id, log_path=args.log_path, standby=args.standby)
         except Exception as err:
             classification = failures.classify(repr(err))
             log.error("cannot reach the state database %s: %s", spec.database_url, err)
@@ -183,6 +194,10 @@ class StreamHarness:
                 )
             self.on_poison = on_poison
             self._start_spark()
+            if self.standby is not None:
+                ended = self._stand_by(transform, results)
+                if ended is not None:
+                    return ended
             self._generation_start = self._resolve_generation_start()
             records = transform(self._source())
             self._record_generation_start()
@@ -205,6 +220,50 @@ class StreamHarness:
         finally:
             if self.spark is not None:
                 self.spark.stop()
+
+    # -- standby -----------------------------------------------------------------------------------
+    def _stand_by(self, transform: Callable[[DataFrame], DataFrame], results: ResultsFn) -> int | None:
+        """Warm up and wait (see ``runtime.standby``).  None once this driver took the job over: ``run``
+        then goes on as any run's start would; else the exit code of a standby that refused or ended."""
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            refused = self.standby.refusal()
+            if refused is not None:
+                return failures.EXIT_CONFIG
+            self.standby.warm_up(lambda checkpoint: self._warm_up_query(transform, results, checkpoint))
+            outcome = self.standby.wait(lambda: self._stop_signalled)
+        except BaseException as err:
+            self.standby.log.end(self.run_id, StandbyStatus.ENDED, f"failed while standing by: {err!r}")
+            raise
+        if isinstance(outcome, Takeover):
+            self._begin(outcome.ticket)
+            # what a later restart of the job starts: this very code, as the launcher records for its runs
+            self.store.record_launch(self.run_id, os.path.abspath(sys.argv[0]), self.spec.to_json())
+            return None
+        return failures.EXIT_CONFIG if outcome.action == "refuse" else failures.EXIT_STOPPED
+
+    def _warm_up_query(self, transform: Callable[[DataFrame], DataFrame], results: ResultsFn,
+                       checkpoint: str) -> StreamingQuery:
+        """A throw-away query with the job's own code over the last record of each partition of its topics:
+        it plans the source, forks the Python workers and starts the ``foreachBatch`` callback server.
+        Nothing is written; its checkpoint is a scratch directory."""
+        kafka = self.spec.kafka
+        client = kafka_client.consumer(kafka.bootstrap_servers, dict(kafka.client_options))
+        earliest, latest = kafka_client.watermarks(client, kafka.topics)
+        start = {tp: max(earliest[tp], latest[tp] - 1) for tp in latest}
+        self._warming = True
+        try:
+            records = transform(self._stream(kafka.topics, kafka_offsets.to_spark_json(start)))
+        finally:
+            self._warming = False
+
+        def batch(frame: DataFrame, batch_id: int) -> None:
+            for result in results(frame.where(frame["error"].isNull())):
+                result.frame.collect()
+            frame.where(frame["error"].isNotNull()).collect()
+
+        return (records.writeStream.queryName(f"{self.spec.job_id}-warm-up")
+                .option("checkpointLocation", checkpoint).foreachBatch(batch).start())
 
     # -- setup -------------------------------------------------------------------------------------
     def _start_spark(self) -> None:
@@ -375,6 +434,8 @@ class StreamHarness:
         :param starting_offsets: ``earliest`` or ``latest``: where the stream starts in a new generation
             that the spec starts from earliest/latest.
         """
+        if self._warming:  # a standby's warm-up query: nothing about it is recorded
+            return self._stream(topics, "latest")
         if set(topics) - set(self.spec.kafka.topics):
             start = self._stream_start(topics, starting_offsets, "topics of the job's second stream")
             self._generation_start.update(start)
@@ -495,11 +556,24 @@ class StreamHarness:
                 return self._finish(state.STOPPED, failures.EXIT_STOPPED, None, None, "query stopped")
             try:
                 stop = self.store.heartbeat(self.run_id) or self._stop_signalled
+                epoch = None if self.spec.dry_run else self.store.current_epoch(self.spec.job_id)
             except Exception as err:
                 log.warning("heartbeat failed: %r", err)
-                stop = self._stop_signalled
+                stop, epoch = self._stop_signalled, None
+            if epoch is not None and epoch != self.ticket.epoch:
+                return self._fenced(query, epoch)
             if stop or self._preflight_done:
                 return self._stop_gracefully(query)
+
+    def _fenced(self, query: StreamingQuery, epoch: int) -> int:
+        """Another run took the job's epoch (a standby or a new launch found this driver dead, e.g. after a
+        long pause): this one's commits are rejected from now on, so it ends at once."""
+        message = (f"fenced: run {self.run_id} holds epoch {self.ticket.epoch} but the job's current epoch is "
+                   f"{epoch} (a newer run took the job over); its commits would be rejected, so it ends")
+        log.error("%s", message)
+        query.stop()
+        return self._finish(state.FAILED, failures.exit_code_for(failures.FailureKind.CONCURRENT),
+                            failures.FailureKind.CONCURRENT, None, message)
 
     def _stop_gracefully(self, query: StreamingQuery) -> int:
         """Let the running batch finish, then stop the query between batches."""
