@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from airflow_stream_provider import diagnosis, kafka_offsets
 from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.standbys import StandbyLog
 from airflow_stream_provider.state.store import StateStore
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase, UpgradeRecord
 
@@ -43,6 +44,9 @@ def status(store: StateStore, job_id: str, runs: int = 5) -> str:
     upgrade = UpgradeLog(store).latest(job_id)
     if upgrade is not None:
         out.append(_upgrade_line(upgrade))
+    standbys = StandbyLog(store)
+    for standby in standbys.live(job_id) or standbys.recent(job_id, 1):
+        out.append(standby.describe())
     out.append("")
     out.append(_table([[r.run_id[:12], r.status, r.generation, r.epoch, r.version,
                         _when(r.started_at), _when(r.heartbeat_at), r.last_batch_id,

@@ -71,30 +71,47 @@ class StreamDriverHook(BaseHook):
         return str(Path(self.log_dir) / job_id / f"{run_id}.log")
 
     @staticmethod
-    def driver_arguments(spec: StreamJobSpec, run_id: str, log_path: str) -> list[str]:
+    def driver_arguments(spec: StreamJobSpec, run_id: str, log_path: str, *, standby: bool = False) -> list[str]:
         """What the harness reads from its command line.  The spec never holds a password (validated)."""
-        return ["--spec", spec.to_json(), "--run-id", run_id, "--log-path", log_path]
+        return ["--spec", spec.to_json(), "--run-id", run_id, "--log-path", log_path, *(["--standby"] * standby)]
 
-    def submit_command(self, application: str, spec: StreamJobSpec, run_id: str, log_path: str) -> list[str]:
+    def submit_command(self, application: str, spec: StreamJobSpec, run_id: str, log_path: str, *,
+                       standby: bool = False) -> list[str]:
         """The spark-submit command of a local or client-mode driver, as ``submit`` builds it: the test
         stack starts its drivers with it, so tests run the command production runs."""
-        args = self.driver_arguments(spec, run_id, log_path)
+        args = self.driver_arguments(spec, run_id, log_path, standby=standby)
         return self._spark_submit(args, self.conf, f"stream-{spec.job_id}")._build_spark_submit_command(application)
 
-    def submit(self, application: str, spec: StreamJobSpec, run_id: str, password: str | None) -> SubmittedDriver:
-        """Start a driver for ``spec`` and return at once; the run row appears when the driver is up."""
+    def check_standby(self) -> None:
+        """A standby must watch the active driver's process and start as fast as a local process does:
+        cluster deploy mode gives neither (the cluster manager places and restarts drivers).  Raises a
+        ValueError that says so, before anything is started."""
+        connection = self._spark_submit([], self.conf, "stream-standby-check")._connection
+        if (connection["deploy_mode"] or "client") == "cluster":
+            raise ValueError(
+                f"job spec field 'standby': a warm standby needs local or client deploy mode, and Spark "
+                f"connection {self.spark_conn_id!r} uses cluster deploy mode on {connection['master']}: there "
+                "the driver's process cannot be watched and the standby could not start beside it. Use client "
+                "deploy mode for this job, or set standby to false (the cluster manager's own restart applies)")
+
+    def submit(self, application: str, spec: StreamJobSpec, run_id: str, password: str | None, *,
+               standby: bool = False) -> SubmittedDriver:
+        """Start a driver for ``spec`` and return at once; the run row appears when the driver is up (a
+        standby's standby row)."""
         log_path = self.log_path(spec.job_id, run_id)
-        args = self.driver_arguments(spec, run_id, log_path)
+        args = self.driver_arguments(spec, run_id, log_path, standby=standby)
         name = f"stream-{spec.job_id}"
         hook = self._spark_submit(args, self.conf, name)
         master, deploy_mode = hook._connection["master"], hook._connection["deploy_mode"] or "client"
+        if standby:
+            self.check_standby()
         if deploy_mode == "cluster":
             return self._submit_cluster(application, args, name, run_id, master, password)
         cmd = hook._build_spark_submit_command(application)
         env = {**os.environ, **self.env_vars}
         popen = local_driver.start_detached(cmd, log_path, env=env, password=password)
-        self.log.info("Started driver for job %s run %s: pid %s, master %s, log %s", spec.job_id, run_id,
-                      popen.pid, master, log_path)
+        self.log.info("Started %s for job %s run %s: pid %s, master %s, log %s",
+                      "a standby driver" if standby else "driver", spec.job_id, run_id, popen.pid, master, log_path)
         return SubmittedDriver(run_id, deploy_mode, master, pid=popen.pid, log_path=log_path)
 
     def _submit_cluster(self, application: str, args: list[str], name: str, run_id: str, master: str,

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from airflow_stream_provider.lifecycle.health import HealthProbe
 from airflow_stream_provider.lifecycle.waits import Outcome, RunWait, RunWatch
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
+from airflow_stream_provider.state.standbys import StandbyLog, StandbyRecord, StandbyStatus
 
 #: The stop's escalation: after the stop marker, SIGTERM, then a kill; each waits for the driver to end.
 STOP_STAGES = ("marker", "terminate", "kill")
@@ -79,6 +81,9 @@ class StreamJobController:
         run, found = self.probe.observe()
         if found.health.needs_action and run is not None and run.last_batch_id is not None:
             found.evidence.extend(self._lost_checkpoint(run))
+        if self.spec.standby:
+            standby = self.live_standby()
+            found.evidence.append(standby.describe() if standby else "no standby is warm")
         return found
 
     def _lost_checkpoint(self, run: RunRecord) -> list[str]:
@@ -156,8 +161,13 @@ class StreamJobController:
 
     # -- launching -------------------------------------------------------------------------------------
     def check_before_start(self, spec: StreamJobSpec) -> None:
-        """What would make a driver fail at once, checked from here before one is started: the brokers,
-        the topics, a local checkpoint root's permissions."""
+        """What would make a driver fail at once, checked from here before one is started: a standby the
+        Spark connection cannot give, the brokers, the topics, a local checkpoint root's permissions."""
+        if spec.standby:
+            try:
+                self.driver.check_standby()
+            except ValueError as err:
+                raise AirflowFailException(f"{err}; nothing was started") from None
         try:
             _, latest = self.kafka.watermarks(spec.kafka.topics)
         except Exception as err:
@@ -248,6 +258,83 @@ class StreamJobController:
         elif run is None and pid:
             self.log.warning("Killing the driver of run %s (pid %s) before it registered: %s", run_id, pid, why)
             local_driver.signal_group(pid, signal.SIGKILL)
+
+    # -- the warm standby ------------------------------------------------------------------------------
+    @cached_property
+    def standbys(self) -> StandbyLog:
+        return StandbyLog(self.state.store)
+
+    def live_standby(self) -> StandbyRecord | None:
+        """The job's warm (or warming) standby, if one lives.  One recorded live whose driver is gone
+        (killed, its host lost) is recorded DEAD here, so that it is replaced."""
+        found = None
+        for record in self.standbys.live(self.job_id):
+            gone = self._standby_gone(record)
+            if gone:
+                self.standbys.end(record.standby_id, StandbyStatus.DEAD, gone)
+                self.log.warning("Standby %s of job %s is gone: %s", record.standby_id, self.job_id, gone)
+            elif found is None:
+                found = record
+        return found
+
+    def _standby_gone(self, record: StandbyRecord, now: float | None = None) -> str | None:
+        now = time.time() if now is None else now
+        if record.pid and record.host == socket.gethostname():
+            if not local_driver.process_alive(record.pid, record.started_at):
+                return f"its driver process (pid {record.pid} on {record.host}) is gone"
+            return None
+        # Warming sends no heartbeat: bounded like a driver's start.  Waiting, it heartbeats.
+        limit = (self.thresholds.start_timeout_s if record.status == StandbyStatus.WARMING
+                 else self.thresholds.heartbeat_timeout_s)
+        age = now - (record.heartbeat_at or record.started_at or now)
+        return f"its last heartbeat is {age:.0f}s old (timeout {limit:.0f}s)" if age > limit else None
+
+    def ensure_standby(self, application: str | None) -> dict[str, Any] | None:
+        """Start a standby for the job's live run unless one is warm already (``spec.standby``): with the code
+        and spec the live run was launched with, on its generation.  None when the job wants none or does
+        not run."""
+        if not self.spec.standby:
+            return None
+        live = self.live_standby()
+        if live is not None:
+            return {"standby_id": live.standby_id, "status": live.status.value, "action": "kept"}
+        run = self.live_run()
+        if run is None:
+            return None
+        recorded = self.recorded_launch(run, application)
+        if recorded is None:
+            self.log.warning("No standby for job %s: run %s recorded no launch and no application was given",
+                             self.job_id, run.run_id)
+            return None
+        application, spec = recorded
+        spec = replace(spec, standby=True).with_generation(run.generation)
+        standby_id = uuid.uuid4().hex
+        submitted = self.driver.submit(application, spec, standby_id, self.state.password, standby=True)
+        self.log.info("Started standby %s for run %s of job %s (version %s, generation %s)", standby_id,
+                      run.run_id, self.job_id, spec.version, run.generation)
+        return {"standby_id": standby_id, "status": StandbyStatus.WARMING.value, "action": "started",
+                "pid": submitted.pid, "log_path": submitted.log_path}
+
+    def standby_launch(self, standby: StandbyRecord, failed: RunRecord | None,
+                       application: str | None) -> dict[str, Any] | None:
+        """The standby as a launch whose run id is already known (a standby takes over under its own id):
+        what ``launch_wait`` and ``finish_launch`` take."""
+        recorded = self.recorded_launch(failed, application)
+        if recorded is None:
+            return None
+        application, spec = recorded
+        spec = replace(spec, standby=True).with_generation(standby.generation or 1)
+        return {"job_id": self.job_id, "run_id": standby.standby_id, "generation": spec.generation,
+                "version": spec.version, "application": application, "spec": spec.to_json(),
+                "checkpoint_path": spec.checkpoint_path, "pid": standby.pid, "log_path": standby.log_path,
+                "submission_id": None, "submitted_at": standby.started_at}
+
+    def end_standbys(self, why: str) -> list[str]:
+        """End the job's standbys (a graceful stop of the job: nothing to stand by for)."""
+        ended = self.standbys.end_all(self.job_id, why)
+        if ended:
+            self.log.info("Asked standbys %s of job %s to end: %s", ended, self.job_id, why)
+        return ended
 
     # -- stopping --------------------------------------------------------------------------------------
     def stop_step(self, run_id: str, stage: str, timeout: float) -> RunWait:

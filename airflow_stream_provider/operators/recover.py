@@ -9,10 +9,13 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_stream_provider import recovery
 from airflow_stream_provider.budget import RestartBudget
+from airflow_stream_provider.diagnosis import Health
 from airflow_stream_provider.operators.base import StreamJobOperator
 from airflow_stream_provider.recovery import RecoveryAction
 
 ON_INCOMPATIBLE = recovery.ON_INCOMPATIBLE
+#: How long a warm standby may take to take a dead run over and start its query before a cold restart
+STANDBY_TAKEOVER_S = 60.0
 
 
 class RecoverStreamingJobOperator(StreamJobOperator):
@@ -30,6 +33,10 @@ class RecoverStreamingJobOperator(StreamJobOperator):
     CHECKPOINT_INCOMPATIBLE   reset to a new generation from the stored offsets (``on_incompatible``)
     DATA_LOSS, POISON         fail with the evidence: no automatic action can be right
     ========================  =========================================================================
+
+    With ``standby`` in the spec, a dead run's warm standby takes over (the task waits for its query, and
+    restarts cold only if it does not come up); every recovery that leaves the job running ends with a warm
+    standby again (a new one after a takeover, or in place of one that died).
 
     Out of budget (``max_restarts`` within ``restart_window``), the task fails and says so.  Restarts
     whose run then committed a batch do not count: the job was healthy in between.
@@ -76,15 +83,37 @@ class RecoverStreamingJobOperator(StreamJobOperator):
                                             history=history, now=now)
         outcome = {"diagnosis": found.to_dict()}
         if decision.action == RecoveryAction.NONE:
-            return {**outcome, "action": "none"}
+            standby = self.controller.ensure_standby(self.application) if found.health != Health.STOPPED else None
+            return {**outcome, "action": "none", "standby": standby}
         if decision.action == RecoveryAction.FAIL:
             raise AirflowFailException(decision.why)
+        standby = self.controller.live_standby() if found.health == Health.DEAD else None
+        if standby is not None:  # it takes over by itself (it may have already): wait for its run to process
+            launch = self.controller.standby_launch(standby, self.state.store.get_run(found.run_id),
+                                                    self.application)
+            if launch is not None:
+                self.log.info("Standby %s takes over run %s", standby.standby_id, found.run_id)
+                pending = {"launch": launch, "after": "_standby_took_over", "on_fail": "_standby_failed",
+                           "carry": {"decision": {"reason": decision.reason, "backoff_s": decision.backoff_s,
+                                                  "action": decision.action.value}, "outcome": outcome}}
+                wait = self.controller.launch_wait(launch, "ready", STANDBY_TAKEOVER_S)
+                return self.wait_then(context, wait, "_launch_waited", **pending)
         outcome["backoff_s"] = decision.backoff_s
         if decision.backoff_s:
             self.log.info("Backing off %.0fs before the %s (consecutive restarts)", decision.backoff_s,
                           decision.action.value)
         return self.pause_then(context, decision.backoff_s, "_act", action=decision.action.value,
                                reason=decision.reason, outcome=outcome)
+
+    def _standby_took_over(self, context, launched, decision, outcome) -> dict[str, Any]:
+        self.controller.record_restart("standby", decision["reason"], outcome["diagnosis"]["run_id"],
+                                       launched["run_id"])
+        return self.done(context, {**launched, "action": "standby"}, outcome)
+
+    def _standby_failed(self, context, error, decision, outcome) -> dict[str, Any]:
+        self.log.warning("The standby did not take over (%s): restarting from the checkpoint", error)
+        return self.pause_then(context, decision["backoff_s"], "_act", action=decision["action"],
+                               reason=decision["reason"], outcome=outcome)
 
     def _act(self, context, event, action: str, reason: str, outcome: dict[str, Any]) -> dict[str, Any]:
         if action == RecoveryAction.RESET:
@@ -93,4 +122,4 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         return self.restart_then(context, reason, last and last.run_id, "done", {"outcome": outcome})
 
     def done(self, context, result, outcome=None) -> dict[str, Any]:
-        return {**(outcome or {}), **result}
+        return {**(outcome or {}), **result, "standby": self.controller.ensure_standby(self.application)}

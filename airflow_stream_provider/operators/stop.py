@@ -9,11 +9,14 @@ from airflow_stream_provider.operators.base import StreamJobOperator
 
 class StopStreamingJobOperator(StreamJobOperator):
     """Set the stop marker, wait for the driver to finish its batch and exit 0; escalate to SIGTERM and
-    then a kill only after ``stop_timeout``.  Stopping a job that is not running is a no-op that says so."""
+    then a kill only after ``stop_timeout``.  The job's standbys end first.  Stopping a job that is not running
+    is a no-op that says so."""
 
     launches = False
 
     def start(self, context) -> dict[str, Any]:
+        # First: a standby would take over a run that the stop's escalation ends with a kill.
+        self.controller.end_standbys("the job is being stopped")
         run = self.live_run()
         if run is None:
             last = self.state.latest_run(self.job.job_id)

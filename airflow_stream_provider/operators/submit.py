@@ -13,7 +13,7 @@ IF_RUNNING = ("fail", "skip", "replace")
 
 class SubmitStreamingJobOperator(StreamJobOperator):
     """Start the job's driver detached from this task; succeed once the first heartbeat shows the query
-    running.
+    running.  With ``standby`` in the spec, a warm standby driver is started beside it.
 
     :param if_running: what to do when a run of the job is already alive: ``fail`` (default: a double
         start is usually a mistake), ``skip`` (return the live run), or ``replace`` (stop it gracefully,
@@ -49,4 +49,4 @@ class SubmitStreamingJobOperator(StreamJobOperator):
         return self.launch_then(context, "_submitted", {})
 
     def _submitted(self, context, launched) -> dict[str, Any]:
-        return {**launched, "action": "submitted"}
+        return {**launched, "action": "submitted", "standby": self.controller.ensure_standby(self.application)}

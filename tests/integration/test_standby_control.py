@@ -1,0 +1,68 @@
+"""The Airflow side of the warm standby: finding a dead one, refusing one the Spark connection cannot give.
+
+The drivers here are plain processes that have exited: what is checked is how the controller reads the
+standby table and the process table, on both databases; the standby drivers themselves run in
+``tests/e2e/test_standby.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_stream_provider.hooks.driver import StreamDriverHook
+from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
+from airflow_stream_provider.hooks.state import StreamStateHook
+from airflow_stream_provider.lifecycle.controller import StreamJobController
+from airflow_stream_provider.spec import KafkaSpec, StreamJobSpec
+from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
+from tests.dagtest import airflow as airflow_stack
+
+
+def _controller(database_url: str, spark_conn_id: str = "spark_default") -> StreamJobController:
+    spec = StreamJobSpec("orders", "1.0", KafkaSpec("127.0.0.1:9092", ("orders",)), "/tmp/ckpt", database_url,
+                         standby=True)
+    return StreamJobController(spec, state=StreamStateHook(), kafka=KafkaOffsetsHook(),
+                               driver=StreamDriverHook(spark_conn_id))
+
+
+def test_a_standby_whose_process_is_gone_is_recorded_dead_and_not_offered(state_store, database_url):
+    import socket
+
+    log = StandbyLog(state_store)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    log.register("s-gone", "orders", "1.0", 1, host=socket.gethostname(), pid=gone.pid, log_path=None)
+    with subprocess.Popen(["sleep", "30"]) as alive:
+        log.register("s-alive", "orders", "1.0", 1, host=socket.gethostname(), pid=alive.pid, log_path=None)
+        controller = _controller(database_url)
+        assert controller.live_standby().standby_id == "s-alive"
+        alive.kill()
+    dead = log.get("s-gone")
+    assert dead.status == StandbyStatus.DEAD and f"pid {gone.pid}" in dead.message
+    assert [s.standby_id for s in log.live("orders")] == ["s-alive"]
+    assert controller.end_standbys("the job is being stopped") == ["s-alive"]
+    assert log.get("s-alive").status == StandbyStatus.ENDED
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_standby_on_a_cluster_deploy_mode_fails_before_anything_starts(state_store, database_url, monkeypatch):
+    monkeypatch.setenv(*airflow_stack.connection_env("spark_yarn_cluster", conn_type="spark", host="yarn",
+                                                     extra={"deploy-mode": "cluster"}))
+    controller = _controller(database_url, "spark_yarn_cluster")
+    with pytest.raises(AirflowFailException) as err:
+        controller.check_before_start(controller.spec)
+    message = str(err.value)
+    assert "'standby'" in message and "cluster deploy mode" in message and "nothing was started" in message
+
+
+def test_only_the_run_holding_the_expected_epoch_is_taken_over(state_store):
+    """Two standbys see the same dead run: the epoch decides, the second registers nothing."""
+    first = state_store.begin_run("orders", 1, "1.0")
+    won = state_store.begin_run("orders", 1, "1.0", run_id="standby-a", expected_epoch=first.epoch)
+    lost = state_store.begin_run("orders", 1, "1.0", run_id="standby-b", expected_epoch=first.epoch)
+    assert won.epoch == first.epoch + 1 and lost is None
+    assert state_store.get_run("standby-b") is None
+    assert state_store.current_epoch("orders") == won.epoch
