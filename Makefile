@@ -57,6 +57,7 @@ $(VENV)/.bench-installed: pyproject.toml $(VENV)/.installed
 
 soak: install
 	$(VENV)/bin/python -m pytest -m soak $(PYTEST_ARGS)
+	STREAM_STANDBY_KILLS=10 $(VENV)/bin/python -m pytest tests/e2e/test_standby.py -k kill9 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(SPARK_VENV) .pytest_cache .ruff_cache .demo .bench

@@ -110,12 +110,14 @@ class JobRunner:
         return StreamDriverHook(STACK_SPARK_CONN, conf=self.conf, log_dir=str(self.log_dir))
 
     def start(
-        self, spec: StreamJobSpec | None = None, env: dict[str, str] | None = None
+        self, spec: StreamJobSpec | None = None, env: dict[str, str] | None = None, *, standby: bool = False
     ) -> local_driver.DriverProcess:
+        """A driver for ``spec``; with ``standby``, the job's warm standby (its run id is the standby id)."""
         spec = spec or self.spec
         run_id = uuid.uuid4().hex
-        log_path = str(self.log_dir / f"driver-{len(self.drivers):02d}-{run_id[:8]}.log")
-        cmd = self.driver_hook.submit_command(self.application, spec, run_id, log_path)
+        role = "standby" if standby else "driver"
+        log_path = str(self.log_dir / f"{role}-{len(self.drivers):02d}-{run_id[:8]}.log")
+        cmd = self.driver_hook.submit_command(self.application, spec, run_id, log_path, standby=standby)
         popen = local_driver.start_detached(cmd, log_path, env={**spark_env(), **(env or {})}, cwd=str(REPO))
         driver = local_driver.DriverProcess(popen.pid, log_path, run_id, popen)
         self.drivers.append(driver)

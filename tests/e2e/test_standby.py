@@ -1,0 +1,160 @@
+"""The warm standby end to end: real drivers in their own processes, SIGKILLs, a paused zombie.
+
+Each test ends with exact counts against Kafka and the result tables (``check_exactly_once``).  The
+replacement standby after each takeover is started here, as the controller's ``ensure_standby`` does
+from the health DAG (tested on its own in ``tests/integration``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import statistics
+import time
+from dataclasses import replace
+
+import pytest
+
+from airflow_stream_provider import failures
+from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
+from stack.events import EventProducer, Trickle
+from stack.jobs import check_exactly_once, wait_until
+
+#: SIGKILLs of the active driver in the kill test; each is taken over by a standby that is warm by then.
+#: ``make soak`` runs it with 10.
+KILLS = int(os.environ.get("STREAM_STANDBY_KILLS", "3"))
+
+
+def _end(producer) -> dict[int, int]:
+    return dict(producer.produced.end_offsets)
+
+
+def _waiting(runner, standby, timeout: float = 240):
+    """The standby's row once it is warm and waiting; fails at once if its driver exited."""
+    log = StandbyLog(runner.store)
+
+    def ready():
+        if not standby.alive():
+            raise AssertionError(f"the standby exited while warming up\n{runner.log_tail(standby)}")
+        record = log.get(standby.run_id)
+        return record if record and record.status == StandbyStatus.WAITING else None
+
+    return wait_until(ready, timeout, "the standby to be warm", on_timeout=lambda: runner.log_tail(standby))
+
+
+def _processing_after(runner, run_id: str, after: float, timeout: float = 120) -> float:
+    return wait_until(lambda: runner.store.first_commit(runner.spec.job_id, run_id, after), timeout,
+                      f"run {run_id} to commit a batch", interval=0.05,
+                      on_timeout=lambda: runner.log_tail(next(d for d in runner.drivers if d.run_id == run_id)))
+
+
+def _kill_and_take_over(runner, active, rng: random.Random, seconds: list[float]):
+    """Start a standby, let it warm up, SIGKILL the active driver's process group in the middle of its
+    work; return the standby once its run committed a batch (and record how long that took)."""
+    standby = runner.start(standby=True)
+    _waiting(runner, standby)
+    _processing_after(runner, active.run_id, time.time())  # the active run is busy right now
+    time.sleep(rng.uniform(0, 0.8))
+    killed_at = time.time()
+    active.kill()
+    seconds.append(_processing_after(runner, standby.run_id, killed_at) - killed_at)
+    replaced = runner.store.get_run(active.run_id)
+    assert replaced.status == "DEAD" and f"standby {standby.run_id} took over" in replaced.termination_message
+    took = StandbyLog(runner.store).get(standby.run_id)
+    assert took.status == StandbyStatus.TOOK_OVER and took.replaced_run_id == active.run_id
+    assert runner.store.latest_run(runner.spec.job_id).run_id == standby.run_id
+    return standby
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+def test_kill9_of_the_active_driver_is_taken_over_by_the_standby(broker, topic, runner, figures):
+    """KILLS SIGKILLs of the active driver's whole process group, each at a random moment of a batch while
+    events keep arriving; each time the warm standby takes over on the same generation."""
+    rng = random.Random(20261124)
+    runner.spec = replace(runner.spec, standby=True)
+    producer = EventProducer(broker, topic, malformed_ratio=0.01)
+    producer.send(1500)
+    active = runner.start()
+    runner.wait_running(active)
+    seconds = []
+    with Trickle(producer, chunk=10, pause_s=0.2):  # events keep arriving through every kill
+        for _ in range(KILLS):
+            active = _kill_and_take_over(runner, active, rng, seconds)
+    runner.wait_caught_up(_end(producer), active)
+    assert runner.stop(active) == failures.EXIT_STOPPED
+    counts = check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
+    assert counts["read"] == producer.produced.total
+    epochs = [run.epoch for run in runner.store.runs(runner.spec.job_id)]
+    assert epochs == sorted(epochs) and len(epochs) == KILLS + 1  # one run per driver life, no double start
+    figures.record("standby takeover after kill -9", kills=KILLS, median_s=round(statistics.median(seconds), 2),
+                   max_s=round(max(seconds), 2), **counts)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_killed_standby_leaves_the_active_run_alone_and_a_replacement_takes_over(broker, topic, runner):
+    runner.spec = replace(runner.spec, standby=True)
+    producer = EventProducer(broker, topic)
+    producer.send(1200)
+    active = runner.start()
+    first = runner.start(standby=True)
+    _waiting(runner, first)
+    first.kill()  # SIGKILL of the standby's whole process group
+    producer.send(600)
+    runner.wait_caught_up(_end(producer), active)  # the active run never noticed
+    assert runner.store.latest_run(runner.spec.job_id).run_id == active.run_id
+    assert StandbyLog(runner.store).get(first.run_id).status == StandbyStatus.WAITING  # until someone checks
+
+    replacement = runner.start(standby=True)
+    _waiting(runner, replacement)
+    active.kill()
+    producer.send(600)
+    _processing_after(runner, replacement.run_id, 0.0)
+    runner.wait_caught_up(_end(producer), replacement)
+    assert runner.stop(replacement) == failures.EXIT_STOPPED
+    check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_standby_and_zombie_race_for_the_epoch(broker, topic, runner, figures):
+    """The active driver is paused (SIGSTOP: a long GC pause, a frozen VM): its heartbeat goes stale and
+    the standby takes over although the process lives.  Resumed, the zombie races the new run; the epoch
+    decides: the zombie commits nothing and ends itself, fenced."""
+    runner.spec = replace(runner.spec, standby=True, heartbeat_timeout_seconds=5.0)
+    producer = EventProducer(broker, topic)
+    producer.send(1500)
+    zombie = runner.start()
+    standby = runner.start(standby=True)
+    _waiting(runner, standby)
+    runner.wait_caught_up(_end(producer), zombie)
+    producer.send(900)  # the zombie may be in the middle of these when it freezes
+    _processing_after(runner, zombie.run_id, time.time())
+    os.killpg(zombie.pid, signal.SIGSTOP)
+    paused = time.time()
+    try:
+        taken = _processing_after(runner, standby.run_id, paused, timeout=90)
+        zombie_row = runner.store.get_run(zombie.run_id)
+        assert zombie_row.status == "DEAD" and "no heartbeat" in zombie_row.termination_message
+        producer.send(600)
+    finally:
+        os.killpg(zombie.pid, signal.SIGCONT)
+    assert zombie.wait(120) == failures.EXIT_CONCURRENT, runner.log_tail(zombie)
+    assert "current epoch is" in runner.store.get_run(zombie.run_id).termination_message
+    runner.wait_caught_up(_end(producer), standby)
+    assert runner.stop(standby) == failures.EXIT_STOPPED
+    counts = check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
+    figures.record("standby takeover of a paused driver", seconds_after_pause=round(taken - paused, 1), **counts)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_standby_of_another_version_is_refused_with_both_versions_named(broker, topic, runner):
+    producer = EventProducer(broker, topic)
+    producer.send(300)
+    active = runner.start()
+    runner.wait_running(active)
+    other = runner.start(replace(runner.spec, version="2.0"), standby=True)
+    assert other.wait(240) == failures.EXIT_CONFIG, runner.log_tail(other)
+    record = StandbyLog(runner.store).get(other.run_id)
+    assert record.status == StandbyStatus.REFUSED
+    assert "'2.0'" in record.message and "'1.0'" in record.message
+    assert runner.store.latest_run(runner.spec.job_id).run_id == active.run_id and active.alive()
