@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -105,6 +106,15 @@ def process_alive(pid: int, registered_at: float | None = None) -> bool:
         return False
     except psutil.AccessDenied:  # it exists, owned by someone else: its start time is still readable
         return True
+
+
+def alive_on_this_host(pid: int | None, host: str | None, started_at: float | None,
+                       submission_id: str | None = None) -> bool | None:
+    """The process check of a recorded driver (a run, a standby): True/False where it runs on this host,
+    None elsewhere or on a cluster (only heartbeats can tell there)."""
+    if not pid or host != socket.gethostname() or submission_id:
+        return None
+    return process_alive(pid, started_at)
 
 
 def signal_group(pgid: int, sig: int) -> None:

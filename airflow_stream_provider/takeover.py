@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from airflow_stream_provider import diagnosis, local_driver
+from airflow_stream_provider import diagnosis
 from airflow_stream_provider.diagnosis import Health, Thresholds
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord, RunStatus
@@ -72,10 +72,3 @@ def decide(spec: StreamJobSpec, run: RunRecord | None, generation: int, *, drive
     if found.health == Health.DEAD:
         return Verdict("take_over", "; ".join(found.evidence), run)
     return Verdict("wait", f"run {run.run_id} is {found.health.value}", run)
-
-
-def driver_alive(run: RunRecord | None, host: str) -> bool | None:
-    """The process check of ``run``'s driver where it runs on ``host`` (None elsewhere)."""
-    if run is None or not run.pid or run.host != host or run.submission_id:
-        return None
-    return local_driver.process_alive(run.pid, run.started_at)

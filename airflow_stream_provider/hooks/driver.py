@@ -135,9 +135,7 @@ class StreamDriverHook(BaseHook):
     @staticmethod
     def is_alive(run: RunRecord) -> bool | None:
         """True/False where the process can be checked from here, None where only heartbeats can tell."""
-        if StreamDriverHook.is_local(run):
-            return local_driver.process_alive(run.pid, run.started_at)
-        return None
+        return local_driver.alive_on_this_host(run.pid, run.host, run.started_at, run.submission_id)
 
     def terminate(self, run: RunRecord) -> bool:
         """SIGTERM to the Python driver only: its harness stops the query between batches.  Sent to the

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -279,10 +278,9 @@ class StreamJobController:
 
     def _standby_gone(self, record: StandbyRecord, now: float | None = None) -> str | None:
         now = time.time() if now is None else now
-        if record.pid and record.host == socket.gethostname():
-            if not local_driver.process_alive(record.pid, record.started_at):
-                return f"its driver process (pid {record.pid} on {record.host}) is gone"
-            return None
+        alive = local_driver.alive_on_this_host(record.pid, record.host, record.started_at)
+        if alive is not None:
+            return None if alive else f"its driver process (pid {record.pid} on {record.host}) is gone"
         # Warming sends no heartbeat: bounded like a driver's start.  Waiting, it heartbeats.
         limit = (self.thresholds.start_timeout_s if record.status == StandbyStatus.WARMING
                  else self.thresholds.heartbeat_timeout_s)

@@ -555,8 +555,9 @@ class StreamHarness:
                     return self._failed(exception)
                 return self._finish(state.STOPPED, failures.EXIT_STOPPED, None, None, "query stopped")
             try:
-                stop = self.store.heartbeat(self.run_id) or self._stop_signalled
-                epoch = None if self.spec.dry_run else self.store.current_epoch(self.spec.job_id)
+                beat = self.store.heartbeat(self.run_id)
+                stop = beat.stop_requested or self._stop_signalled
+                epoch = None if self.spec.dry_run else beat.job_epoch  # a dry run holds no epoch of its own
             except Exception as err:
                 log.warning("heartbeat failed: %r", err)
                 stop, epoch = self._stop_signalled, None

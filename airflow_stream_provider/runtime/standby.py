@@ -27,11 +27,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from airflow_stream_provider import local_driver
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
 from airflow_stream_provider.state.store import RunTicket, StateStore
-from airflow_stream_provider.takeover import Verdict, decide, driver_alive
+from airflow_stream_provider.takeover import Verdict, decide
 
 log = logging.getLogger("airflow_stream_provider.standby")
 
@@ -100,7 +101,7 @@ class Standby:
         generation) is refused at once, recorded."""
         run = self.store.latest_run(self.spec.job_id)
         verdict = decide(self.spec, run, self.store.current_generation(self.spec.job_id),
-                         driver_alive=driver_alive(run, self.host))
+                         driver_alive=_alive(run))
         return self._end(verdict) if verdict.action == "refuse" else None
 
     def wait(self, stop_signalled: Callable[[], bool] = lambda: False) -> Takeover | Verdict:
@@ -118,7 +119,7 @@ class Standby:
                     return Verdict("end", f"asked to end ({record.message if record else status.value})")
             run = self.store.latest_run(spec.job_id)
             verdict = decide(spec, run, self.store.current_generation(spec.job_id),
-                             driver_alive=driver_alive(run, self.host))
+                             driver_alive=_alive(run))
             if verdict.action == "take_over":
                 took = self._take_over(verdict)
                 if took is not None:
@@ -151,3 +152,6 @@ class Standby:
                                                                  status.value.lower(), verdict.why)
         return verdict
 
+
+def _alive(run: RunRecord | None) -> bool | None:
+    return local_driver.alive_on_this_host(run.pid, run.host, run.started_at, run.submission_id) if run else None

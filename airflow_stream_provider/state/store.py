@@ -47,6 +47,13 @@ class RunTicket:
 
 
 @dataclass(frozen=True)
+class Heartbeat:
+    stop_requested: bool
+    #: the job's current epoch: another than the run's means a newer run took over
+    job_epoch: int | None
+
+
+@dataclass(frozen=True)
 class HealthReportKey:
     """What makes a health report new: a run entering a health, with its failure kind ('' for none)."""
 
@@ -170,17 +177,16 @@ class StateStore:
     def mark_query_started(self, run_id: str) -> None:
         self._update_run(run_id, status=RUNNING, query_started_at=time.time(), heartbeat_at=time.time())
 
-    def heartbeat(self, run_id: str) -> bool:
-        """Record that the driver is alive; return True when a graceful stop was requested."""
+    def heartbeat(self, run_id: str) -> Heartbeat:
+        """Record that the driver is alive; say whether a graceful stop was requested and which epoch the
+        job holds now (one round trip: a driver whose epoch was taken learns it here)."""
         now = time.time()
+        runs, jobs = schema.runs, schema.jobs
         with self.engine.begin() as conn:
-            conn.execute(update(schema.runs).where(schema.runs.c.run_id == run_id).values(heartbeat_at=now))
-            return (
-                conn.execute(
-                    select(schema.runs.c.stop_requested_at).where(schema.runs.c.run_id == run_id)
-                ).scalar()
-                is not None
-            )
+            conn.execute(update(runs).where(runs.c.run_id == run_id).values(heartbeat_at=now))
+            row = conn.execute(select(runs.c.stop_requested_at, jobs.c.epoch)
+                               .join(jobs, jobs.c.job_id == runs.c.job_id).where(runs.c.run_id == run_id)).first()
+        return Heartbeat(row is not None and row.stop_requested_at is not None, row.epoch if row else None)
 
     def record_progress(
         self, run_id: str, batch_id: int, progress: Mapping[str, Any] | None, committed: bool
