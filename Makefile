@@ -47,7 +47,8 @@ demo: install
 # Recovery time, throughput and scaling against the baseline; writes benchmarks/results/ (about 26 min on
 # 2 cores; BENCH_ARGS="--profile quick" checks the whole path in a few minutes).  Recovery under a real
 # Airflow, against the former polling DAG and SparkSubmitOperator, runs only when named (about an hour):
-# BENCH_ARGS="--only cold mttr_real_airflow --update".
+# BENCH_ARGS="--only cold mttr_real_airflow --update"; so does the warm standby's takeover over ten kills
+# (about 8 minutes): BENCH_ARGS="--only cold standby --update".
 bench: install $(VENV)/.bench-installed
 	$(VENV)/bin/python -m benchmarks $(BENCH_ARGS)
 

@@ -29,11 +29,11 @@ PROFILES = {
     "default": {"cold": 3, "mttr": 3, "baseline": 3, "upgrade": 2, "throughput_repeats": 1, "backlog": 60_000,
                 "max_offsets": 10_000, "raw_repeats": 3, "rss_backlogs": [15_000, 60_000, 150_000],
                 "history": [10, 100, 1000], "partitions": [1, 8, 32], "real_airflow_kills": 10,
-                "batch_sizes": [5_000, 20_000, 50_000], "batch_backlog": 150_000},
+                "batch_sizes": [5_000, 20_000, 50_000], "batch_backlog": 150_000, "standby_kills": 10},
     "quick": {"cold": 1, "mttr": 1, "baseline": 1, "upgrade": 1, "throughput_repeats": 1, "backlog": 6_000,
               "max_offsets": 2_000, "raw_repeats": 1, "rss_backlogs": [4_000, 6_000],
               "history": [5, 20], "partitions": [1, 4], "real_airflow_kills": 1,
-              "batch_sizes": [1_000, 4_000], "batch_backlog": 12_000},
+              "batch_sizes": [1_000, 4_000], "batch_backlog": 12_000, "standby_kills": 2},
 }
 
 
@@ -126,6 +126,8 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
         samples["scaling"]["history"] = recovery.by_history(stack, profile["history"], total)
     if section("partitions", f"recovery and reset with {profile['partitions']} partitions"):
         samples["scaling"]["partitions"] = recovery.by_partitions(stack, profile["partitions"], total)
+    if section("standby", f"kill -9 of the active driver with a warm standby, {profile['standby_kills']} kills"):
+        samples.update(recovery.standby_takeover(stack, profile["standby_kills"], total))
     if section("mttr_real_airflow", f"kill -9 under a real Airflow, {profile['real_airflow_kills']} kills each: "
                                     f"{', '.join(real_airflow.VARIANTS)}"):
         for variant, seconds in real_airflow.run(stack, profile["real_airflow_kills"], total).items():

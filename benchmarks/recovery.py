@@ -9,13 +9,14 @@ busy, so a recovered driver commits as soon as it can.
 from __future__ import annotations
 
 import random
+import statistics
 import threading
 import time
 from collections.abc import Callable
 
 from airflow_stream_provider.state.records import RunRecord
 from benchmarks.audit import Audit, audit
-from benchmarks.stack import EVENTS_JOB, EVENTS_JOB_V2, Job, Stack, kill_driver_tree, say
+from benchmarks.stack import EVENTS_JOB, EVENTS_JOB_V2, Job, Stack, kill_driver_tree, say, tree_rss
 from stack.events import Trickle
 
 #: The example health DAG's sensor looks every 2 s; a kill lands anywhere in that interval.
@@ -311,3 +312,75 @@ def by_partitions(stack: Stack, levels: list[int], total: Audit) -> dict[str, li
             timed = _recover_then_reset(stack, job)
         _record_point(stack, job, producer, total, series, ("partitions", partitions), timed)
     return series
+
+
+# -- the warm standby -----------------------------------------------------------------------------------
+def _warm(job: Job, driver, timeout: float = 300) -> None:
+    from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
+
+    log = StandbyLog(job.store)
+
+    def waiting():
+        if not driver.alive():
+            raise RuntimeError(f"standby {driver.run_id} exited while warming up (log: {driver.log_path})")
+        record = log.get(driver.run_id)
+        return record is not None and record.status == StandbyStatus.WAITING
+
+    _wait(waiting, timeout, f"standby {driver.run_id} to be warm")
+
+
+def _memory_mb(pid: int, samples: int = 5) -> dict[str, float]:
+    """The median of a few looks at a driver tree's RSS and PSS, in MB (a worker may come and go)."""
+    looks = []
+    for _ in range(samples):
+        parts = tree_rss(pid)
+        looks.append({"rss": (parts["jvm"] + parts["python"]) / 2**20, "pss": parts["pss"] / 2**20})
+        time.sleep(0.5)
+    return {key: round(statistics.median(look[key] for look in looks), 1) for key in ("rss", "pss")}
+
+
+def standby_takeover(stack: Stack, kills: int, total: Audit) -> dict[str, list[float]]:
+    """SIGKILL of the active driver's whole tree, with a warm standby waiting -> the first batch the
+    standby's run committed; a new standby is started after each takeover, as the health DAG does.
+
+    Also the resident memory of a standby that waits, against the active driver of the same job idle
+    (caught up, nothing arriving), both measured at the same moment before the kills."""
+    from stack.jobs import JobRunner, make_spec
+
+    job = stack.new_job("standby", database="postgresql")
+    spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url,
+                     stack.workdir / "checkpoints", trigger_interval="1 second", max_offsets_per_trigger=2000,
+                     standby=True)
+    runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id, conf=stack.spark_conf)
+    producer = stack.producer(job)
+    producer.send(1000)
+    active = runner.start()
+    standby = runner.start(standby=True)
+    job.wait_caught_up(producer.produced, alive_pid=active.pid)
+    _warm(job, standby)
+    time.sleep(3)  # both settled: the active run between batches, the standby polling
+    idle, waiting = _memory_mb(active.pid), _memory_mb(standby.pid)
+    say(f"  memory: idle active driver RSS {idle['rss']:.0f} MB (PSS {idle['pss']:.0f}), waiting standby "
+        f"RSS {waiting['rss']:.0f} MB (PSS {waiting['pss']:.0f})")
+    found = {"mttr_standby_kill9_s": [], "idle_driver_rss_mb": [idle["rss"]], "idle_driver_pss_mb": [idle["pss"]],
+             "standby_rss_mb": [waiting["rss"]], "standby_pss_mb": [waiting["pss"]]}
+    with Trickle(producer, chunk=30, pause_s=0.3):
+        for kill in range(kills):
+            if kill:  # the one started above is warm already
+                standby = runner.start(standby=True)
+                _warm(job, standby)
+            job.wait_first_commit(run_id=active.run_id, after=time.time())  # busy: a batch just committed
+            time.sleep(random.uniform(0, 1.0))  # anywhere in the next trigger interval
+            killed_at = time.time()
+            active.kill()  # SIGKILL of its process group: the JVM, the Python driver, every worker
+            found["mttr_standby_kill9_s"].append(
+                job.wait_first_commit(run_id=standby.run_id, after=killed_at) - killed_at)
+            say(f"  standby kill -9 {kill + 1}/{kills}: processing again after "
+                f"{found['mttr_standby_kill9_s'][-1]:.2f}s")
+            active = standby
+    job.wait_caught_up(producer.produced, alive_pid=active.pid)
+    runner.stop(active)
+    runner.store.dispose()
+    producer.close()
+    _audit(job, producer, total)
+    return found
