@@ -13,6 +13,7 @@ from typing import Any
 
 from airflow_stream_provider import failures
 from airflow_stream_provider.state.records import RunRecord
+from airflow_stream_provider.state.standbys import StandbyRecord
 from airflow_stream_provider.state.store import ACTIVE_STATUSES, DEAD, FAILED, STARTING, STOPPED
 
 
@@ -27,6 +28,10 @@ class Health(enum.StrEnum):
     @property
     def needs_action(self) -> bool:
         return self in (Health.STUCK, Health.DEAD, Health.FAILED)
+
+
+#: ``Diagnosis.standby`` of a run that wants a standby and has none warm or warming
+MISSING_STANDBY = "MISSING"
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,14 @@ class Diagnosis:
     advice: str = ""
     #: when the conclusion was drawn (epoch seconds): detection latency is measured against it
     diagnosed_at: float | None = None
+    #: for a run launched with ``standby`` on: its standby's status (WARMING, WAITING), or MISSING
+    standby: str | None = None
+
+    @property
+    def needs_standby(self) -> bool:
+        """A healthy run that wants a warm standby and has none (after a takeover, or its standby died):
+        the next death would cost a cold start."""
+        return self.health == Health.HEALTHY and self.standby == MISSING_STANDBY
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -150,6 +163,13 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
     return Diagnosis(job_id, Health.HEALTHY, **base,
                      evidence=[f"heartbeat {heartbeat_age:.0f}s ago", f"last batch {run.last_batch_id}",
                                f"lag {lag}"])
+
+
+def note_standby(found: Diagnosis, standby: StandbyRecord | None) -> Diagnosis:
+    """Add what is known of the standby of a run that wants one (``standby`` is its live standby)."""
+    found.standby = standby.status.value if standby else MISSING_STANDBY
+    found.evidence.append(standby.describe() if standby else "no standby is warm")
+    return found
 
 
 def lag_matters(run: RunRecord | None, thresholds: Thresholds, now: float | None = None) -> bool:

@@ -30,6 +30,7 @@ from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import Variable, task
 from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_stream_provider.diagnosis import MISSING_STANDBY
 from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
 from airflow_stream_provider.operators.reset import ResetStreamingJobOperator
 
@@ -68,12 +69,16 @@ def act_on(diagnosis) -> None:
       ``stream_reset_policy`` is ``auto``, otherwise fail saying how to decide;
     * anything else that needs action (dead driver, stuck query, transient or user-code failure):
       recover, within the restart budget;
+    * a healthy job that wants a warm standby and has none (a standby took over, or died): recover,
+      which starts one;
     * a healthy, starting or stopped job: nothing.
     """
 
     @task.branch
     def choose(diagnosis: dict) -> str:
         kind = diagnosis.get("failure_kind")
+        if diagnosis["health"] == "HEALTHY" and diagnosis.get("standby") == MISSING_STANDBY:
+            return "recover"
         if diagnosis["health"] in ("HEALTHY", "STARTING", "STOPPED"):
             return "healthy"
         if kind in ("DATA_LOSS", "POISON"):

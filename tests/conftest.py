@@ -130,8 +130,8 @@ def pytest_terminal_summary(terminalreporter):
 
 #: Files whose tests each run several Spark drivers: started first, so that the two workers do not end
 #: the run waiting on one long scenario each.
-_HEAVY = ("test_standby.py", "test_lifecycle.py", "test_deferral.py", "test_upgrades.py", "test_runtime.py", "test_example_dags.py",
-          "test_faults.py", "test_provider_dags.py", "test_outages.py", "test_standalone_cluster.py",
+_HEAVY = ("test_standby.py", "test_lifecycle.py", "test_warm_standby.py", "test_deferral.py", "test_upgrades.py",
+          "test_runtime.py", "test_example_dags.py", "test_faults.py", "test_provider_dags.py", "test_outages.py", "test_standalone_cluster.py",
           "test_bad_input.py", "test_security.py")
 
 

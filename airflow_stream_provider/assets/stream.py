@@ -45,7 +45,8 @@ def stream_job_asset(job_id: str, *, state_conn_id: str = StreamStateHook.defaul
     :param job_id: the stream job's ``job_id``, as in its spec.
     :param state_conn_id: the state database the job's runs are recorded in.
     :param kafka_conn_id: the brokers, for the lag that tells a STUCK query from an idle one.
-    :param fire_on: the healths that make an event (DEAD, STUCK, FAILED).
+    :param fire_on: the conditions that make an event (DEAD, STUCK, FAILED, and NO_STANDBY: a healthy run
+        that wants a warm standby and has none).
     :param heartbeat_timeout: seconds without a heartbeat after which a driver that cannot be checked as
         a process (another host, a cluster) counts as DEAD.
     :param stuck_after: seconds without a committed batch, while Kafka holds unread records, that make a

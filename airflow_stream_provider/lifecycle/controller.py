@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from airflow_stream_provider.lifecycle.driver_log import log_tail
 from airflow_stream_provider.lifecycle.health import HealthProbe
 from airflow_stream_provider.lifecycle.waits import Outcome, RunWait, RunWatch
 from airflow_stream_provider.spec import StreamJobSpec
-from airflow_stream_provider.state.records import RunRecord
+from airflow_stream_provider.state.records import RunRecord, RunStatus
 from airflow_stream_provider.state.standbys import StandbyLog, StandbyRecord, StandbyStatus
 
 #: The stop's escalation: after the stop marker, SIGTERM, then a kill; each waits for the driver to end.
@@ -80,9 +81,9 @@ class StreamJobController:
         run, found = self.probe.observe()
         if found.health.needs_action and run is not None and run.last_batch_id is not None:
             found.evidence.extend(self._lost_checkpoint(run))
-        if self.spec.standby:
-            standby = self.live_standby()
-            found.evidence.append(standby.describe() if standby else "no standby is warm")
+        if self.spec.standby and found.standby is None and found.health != Health.STOPPED:
+            # the run was launched without one, and this spec asks for one: say so
+            diagnosis.note_standby(found, self.live_standby())
         return found
 
     def _lost_checkpoint(self, run: RunRecord) -> list[str]:
@@ -259,33 +260,13 @@ class StreamJobController:
             local_driver.signal_group(pid, signal.SIGKILL)
 
     # -- the warm standby ------------------------------------------------------------------------------
-    @cached_property
+    @property
     def standbys(self) -> StandbyLog:
-        return StandbyLog(self.state.store)
+        return self.probe.standbys
 
     def live_standby(self) -> StandbyRecord | None:
-        """The job's warm (or warming) standby, if one lives.  One recorded live whose driver is gone
-        (killed, its host lost) is recorded DEAD here, so that it is replaced."""
-        found = None
-        for record in self.standbys.live(self.job_id):
-            gone = self._standby_gone(record)
-            if gone:
-                self.standbys.end(record.standby_id, StandbyStatus.DEAD, gone)
-                self.log.warning("Standby %s of job %s is gone: %s", record.standby_id, self.job_id, gone)
-            elif found is None:
-                found = record
-        return found
-
-    def _standby_gone(self, record: StandbyRecord, now: float | None = None) -> str | None:
-        now = time.time() if now is None else now
-        alive = local_driver.alive_on_this_host(record.pid, record.host, record.started_at)
-        if alive is not None:
-            return None if alive else f"its driver process (pid {record.pid} on {record.host}) is gone"
-        # Warming sends no heartbeat: bounded like a driver's start.  Waiting, it heartbeats.
-        limit = (self.thresholds.start_timeout_s if record.status == StandbyStatus.WARMING
-                 else self.thresholds.heartbeat_timeout_s)
-        age = now - (record.heartbeat_at or record.started_at or now)
-        return f"its last heartbeat is {age:.0f}s old (timeout {limit:.0f}s)" if age > limit else None
+        """The job's warm (or warming) standby, if one lives (a vanished one is recorded DEAD)."""
+        return self.probe.live_standby()
 
     def ensure_standby(self, application: str | None) -> dict[str, Any] | None:
         """Start a standby for the job's live run unless one is warm already (``spec.standby``): with the code
@@ -297,7 +278,7 @@ class StreamJobController:
         if live is not None:
             return {"standby_id": live.standby_id, "status": live.status.value, "action": "kept"}
         run = self.live_run()
-        if run is None:
+        if run is None or run.status == RunStatus.STOPPING:
             return None
         recorded = self.recorded_launch(run, application)
         if recorded is None:
@@ -308,6 +289,11 @@ class StreamJobController:
         spec = replace(spec, standby=True).with_generation(run.generation)
         standby_id = uuid.uuid4().hex
         submitted = self.driver.submit(application, spec, standby_id, self.state.password, standby=True)
+        # Recorded now, under the launcher's process, so the watcher and the next health check see a
+        # standby warming from this moment on, not a missing one to start again; the driver takes the row
+        # over when it registers.
+        self.standbys.register(standby_id, self.job_id, spec.version, spec.generation, host=socket.gethostname(),
+                               pid=submitted.pid, log_path=submitted.log_path)
         self.log.info("Started standby %s for run %s of job %s (version %s, generation %s)", standby_id,
                       run.run_id, self.job_id, spec.version, run.generation)
         return {"standby_id": standby_id, "status": StandbyStatus.WARMING.value, "action": "started",

@@ -3,15 +3,19 @@ the always-on DAG's fresh diagnosis, and the controller before it decides a reco
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Sequence
+from functools import cached_property
 
-from airflow_stream_provider import diagnosis
+from airflow_stream_provider import diagnosis, local_driver
 from airflow_stream_provider.diagnosis import Diagnosis, Thresholds
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
-from airflow_stream_provider.state.records import RunRecord
+from airflow_stream_provider.state.records import RunRecord, RunStatus
+from airflow_stream_provider.state.standbys import StandbyLog, StandbyRecord, StandbyStatus
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,61 @@ class HealthProbe:
         alive = StreamDriverHook.is_alive(run) if run else None
         found = diagnosis.diagnose(self.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
         self.state.record_death(run, found)
-        return run, found
+        return run, with_standby(found, run, self.standbys, self.thresholds)
+
+    @cached_property
+    def standbys(self) -> StandbyLog:
+        return StandbyLog(self.state.store)
+
+    def live_standby(self) -> StandbyRecord | None:
+        return live_standby(self.standbys, self.job_id, self.thresholds)
 
     def close(self) -> None:
         self.state.close()
+
+
+# -- the warm standby ----------------------------------------------------------------------------------
+#: The run statuses whose standby is part of the diagnosis: a stopping or stopped job needs none.
+_STANDBY_MATTERS = (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.DEAD)
+
+
+def wants_standby(run: RunRecord | None) -> bool:
+    """Whether ``run`` was launched with ``standby`` on, as the spec its launcher recorded says."""
+    try:
+        return bool(run and run.spec and json.loads(run.spec).get("standby"))
+    except (ValueError, AttributeError):
+        return False
+
+
+def with_standby(found: Diagnosis, run: RunRecord | None, standbys: StandbyLog, thresholds: Thresholds) -> Diagnosis:
+    """``found`` with its run's standby noted, where the run wants one and the job is not stopping."""
+    if run is None or run.status not in _STANDBY_MATTERS or not wants_standby(run):
+        return found
+    return diagnosis.note_standby(found, live_standby(standbys, run.job_id, thresholds))
+
+
+def live_standby(standbys: StandbyLog, job_id: str, thresholds: Thresholds,
+                 now: float | None = None) -> StandbyRecord | None:
+    """The job's warm (or warming) standby, if one lives.  One recorded live whose driver is gone (killed,
+    its host lost) is recorded DEAD here, so that it is replaced."""
+    found = None
+    for record in standbys.live(job_id):
+        gone = standby_gone(record, thresholds, now)
+        if gone:
+            standbys.end(record.standby_id, StandbyStatus.DEAD, gone)
+            log.warning("Standby %s of job %s is gone: %s", record.standby_id, job_id, gone)
+        elif found is None:
+            found = record
+    return found
+
+
+def standby_gone(record: StandbyRecord, thresholds: Thresholds, now: float | None = None) -> str | None:
+    """Why a standby recorded live is not (its process is gone, or it fell silent), or None."""
+    now = time.time() if now is None else now
+    alive = local_driver.alive_on_this_host(record.pid, record.host, record.started_at)
+    if alive is not None:
+        return None if alive else f"its driver process (pid {record.pid} on {record.host}) is gone"
+    # Warming sends no heartbeat: bounded like a driver's start.  Waiting, it heartbeats.
+    limit = thresholds.start_timeout_s if record.status == StandbyStatus.WARMING else thresholds.heartbeat_timeout_s
+    age = now - (record.heartbeat_at or record.started_at or now)
+    return f"its last heartbeat is {age:.0f}s old (timeout {limit:.0f}s)" if age > limit else None

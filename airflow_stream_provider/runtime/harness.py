@@ -110,7 +110,7 @@ class StreamHarness:
         self._warming = False
         if standby:
             self.standby = Standby(self.store, spec, self.run_id, pid=os.getpid(), log_path=log_path)
-            self.standby.register()
+            self._standby_registered = self.standby.register()
         else:
             self._begin(self.store.begin_run(spec.job_id, spec.generation, spec.version, run_id=self.run_id,
                                              dry_run=spec.dry_run, host=socket.gethostname(), pid=os.getpid(),
@@ -226,6 +226,8 @@ class StreamHarness:
         """Warm up and wait (see ``runtime.standby``).  None once this driver took the job over: ``run``
         then goes on as any run's start would; else the exit code of a standby that refused or ended."""
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        if not self._standby_registered:
+            return failures.EXIT_STOPPED
         try:
             refused = self.standby.refusal()
             if refused is not None:

@@ -59,12 +59,18 @@ class Standby:
         self.host, self.pid, self.log_path = socket.gethostname(), pid, log_path
         self.log = StandbyLog(store)
 
-    def register(self) -> None:
+    def register(self) -> bool:
+        """Record this standby WARMING; False when it was ended before its driver came up."""
         spec = self.spec
-        self.log.register(self.standby_id, spec.job_id, spec.version, spec.generation, host=self.host,
-                          pid=self.pid, log_path=self.log_path)
+        if not self.log.register(self.standby_id, spec.job_id, spec.version, spec.generation, host=self.host,
+                                 pid=self.pid, log_path=self.log_path):
+            record = self.log.get(self.standby_id)
+            log.info("standby %s was ended before its driver came up (%s): exiting", self.standby_id,
+                     record.message if record else "")
+            return False
         log.info("job %s version %s generation %s: standby %s registered, warming up", spec.job_id, spec.version,
                  spec.generation, self.standby_id)
+        return True
 
     def warm_up(self, query: Callable[[str], object]) -> float:
         """Run ``query(checkpoint_dir)`` (the harness's throw-away query over the job's code, which returns

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from sqlalchemy import Column, Float, Integer, String, Table, Text, insert, select, update
+from sqlalchemy.exc import IntegrityError
 
 from airflow_stream_provider.state import schema
 from airflow_stream_provider.state.store import StateStore, plain_text
@@ -99,12 +100,27 @@ class StandbyLog:
         standbys.create(self.engine, checkfirst=True)
 
     def register(self, standby_id: str, job_id: str, version: str, generation: int, *, host: str, pid: int,
-                 log_path: str | None) -> None:
+                 log_path: str | None) -> bool:
+        """Record a standby WARMING.  Its launcher records it first (under the launcher's process: the
+        spark-submit), the driver again when it is up (under its own): that updates the row, unless the
+        standby was ended in between (a stop of the job), which returns False."""
         now = time.time()
+        values = {"host": host, "pid": pid, "log_path": log_path, "started_at": now, "heartbeat_at": now}
         with self.engine.begin() as conn:
-            conn.execute(insert(standbys).values(
-                standby_id=standby_id, job_id=job_id, version=version, generation=generation, host=host, pid=pid,
-                log_path=log_path, status=StandbyStatus.WARMING.value, started_at=now, heartbeat_at=now))
+            updated = conn.execute(update(standbys).where(standbys.c.standby_id == standby_id, _live())
+                                   .values(**values)).rowcount
+            if updated:
+                return True
+            if conn.execute(select(standbys.c.status).where(standbys.c.standby_id == standby_id)).first():
+                return False
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(insert(standbys).values(standby_id=standby_id, job_id=job_id, version=version,
+                                                     generation=generation, status=StandbyStatus.WARMING.value,
+                                                     **values))
+        except IntegrityError:  # the launcher's row landed in between: take it over
+            return self.register(standby_id, job_id, version, generation, host=host, pid=pid, log_path=log_path)
+        return True
 
     def ready(self, standby_id: str) -> None:
         now = time.time()

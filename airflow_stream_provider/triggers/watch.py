@@ -3,6 +3,8 @@
 A scheduled DAG with a time-boxed sensor leaves blind windows between its runs.  This trigger runs in
 the triggerer for as long as a DAG is scheduled on the job's asset, and turns every transition of a run
 into DEAD, STUCK or FAILED into one asset event that carries the diagnosis; the health DAG runs on it.
+So does a healthy run that wants a warm standby and has none (NO_STANDBY: after a takeover, or when its
+standby died), so that the health DAG starts one at once.
 
 * One poll, one query: every watcher of the same state database shares one poll loop (Airflow's shared
   streams), which reads the latest run of every job in one state-database query and diagnoses each with
@@ -25,6 +27,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
@@ -34,13 +37,18 @@ from airflow_stream_provider.diagnosis import Diagnosis, Health, Thresholds
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
+from airflow_stream_provider.lifecycle.health import with_standby
 from airflow_stream_provider.state.records import RunRecord
+from airflow_stream_provider.state.standbys import StandbyLog
 from airflow_stream_provider.state.store import HealthReportKey, WatchedJob
 
 log = logging.getLogger(__name__)
 
-#: What the watcher reports by default: the healths that need someone to act.
-FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value)
+#: A healthy run that wants a warm standby and has none (``Diagnosis.needs_standby``): reported so that a
+#: new standby starts at once after a takeover, not at the next sweep.
+NO_STANDBY = "NO_STANDBY"
+#: What the watcher reports by default: the conditions that need someone to act.
+FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, NO_STANDBY)
 
 
 @dataclass
@@ -79,8 +87,13 @@ class JobsWatch:
     def diagnose(self, job: WatchedJob, now: float) -> Diagnosis:
         lag = self._lag(job) if diagnosis.lag_matters(job.run, self.thresholds, now) else None
         alive = StreamDriverHook.is_alive(job.run) if job.run else None
-        return diagnosis.diagnose(job.job_id, job.run, driver_alive=alive, lag=lag, thresholds=self.thresholds,
-                                  now=now)
+        found = diagnosis.diagnose(job.job_id, job.run, driver_alive=alive, lag=lag, thresholds=self.thresholds,
+                                   now=now)
+        return with_standby(found, job.run, self.standbys, self.thresholds)
+
+    @cached_property
+    def standbys(self) -> StandbyLog:
+        return StandbyLog(self.state.store)
 
     def _lag(self, job: WatchedJob) -> int | None:
         """Kafka records not applied yet; read only for a query idle past ``stuck_after``."""
@@ -110,7 +123,7 @@ class StreamJobWatchTrigger(BaseEventTrigger):
         super().__init__()
         unknown = sorted(set(fire_on) - set(FIRE_ON))
         if unknown:
-            raise ValueError(f"fire_on {unknown} are not healths that need action; choose from {list(FIRE_ON)}")
+            raise ValueError(f"fire_on {unknown} are not conditions that need action; choose from {list(FIRE_ON)}")
         self.job_id = job_id
         self.state_conn_id = state_conn_id
         self.kafka_conn_id = kafka_conn_id
@@ -186,15 +199,15 @@ class _Reporter:
             log.info("Watching job %s again: %s", self.job_id, "the state database answers")
             self.error = None
         found = snapshot.diagnoses[self.job_id]
-        key = HealthReportKey(found.run_id or "", found.health.value,
-                              found.failure_kind.value if found.failure_kind else "")
+        condition = NO_STANDBY if found.needs_standby else found.health.value
+        key = HealthReportKey(found.run_id or "", condition, found.failure_kind.value if found.failure_kind else "")
         # The run left a reported condition (a STUCK query moving again, a slow start that was not a
         # death): forget it, so that entering it again is a new transition.
         reported = snapshot.reported.get(self.job_id, set()) | self.fired
         for stale in sorted(k for k in reported if k.run_id == key.run_id and k != key):
             self.fired.discard(stale)
             self.unrecorded.append((stale, None))
-        if found.health.value not in self.fire_on or key in reported:
+        if condition not in self.fire_on or key in reported:
             return []
         self.fired.add(key)
         self.unrecorded.append((key, found.summary()))

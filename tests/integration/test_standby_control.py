@@ -66,3 +66,18 @@ def test_only_the_run_holding_the_expected_epoch_is_taken_over(state_store):
     assert won.epoch == first.epoch + 1 and lost is None
     assert state_store.get_run("standby-b") is None
     assert state_store.current_epoch("orders") == won.epoch
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_standby_recorded_by_its_launcher_is_taken_over_by_its_driver_unless_ended_first(state_store):
+    """The launcher records the standby at once (so nobody starts a second one while its JVM starts); the
+    driver's registration updates that row, and a standby ended in between (the job was stopped) is told."""
+    log = StandbyLog(state_store)
+    assert log.register("s-1", "orders", "1.0", 1, host="h", pid=100, log_path="/logs/a")
+    assert log.register("s-1", "orders", "1.0", 1, host="h", pid=101, log_path="/logs/a")
+    record = log.get("s-1")
+    assert (record.pid, record.status) == (101, StandbyStatus.WARMING)
+    log.register("s-2", "orders", "1.0", 1, host="h", pid=102, log_path=None)
+    assert log.end_all("orders", "the job is being stopped") == ["s-1", "s-2"]
+    assert not log.register("s-2", "orders", "1.0", 1, host="h", pid=103, log_path=None)
+    assert log.get("s-2").status == StandbyStatus.ENDED and log.get("s-2").pid == 102

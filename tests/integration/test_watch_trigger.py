@@ -244,3 +244,51 @@ def test_a_run_that_leaves_the_condition_fires_again_when_it_reenters(state_stor
 
     events = asyncio.run(back_then_gone_again())
     assert [(e["diagnosis"]["health"], e["diagnosis"]["run_id"]) for e in events] == [("DEAD", run_id)]
+
+
+def test_a_healthy_run_that_wants_a_standby_and_has_none_is_reported_once_per_loss(state_store):
+    """After a takeover, or when its standby died, a run launched with ``standby`` on has none: one
+    NO_STANDBY event, so the health DAG starts one at once; again each time a standby is lost anew.  The
+    standby is a real process here (its liveness is a process check on this host)."""
+    import socket
+    import subprocess
+
+    from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
+
+    standbys = StandbyLog(state_store)
+    run_id = _running(state_store)
+    state_store.record_launch(run_id, "/jobs/events.py", json.dumps({"standby": True, "kafka": {"topics": ["e"]}}))
+
+    def standby(standby_id: str, process: subprocess.Popen) -> None:
+        standbys.register(standby_id, "job", "1.0", 1, host=socket.gethostname(), pid=process.pid, log_path=None)
+        standbys.ready(standby_id)
+
+    with subprocess.Popen(["sleep", "60"]) as first:
+        standby("s-1", first)
+        assert asyncio.run(_events(_trigger(), 0.8)) == [], "a warm standby: nothing to report"
+        first.kill()
+        first.wait()
+        state_store.heartbeat(run_id)
+        events = asyncio.run(_events(_trigger(), 0.8))
+    assert [(e["diagnosis"]["health"], e["diagnosis"]["standby"]) for e in events] == [("HEALTHY", "MISSING")]
+    assert "no standby is warm" in events[0]["message"]
+    assert standbys.get("s-1").status == StandbyStatus.DEAD, "the vanished standby is recorded"
+    state_store.heartbeat(run_id)
+    assert asyncio.run(_events(_trigger(), 0.8)) == [], "reported once while it persists"
+
+    with subprocess.Popen(["sleep", "60"]) as second:  # a standby came, and is lost again
+        standby("s-2", second)
+        state_store.heartbeat(run_id)
+        assert asyncio.run(_events(_trigger(), 0.8)) == []
+        second.kill()
+        second.wait()
+        state_store.heartbeat(run_id)
+        again = asyncio.run(_events(_trigger(), 0.8))
+    assert [e["diagnosis"]["standby"] for e in again] == ["MISSING"]
+
+    state_store.set_status(run_id, "STOPPING")  # a job being stopped needs no standby
+    state_store.heartbeat(run_id)
+    plain = _running(state_store, "plain")  # nor does a run launched without one
+    state_store.record_launch(plain, "/jobs/events.py", json.dumps({"kafka": {"topics": ["e"]}}))
+    assert asyncio.run(_events(_trigger(), 0.8)) == []
+    assert asyncio.run(_events(_trigger("plain"), 0.8)) == []
