@@ -48,7 +48,7 @@ demo: install
 # 2 cores; BENCH_ARGS="--profile quick" checks the whole path in a few minutes).  Recovery under a real
 # Airflow, against the former polling DAG and SparkSubmitOperator, runs only when named (about an hour):
 # BENCH_ARGS="--only cold mttr_real_airflow --update"; so does the warm standby's takeover over ten kills
-# (about 8 minutes): BENCH_ARGS="--only cold standby --update".
+# (about 15 minutes): BENCH_ARGS="--only cold standby --update".
 bench: install $(VENV)/.bench-installed
 	$(VENV)/bin/python -m benchmarks $(BENCH_ARGS)
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from airflow_stream_provider.state.records import RunRecord
+from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
 from benchmarks.audit import Audit, audit
 from benchmarks.stack import EVENTS_JOB, EVENTS_JOB_V2, Job, Stack, kill_driver_tree, say, tree_rss
 from stack.events import Trickle
@@ -315,9 +316,11 @@ def by_partitions(stack: Stack, levels: list[int], total: Audit) -> dict[str, li
 
 
 # -- the warm standby -----------------------------------------------------------------------------------
-def _warm(job: Job, driver, timeout: float = 300) -> None:
-    from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
+#: How long a warm standby waits before its kill, at most (uniformly drawn).
+STANDBY_WAIT_S = 90.0
 
+
+def _warm(job: Job, driver, timeout: float = 300) -> None:
     log = StandbyLog(job.store)
 
     def waiting():
@@ -364,18 +367,24 @@ def standby_takeover(stack: Stack, kills: int, total: Audit) -> dict[str, list[f
         f"RSS {waiting['rss']:.0f} MB (PSS {waiting['pss']:.0f})")
     found = {"mttr_standby_kill9_s": [], "idle_driver_rss_mb": [idle["rss"]], "idle_driver_pss_mb": [idle["pss"]],
              "standby_rss_mb": [waiting["rss"]], "standby_pss_mb": [waiting["pss"]]}
+    found["standby_waited_s"] = []
     with Trickle(producer, chunk=30, pause_s=0.3):
         for kill in range(kills):
             if kill:  # the one started above is warm already
                 standby = runner.start(standby=True)
                 _warm(job, standby)
+                # A standby waits for hours in production: Spark retires Python workers idle for a minute,
+                # so some kills come after longer than that.
+                time.sleep(random.uniform(0, STANDBY_WAIT_S))
+            waited = time.time() - StandbyLog(job.store).get(standby.run_id).ready_at
             job.wait_first_commit(run_id=active.run_id, after=time.time())  # busy: a batch just committed
             time.sleep(random.uniform(0, 1.0))  # anywhere in the next trigger interval
             killed_at = time.time()
             active.kill()  # SIGKILL of its process group: the JVM, the Python driver, every worker
             found["mttr_standby_kill9_s"].append(
                 job.wait_first_commit(run_id=standby.run_id, after=killed_at) - killed_at)
-            say(f"  standby kill -9 {kill + 1}/{kills}: processing again after "
+            found["standby_waited_s"].append(round(waited, 1))
+            say(f"  standby kill -9 {kill + 1}/{kills} (standby warm for {waited:.0f}s): processing again after "
                 f"{found['mttr_standby_kill9_s'][-1]:.2f}s")
             active = standby
     job.wait_caught_up(producer.produced, alive_pid=active.pid)

@@ -74,7 +74,7 @@ def _standby(samples: dict[str, Any], cold_start_s: float | None) -> dict[str, A
 #: (``SECTIONS``, in the order they run).
 BUDGET_MINUTES = 30
 SECTIONS = ("cold", "mttr", "baseline", "upgrade", "throughput", "rss", "batch", "history", "partitions")
-#: Run only when named (``--only``): ``standby`` (about 7 minutes: ten standbys warm up one after the other;
+#: Run only when named (``--only``): ``standby`` (about 15 minutes: ten standbys warm up and wait one after the other;
 #: name ``cold`` with it for its ratio) would take the default profile past its budget, ``mttr_real_airflow``
 #: takes about an hour, most of it waiting for the 5-minute polling DAG.
 OPTIONAL_SECTIONS = ("standby", "mttr_real_airflow")
@@ -195,8 +195,9 @@ def _standby_lines(standby: dict[str, Any] | None) -> list[str]:
         f"{_fmt(standby['rss_vs_idle_driver'])} |",
         f"| PSS | {_fmt(standby['standby_pss_mb'])} | {_fmt(standby['idle_driver_pss_mb'])} | "
         f"{_fmt(standby['pss_vs_idle_driver'])} |", "",
-        "Both trees (JVM, Python driver, Python workers) measured at the same moment, the active run caught "
-        "up and nothing arriving. p95 is the nearest rank.", ""]
+        "Each standby waited a random 0-90 s once warm before its kill (Spark retires Python workers idle "
+        "for a minute). Memory: both trees (JVM, Python driver, Python workers) measured at the same moment, "
+        "the active run caught up and nothing arriving. p95 is the nearest rank.", ""]
 
 
 def markdown(r: dict[str, Any]) -> str:
