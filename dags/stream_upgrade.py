@@ -1,7 +1,8 @@
 """Manual: upgrade the stream job to a new version of its code.
 
 Params: ``application`` (the new job file), ``version`` (its label), ``reset_policy`` (empty: the
-Variable ``stream_reset_policy``). Preflight on a copy of the checkpoint, graceful stop, start on the
+Variable ``stream_reset_policy``), ``prewarm`` (warm the new version up while the old one runs, so it
+starts within seconds of the stop). Preflight on a copy of the checkpoint, graceful stop, start on the
 checkpoint or reset to a new generation from the stored offsets, verify, roll back on failure. On
 success the Variables point at the new version, so ``stream_deploy`` and ``stream_health`` use it.
 """
@@ -16,10 +17,14 @@ from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperato
 with DAG("stream_upgrade", schedule=None, doc_md=__doc__, **DAG_ARGS,
          params={"application": Param(type="string", minLength=1, description="the new job file"),
                  "version": Param(type="string", minLength=1, description="the new version label"),
-                 "reset_policy": Param("", enum=["", "auto", "after_preflight", "never"])}):
+                 "reset_policy": Param("", enum=["", "auto", "after_preflight", "never"]),
+                 "prewarm": Param(False, type="boolean",
+                                  description="warm the new version up beside the old one (a third driver "
+                                              "during the preflight): seconds of downtime instead of a cold "
+                                              "start")}):
     upgrade = UpgradeStreamingJobOperator(
         task_id="upgrade", **{**JOB, "application": "{{ params.application }}"}, version="{{ params.version }}",
-        reset_policy=f"{{{{ params.reset_policy or {RESET_POLICY} }}}}")
+        reset_policy=f"{{{{ params.reset_policy or {RESET_POLICY} }}}}", prewarm="{{ params.prewarm }}")
 
     @task
     def remember_version(upgraded: dict, params: dict | None = None) -> None:

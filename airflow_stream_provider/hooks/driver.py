@@ -71,15 +71,17 @@ class StreamDriverHook(BaseHook):
         return str(Path(self.log_dir) / job_id / f"{run_id}.log")
 
     @staticmethod
-    def driver_arguments(spec: StreamJobSpec, run_id: str, log_path: str, *, standby: bool = False) -> list[str]:
+    def driver_arguments(spec: StreamJobSpec, run_id: str, log_path: str, *, standby: bool = False,
+                         successor: bool = False) -> list[str]:
         """What the harness reads from its command line.  The spec never holds a password (validated)."""
-        return ["--spec", spec.to_json(), "--run-id", run_id, "--log-path", log_path, *(["--standby"] * standby)]
+        return ["--spec", spec.to_json(), "--run-id", run_id, "--log-path", log_path, *(["--standby"] * standby),
+                *(["--successor"] * successor)]
 
     def submit_command(self, application: str, spec: StreamJobSpec, run_id: str, log_path: str, *,
-                       standby: bool = False) -> list[str]:
+                       standby: bool = False, successor: bool = False) -> list[str]:
         """The spark-submit command of a local or client-mode driver, as ``submit`` builds it: the test
         stack starts its drivers with it, so tests run the command production runs."""
-        args = self.driver_arguments(spec, run_id, log_path, standby=standby)
+        args = self.driver_arguments(spec, run_id, log_path, standby=standby, successor=successor)
         return self._spark_submit(args, self.conf, f"stream-{spec.job_id}")._build_spark_submit_command(application)
 
     def check_standby(self) -> None:
@@ -95,15 +97,15 @@ class StreamDriverHook(BaseHook):
                 "deploy mode for this job, or set standby to false (the cluster manager's own restart applies)")
 
     def submit(self, application: str, spec: StreamJobSpec, run_id: str, password: str | None, *,
-               standby: bool = False) -> SubmittedDriver:
+               standby: bool = False, successor: bool = False) -> SubmittedDriver:
         """Start a driver for ``spec`` and return at once; the run row appears when the driver is up (a
-        standby's standby row)."""
+        standby's or successor's standby row)."""
         log_path = self.log_path(spec.job_id, run_id)
-        args = self.driver_arguments(spec, run_id, log_path, standby=standby)
+        args = self.driver_arguments(spec, run_id, log_path, standby=standby, successor=successor)
         name = f"stream-{spec.job_id}"
         hook = self._spark_submit(args, self.conf, name)
         master, deploy_mode = hook._connection["master"], hook._connection["deploy_mode"] or "client"
-        if standby:
+        if standby or successor:
             self.check_standby()
         if deploy_mode == "cluster":
             return self._submit_cluster(application, args, name, run_id, master, password)
@@ -111,7 +113,8 @@ class StreamDriverHook(BaseHook):
         env = {**os.environ, **self.env_vars}
         popen = local_driver.start_detached(cmd, log_path, env=env, password=password)
         self.log.info("Started %s for job %s run %s: pid %s, master %s, log %s",
-                      "a standby driver" if standby else "driver", spec.job_id, run_id, popen.pid, master, log_path)
+                      "a successor driver" if successor else "a standby driver" if standby else "driver", spec.job_id,
+                      run_id, popen.pid, master, log_path)
         return SubmittedDriver(run_id, deploy_mode, master, pid=popen.pid, log_path=log_path)
 
     def _submit_cluster(self, application: str, args: list[str], name: str, run_id: str, master: str,

@@ -35,11 +35,11 @@ from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.kafka_offsets import LostRange, Offsets
 from airflow_stream_provider.lifecycle.driver_log import log_tail
-from airflow_stream_provider.lifecycle.health import HealthProbe
+from airflow_stream_provider.lifecycle.health import HealthProbe, standby_gone
 from airflow_stream_provider.lifecycle.waits import Outcome, RunWait, RunWatch
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord, RunStatus
-from airflow_stream_provider.state.standbys import StandbyLog, StandbyRecord, StandbyStatus
+from airflow_stream_provider.state.standbys import SUCCESSOR, StandbyLog, StandbyRecord, StandbyStatus
 
 #: The stop's escalation: after the stop marker, SIGTERM, then a kill; each waits for the driver to end.
 STOP_STAGES = ("marker", "terminate", "kill")
@@ -312,6 +312,51 @@ class StreamJobController:
                 "version": spec.version, "application": application, "spec": spec.to_json(),
                 "checkpoint_path": spec.checkpoint_path, "pid": standby.pid, "log_path": standby.log_path,
                 "submission_id": None, "submitted_at": standby.started_at}
+
+    # -- an upgrade's warm successor ------------------------------------------------------------------
+    def start_successor(self, application: str, spec: StreamJobSpec) -> dict[str, Any]:
+        """Start the new version's driver warming up beside the old one (``UpgradeStreamingJobOperator``
+        with ``prewarm``); it starts its query only once :meth:`release_successor` lets it."""
+        try:
+            self.driver.check_standby()
+        except ValueError as err:
+            raise AirflowFailException(f"prewarm: {err}; or upgrade without prewarm. Nothing was started.") from None
+        standby_id = uuid.uuid4().hex
+        submitted = self.driver.submit(application, spec, standby_id, self.state.password, successor=True)
+        self.standbys.register(standby_id, self.job_id, spec.version, spec.generation, host=socket.gethostname(),
+                               pid=submitted.pid, log_path=submitted.log_path, role=SUCCESSOR)
+        self.log.info("Started successor %s of job %s: version %s warms up while the old version runs",
+                      standby_id, self.job_id, spec.version)
+        return {"standby_id": standby_id, "application": application, "spec": spec.to_json(),
+                "pid": submitted.pid, "log_path": submitted.log_path, "submitted_at": time.time()}
+
+    def release_successor(self, successor: dict[str, Any], generation: int,
+                          starting_offsets: str | None) -> dict[str, Any] | None:
+        """Let the warm successor start on ``generation`` (the old run has stopped): the launch to wait for,
+        as :meth:`launch_wait` and :meth:`finish_launch` take it; None when the successor is gone (then the
+        upgrade starts the new version cold)."""
+        record = self.standbys.get(successor["standby_id"])
+        gone = "it is not recorded" if record is None else (
+            f"it is {record.status.value}" if not record.status.live else standby_gone(record, self.thresholds))
+        if gone:
+            self.log.warning("Successor %s of job %s cannot start: %s", successor["standby_id"], self.job_id, gone)
+            if record is not None and record.status.live:
+                self.standbys.end(record.standby_id, StandbyStatus.DEAD, gone)
+            return None
+        epoch = self.state.store.current_epoch(self.job_id) or 0
+        if not self.standbys.release(record.standby_id, generation, starting_offsets, epoch):
+            return None
+        spec = StreamJobSpec.from_dict(json.loads(successor["spec"])).with_generation(generation, starting_offsets)
+        self.log.info("Released successor %s of job %s: version %s on generation %s (%s)", record.standby_id,
+                      self.job_id, spec.version, generation, record.status.value.lower())
+        return {"job_id": self.job_id, "run_id": record.standby_id, "generation": generation, "version": spec.version,
+                "application": successor["application"], "spec": spec.to_json(),
+                "checkpoint_path": spec.checkpoint_path, "pid": record.pid, "log_path": record.log_path,
+                "submission_id": None, "submitted_at": record.started_at}
+
+    def end_successor(self, successor: dict[str, Any] | None, why: str) -> None:
+        if successor and self.standbys.end(successor["standby_id"], StandbyStatus.ENDED, why):
+            self.log.info("Asked successor %s of job %s to end: %s", successor["standby_id"], self.job_id, why)
 
     def end_standbys(self, why: str) -> list[str]:
         """End the job's standbys (a graceful stop of the job: nothing to stand by for)."""

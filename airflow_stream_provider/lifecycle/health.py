@@ -15,7 +15,7 @@ from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.state.records import RunRecord, RunStatus
-from airflow_stream_provider.state.standbys import StandbyLog, StandbyRecord, StandbyStatus
+from airflow_stream_provider.state.standbys import STANDBY, StandbyLog, StandbyRecord, StandbyStatus
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def live_standby(standbys: StandbyLog, job_id: str, thresholds: Thresholds,
     """The job's warm (or warming) standby, if one lives.  One recorded live whose driver is gone (killed,
     its host lost) is recorded DEAD here, so that it is replaced."""
     found = None
-    for record in standbys.live(job_id):
+    for record in standbys.live(job_id, role=STANDBY):  # an upgrade's successor is the upgrade's to watch
         gone = standby_gone(record, thresholds, now)
         if gone:
             standbys.end(record.standby_id, StandbyStatus.DEAD, gone)

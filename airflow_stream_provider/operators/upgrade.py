@@ -16,7 +16,7 @@ from airflow_stream_provider.failures import FailureKind
 from airflow_stream_provider.lifecycle.controller import StreamJobError
 from airflow_stream_provider.lifecycle.driver_log import log_tail
 from airflow_stream_provider.lifecycle.waits import RunWait
-from airflow_stream_provider.operators.base import StreamJobOperator, _set_task_state, _task_state
+from airflow_stream_provider.operators.base import LAUNCH_KEY, StreamJobOperator, _set_task_state, _task_state
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord, RunStatus
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
@@ -56,17 +56,24 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         ``ready_timeout``).
     :param allow_data_loss: as for the reset: accept stored offsets Kafka no longer holds.
     :param keep_preflight_copy: keep the dry run's checkpoint copy for inspection.
+    :param prewarm: start the new version's driver at once, beside the old run and the preflight, as a
+        warm *successor* (JVM, session, Python workers and the new code planned on a throw-away query); once
+        the old run has stopped, the successor starts its query at once, on the same generation or on n+1
+        from the stored offsets, instead of a cold driver starting then.  Costs a third driver's memory
+        during the preflight; needs local or client deploy mode.  A successor that is gone by then is
+        replaced by a cold start.
     """
 
     template_fields = (*StreamJobOperator.template_fields, "version", "reset_policy", "previous_application",
-                       "preflight_timeout", "verify_timeout")
+                       "preflight_timeout", "verify_timeout", "prewarm")
     ui_color = "#fdf2e0"
 
     def __init__(self, *, version: str | None = None, reset_policy: str = "after_preflight",
                  previous_application: str | None = None, preflight_timeout: float = 300.0,
                  verify_timeout: float | None = None, allow_data_loss: bool = False,
-                 keep_preflight_copy: bool = False, **kwargs):
+                 keep_preflight_copy: bool = False, prewarm: bool = False, **kwargs):
         super().__init__(**kwargs)
+        self.prewarm = prewarm
         self.version = version
         self.reset_policy = reset_policy
         self.previous_application = previous_application
@@ -108,6 +115,10 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             "previous": previous and {"application": previous[0], "spec_json": previous[1].to_json()},
             "outcome": {"job_id": job_id, "from_version": before and before.version, "to_version": new.version,
                         "generation_before": generation}}
+        if _flag(self.prewarm) and live is not None:
+            if not self.application:
+                raise AirflowFailException(f"{self.task_id}: 'application' (the job file to submit) is required")
+            ctx["successor"] = self.controller.start_successor(self.application, new.with_generation(generation))
         ctx["upgrade_id"] = self.upgrades.begin(job_id, before and before.version, new.version, ctx)
         _set_task_state(context, UPGRADE_KEY, ctx["upgrade_id"])
         return self._preflight(context, ctx)
@@ -230,6 +241,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         ctx["decision"] = {"action": decision.action.value, "why": decision.why,
                            "reset_on_start_failure": decision.reset_on_start_failure}
         if decision.action == Action.ABORT:
+            self.controller.end_successor(ctx.get("successor"), "the upgrade was aborted after its preflight")
             self._phase(ctx, UpgradePhase.DONE, "aborted")
             raise AirflowFailException(self._abort_message(self.new_spec, ctx["generation"], preflight, decision,
                                                            self.live_run()))
@@ -244,10 +256,51 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         self._phase(ctx, UpgradePhase.STARTING)
         new = self.new_spec
         reason = f"upgrade to version {new.version}: {ctx['decision']['why']}"
+        if ctx.get("successor"):
+            return self._release_successor(context, ctx, reason)
         if ctx["decision"]["action"] == Action.RESET:
             return self.reset_then(context, reason, "_started", {"ctx": ctx}, allow_data_loss=self.allow_data_loss,
                                    spec_json=new.to_json(), application=self.application)
         return self.launch_then(context, "_started", {"ctx": ctx}, spec_json=new.to_json(), on_fail="_start_refused")
+
+    def _release_successor(self, context, ctx, reason: str) -> dict[str, Any]:
+        """Start the warm successor on the generation the decision calls for (after a reset's archive, on
+        n+1 from the stored offsets); a successor that is gone is replaced by a cold start."""
+        new, successor = self.new_spec, ctx.pop("successor")
+        reset = None
+        if ctx["decision"]["action"] == Action.RESET:
+            reset = self.controller.before_reset(new, reason, allow_data_loss=self.allow_data_loss)
+            launch = self.controller.release_successor(successor, reset["generation"], reset["starting_offsets"])
+        else:
+            launch = self.controller.release_successor(successor, ctx["generation"], None)
+        if launch is None:
+            self.log.warning("Starting version %s cold: its successor is gone", new.version)
+            if reset is None:
+                return self.launch_then(context, "_started", {"ctx": ctx}, spec_json=new.to_json(),
+                                        on_fail="_start_refused")
+            carry = {"reason": reason, "reset": reset, "after": "_started", "carry": {"ctx": ctx}}
+            return self.launch_then(context, "_reset_launched", carry, spec_json=new.to_json(),
+                                    generation=reset["generation"], starting_offsets=reset["starting_offsets"])
+        ctx["successor_id"] = launch["run_id"]
+        self._phase(ctx, UpgradePhase.STARTING)
+        pending = {"launch": launch, "after": "_successor_started", "carry": {"ctx": ctx, "reset": reset,
+                                                                            "reason": reason},
+                   "on_fail": "_successor_refused"}
+        _set_task_state(context, LAUNCH_KEY, pending)
+        wait = self.controller.launch_wait(launch, "ready", float(self.ready_timeout))
+        return self.wait_then(context, wait, "_launch_waited", **pending)
+
+    def _successor_started(self, context, started, ctx, reset, reason) -> dict[str, Any]:
+        if reset is None:
+            return self._started(context, started, ctx)
+        self.controller.record_restart("reset", reason, None, started["run_id"])
+        info = {k: reset[k] for k in ("archived_generation", "archive_path", "starting_offsets", "lost_ranges")}
+        return self._started(context, {**started, "action": "reset", **info}, ctx)
+
+    def _successor_refused(self, context, error, ctx, reset, reason) -> dict[str, Any]:
+        if reset is not None:  # it ran on the new generation and failed there: no checkpoint to blame
+            return self._failed_after_stop(context, error, ctx)
+        return self._start_refused(context, error, ctx)
 
     def _start_refused(self, context, error, ctx) -> dict[str, Any]:
         """Spark refused the checkpoint on start: reset when the decision allows, else roll back."""
@@ -264,6 +317,8 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
 
     def _started(self, context, started, ctx) -> dict[str, Any]:
         ctx["started"] = {"action": "reuse", **started}  # a reset's result names itself "reset"
+        if ctx.get("successor_id"):
+            ctx["started"]["prewarmed"] = True
         return self._verify(context, ctx)
 
     # -- verify ------------------------------------------------------------------------------------------
@@ -307,6 +362,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
 
     # -- roll back -----------------------------------------------------------------------------------------
     def _failed_after_stop(self, context, error, ctx) -> dict[str, Any]:
+        self.controller.end_successor(ctx.pop("successor", None), "the upgrade is rolling back")
         new = self.new_spec
         self.log.error("Version %s of job %s failed after the stop: %s", new.version, new.job_id, error)
         ctx["error"] = str(error)
@@ -416,3 +472,8 @@ def _verdict(run: RunRecord | None, ending: DryRunEnd, log_path: str | None,
 
 def _first_lines(text: str, lines: int = 4) -> str:
     return "\n".join(line[:400] for line in text.strip().splitlines()[:lines])
+
+
+def _flag(value: Any) -> bool:
+    """A templated boolean: a DAG param may render it as text."""
+    return value.strip().lower() in ("1", "true", "yes", "on") if isinstance(value, str) else bool(value)

@@ -23,6 +23,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -95,7 +96,7 @@ class StreamHarness:
     """
 
     def __init__(self, spec: StreamJobSpec, *, run_id: str | None = None, log_path: str | None = None,
-                 standby: bool = False):
+                 standby: bool = False, successor: bool = False):
         self.spec = spec.validate()
         self.store = state.StateStore.from_url(spec.database_url)
         self.store.ensure_schema()
@@ -107,9 +108,11 @@ class StreamHarness:
         self._rerun_of_batch_0 = False
         #: a standby registers now and takes an epoch only when it takes over (see ``runtime.standby``)
         self.standby: Standby | None = None
-        self._warming = False
-        if standby:
-            self.standby = Standby(self.store, spec, self.run_id, pid=os.getpid(), log_path=log_path)
+        #: set while this thread builds a standby's warm-up query (a standby re-runs it in the background)
+        self._warming = threading.local()
+        if standby or successor:
+            self.standby = Standby(self.store, spec, self.run_id, pid=os.getpid(), log_path=log_path,
+                                   successor=successor)
             self._standby_registered = self.standby.register()
         else:
             self._begin(self.store.begin_run(spec.job_id, spec.generation, spec.version, run_id=self.run_id,
@@ -153,6 +156,8 @@ class StreamHarness:
         parser.add_argument("--log-path", help="where the launcher sends this driver's output")
         parser.add_argument("--standby", action="store_true",
                             help="start as the job's warm standby: take over when its active run is dead")
+        parser.add_argument("--successor", action="store_true",
+                            help="start as an upgrade's warm successor: start when the upgrade releases it")
         args = parser.parse_args(argv)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:
@@ -161,7 +166,8 @@ class StreamHarness:
             log.error("invalid job spec: %s", err)
             sys.exit(failures.EXIT_CONFIG)
         try:
-            return cls(spec, run_id=args.run_id, log_path=args.log_path, standby=args.standby)
+            return cls(spec, run_id=args.run_id, log_path=args.log_path, standby=args.standby,
+                       successor=args.successor)
         except Exception as err:
             classification = failures.classify(repr(err))
             log.error("cannot reach the state database %s: %s", spec.database_url, err)
@@ -238,6 +244,7 @@ class StreamHarness:
             self.standby.log.end(self.run_id, StandbyStatus.ENDED, f"failed while standing by: {err!r}")
             raise
         if isinstance(outcome, Takeover):
+            self.spec = outcome.spec  # a successor's release names its generation and starting offsets
             self._begin(outcome.ticket)
             # what a later restart of the job starts: this very code, as the launcher records for its runs
             self.store.record_launch(self.run_id, os.path.abspath(sys.argv[0]), self.spec.to_json())
@@ -253,11 +260,11 @@ class StreamHarness:
         client = kafka_client.consumer(kafka.bootstrap_servers, dict(kafka.client_options))
         earliest, latest = kafka_client.watermarks(client, kafka.topics)
         start = {tp: max(earliest[tp], latest[tp] - 1) for tp in latest}
-        self._warming = True
+        self._warming.on = True
         try:
             records = transform(self._stream(kafka.topics, kafka_offsets.to_spark_json(start)))
         finally:
-            self._warming = False
+            self._warming.on = False
 
         def batch(frame: DataFrame, batch_id: int) -> None:
             for result in results(frame.where(frame["error"].isNull())):
@@ -436,7 +443,7 @@ class StreamHarness:
         :param starting_offsets: ``earliest`` or ``latest``: where the stream starts in a new generation
             that the spec starts from earliest/latest.
         """
-        if self._warming:  # a standby's warm-up query: nothing about it is recorded
+        if getattr(self._warming, "on", False):  # a standby's warm-up query: nothing about it is recorded
             return self._stream(topics, "latest")
         if set(topics) - set(self.spec.kafka.topics):
             start = self._stream_start(topics, starting_offsets, "topics of the job's second stream")

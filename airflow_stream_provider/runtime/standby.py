@@ -15,14 +15,20 @@ what was committed.
 
 A standby does not replace a run that FAILED: that is the recovery's call, inside its restart budget
 (a crash loop must not burn through standbys).  A clean stop of the job ends it.
+
+A successor is an upgrade's new version warmed up the same way while the old version still runs.  It
+takes nothing over by itself: the upgrade stops the old run, then releases the successor with the
+generation to run (the same, or n+1 after a reset) and the epoch it saw, and the successor starts at once.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +36,7 @@ from dataclasses import dataclass
 from airflow_stream_provider import local_driver
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
-from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
+from airflow_stream_provider.state.standbys import STANDBY, SUCCESSOR, StandbyLog, StandbyStatus
 from airflow_stream_provider.state.store import RunTicket, StateStore
 from airflow_stream_provider.takeover import Verdict, decide
 
@@ -41,29 +47,42 @@ log = logging.getLogger("airflow_stream_provider.standby")
 POLL_S = 0.2
 #: The warm-up query gives up after this; the standby still waits (cold parts are then paid at takeover).
 WARM_UP_TIMEOUT_S = 120.0
+#: A waiting standby runs its warm-up query again this often, in the background.  Spark retires the idle
+#: Python workers of each worker kind after a minute without use (PythonWorkerFactory), and a query start
+#: uses several kinds (data source lookup, creation, read planning, the reads): a standby that waited
+#: longer would fork and import them all again at takeover.  About a second of work each time.  (The
+#: tests shorten it, so that takeovers meet a re-warm in flight.)
+REWARM_S = float(os.environ.get("STREAM_STANDBY_REWARM_S", "45"))
 
 
 @dataclass(frozen=True)
 class Takeover:
     ticket: RunTicket
-    replaced: RunRecord
+    #: the run taken over (None for a successor: the upgrade stopped the old run itself)
+    replaced: RunRecord | None
     why: str
+    #: the spec the new run runs: a successor's names the generation and offsets of its release
+    spec: StreamJobSpec
 
 
 class Standby:
     """One standby driver's life in the state database: register, warm up, wait, take over or end."""
 
     def __init__(self, store: StateStore, spec: StreamJobSpec, standby_id: str, *, pid: int,
-                 log_path: str | None):
+                 log_path: str | None, successor: bool = False):
         self.store, self.spec, self.standby_id = store, spec, standby_id
         self.host, self.pid, self.log_path = socket.gethostname(), pid, log_path
+        self.successor = successor
         self.log = StandbyLog(store)
+        self._query: Callable[[str], object] | None = None
+        self._warmed_at = 0.0
+        self._rewarm: threading.Thread | None = None
 
     def register(self) -> bool:
         """Record this standby WARMING; False when it was ended before its driver came up."""
         spec = self.spec
         if not self.log.register(self.standby_id, spec.job_id, spec.version, spec.generation, host=self.host,
-                                 pid=self.pid, log_path=self.log_path):
+                                 pid=self.pid, log_path=self.log_path, role=SUCCESSOR if self.successor else STANDBY):
             record = self.log.get(self.standby_id)
             log.info("standby %s was ended before its driver came up (%s): exiting", self.standby_id,
                      record.message if record else "")
@@ -75,8 +94,25 @@ class Standby:
     def warm_up(self, query: Callable[[str], object]) -> float:
         """Run ``query(checkpoint_dir)`` (the harness's throw-away query over the job's code, which returns
         a started ``StreamingQuery``) until one batch went through, then stop it.  Best effort: a failed
-        warm-up is logged and the standby waits anyway."""
-        began = time.monotonic()
+        warm-up is logged and the standby waits anyway.  While it waits, it runs it again every
+        ``REWARM_S``."""
+        seconds = self._run(query)
+        self._query = query
+        self.log.ready(self.standby_id)
+        log.info("standby %s is warm after %.1fs: waiting for run of job %s to need it", self.standby_id, seconds,
+                 self.spec.job_id)
+        return seconds
+
+    def _keep_warm(self) -> None:
+        """Start the warm-up query again in the background when it is due (the poll goes on meanwhile)."""
+        due = self._query is not None and time.monotonic() - self._warmed_at >= REWARM_S
+        if due and (self._rewarm is None or not self._rewarm.is_alive()):
+            self._rewarm = threading.Thread(target=self._run, args=(self._query,), name="standby-rewarm",
+                                            daemon=True)
+            self._rewarm.start()
+
+    def _run(self, query: Callable[[str], object]) -> float:
+        began = self._warmed_at = time.monotonic()
         scratch = tempfile.mkdtemp(prefix=f"standby-{self.spec.job_id}-")
         try:
             running = query(f"file://{scratch}")
@@ -96,15 +132,13 @@ class Standby:
             log.warning("standby warm-up failed (the takeover pays for it): %r", err)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        seconds = time.monotonic() - began
-        self.log.ready(self.standby_id)
-        log.info("standby %s is warm after %.1fs: waiting for run of job %s to need it", self.standby_id, seconds,
-                 self.spec.job_id)
-        return seconds
+        return time.monotonic() - began
 
     def refusal(self) -> Verdict | None:
         """Checked before warming up: a standby that could never take over (another version, another
-        generation) is refused at once, recorded."""
+        generation) is refused at once, recorded.  A successor is another version by design."""
+        if self.successor:
+            return None
         run = self.store.latest_run(self.spec.job_id)
         verdict = decide(self.spec, run, self.store.current_generation(self.spec.job_id),
                          driver_alive=_alive(run))
@@ -123,6 +157,13 @@ class Standby:
                 if status is not None and not status.live:
                     record = self.log.get(self.standby_id)
                     return Verdict("end", f"asked to end ({record.message if record else status.value})")
+            if self.successor:
+                took = self._released()
+                if took is not None:
+                    return took
+                self._keep_warm()
+                time.sleep(POLL_S)
+                continue
             run = self.store.latest_run(spec.job_id)
             verdict = decide(spec, run, self.store.current_generation(spec.job_id),
                              driver_alive=_alive(run))
@@ -133,6 +174,7 @@ class Standby:
                 continue  # another standby (or a launch) took the epoch first: watch the new run
             if verdict.action != "wait":
                 return self._end(verdict)
+            self._keep_warm()
             time.sleep(POLL_S)
 
     def _take_over(self, verdict: Verdict) -> Takeover | None:
@@ -149,7 +191,26 @@ class Standby:
         self.log.took_over(self.standby_id, dead.run_id, verdict.why)
         log.warning("standby %s took over run %s of job %s with epoch %s: %s", self.standby_id, dead.run_id,
                     spec.job_id, ticket.epoch, verdict.why)
-        return Takeover(ticket, dead, verdict.why)
+        return Takeover(ticket, dead, verdict.why, spec)
+
+    def _released(self) -> Takeover | Verdict | None:
+        """A successor's start once the upgrade released it (None until then): the epoch the release saw
+        is compared-and-set, so a run started since (a restart, another upgrade) refuses it."""
+        record = self.log.get(self.standby_id)
+        if record is None or record.release_generation is None:
+            return None
+        spec = self.spec.with_generation(record.release_generation, record.release_offsets)
+        ticket = self.store.begin_run(spec.job_id, spec.generation, spec.version, run_id=self.standby_id,
+                                      host=self.host, pid=self.pid, log_path=self.log_path,
+                                      expected_epoch=record.release_epoch)
+        if ticket is None:
+            return self._end(Verdict("refuse", f"the epoch of job {spec.job_id} moved past {record.release_epoch} "
+                                               "after the upgrade released this successor: another run started"))
+        why = f"released by the upgrade to version {spec.version} on generation {spec.generation}"
+        self.log.took_over(self.standby_id, None, why)
+        log.warning("successor %s starts job %s version %s on generation %s with epoch %s", self.standby_id,
+                    spec.job_id, spec.version, spec.generation, ticket.epoch)
+        return Takeover(ticket, None, why, spec)
 
     def _end(self, verdict: Verdict) -> Verdict:
         status = StandbyStatus.REFUSED if verdict.action == "refuse" else StandbyStatus.ENDED

@@ -56,7 +56,17 @@ standbys = Table(
     Column("took_over_at", Float),
     #: why it took over, refused or ended
     Column("message", Text),
+    #: "standby" (takes over a dead run of its version) or "successor" (an upgrade's new version, warmed
+    #: up while the old one runs; it starts only when the upgrade releases it, on the generation and from
+    #: the offsets the release names, holding the epoch the release saw)
+    Column("role", String(20)),
+    Column("release_generation", Integer),
+    Column("release_offsets", Text),
+    Column("release_epoch", Integer),
 )
+
+STANDBY = "standby"
+SUCCESSOR = "successor"
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,10 @@ class StandbyRecord:
     replaced_run_id: str | None = None
     took_over_at: float | None = None
     message: str | None = None
+    role: str | None = STANDBY
+    release_generation: int | None = None
+    release_offsets: str | None = None
+    release_epoch: int | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> StandbyRecord:
@@ -83,13 +97,18 @@ class StandbyRecord:
         values["status"] = StandbyStatus(values["status"])
         return cls(**values)
 
+    @property
+    def successor(self) -> bool:
+        return self.role == SUCCESSOR
+
     def describe(self) -> str:
         where = f"pid {self.pid} on {self.host}"
+        name = f"{self.role or STANDBY} {self.standby_id}"
         if self.status == StandbyStatus.WAITING:
-            return f"standby {self.standby_id} (version {self.version}) is warm and waiting ({where})"
+            return f"{name} (version {self.version}) is warm and waiting ({where})"
         if self.status == StandbyStatus.WARMING:
-            return f"standby {self.standby_id} (version {self.version}) is warming up ({where})"
-        return f"standby {self.standby_id} {self.status.value.lower().replace('_', ' ')}: {self.message or ''}"
+            return f"{name} (version {self.version}) is warming up ({where})"
+        return f"{name} {self.status.value.lower().replace('_', ' ')}: {self.message or ''}"
 
 
 class StandbyLog:
@@ -100,7 +119,7 @@ class StandbyLog:
         standbys.create(self.engine, checkfirst=True)
 
     def register(self, standby_id: str, job_id: str, version: str, generation: int, *, host: str, pid: int,
-                 log_path: str | None) -> bool:
+                 log_path: str | None, role: str = STANDBY) -> bool:
         """Record a standby WARMING.  Its launcher records it first (under the launcher's process: the
         spark-submit), the driver again when it is up (under its own): that updates the row, unless the
         standby was ended in between (a stop of the job), which returns False."""
@@ -117,9 +136,10 @@ class StandbyLog:
             with self.engine.begin() as conn:
                 conn.execute(insert(standbys).values(standby_id=standby_id, job_id=job_id, version=version,
                                                      generation=generation, status=StandbyStatus.WARMING.value,
-                                                     **values))
+                                                     role=role, **values))
         except IntegrityError:  # the launcher's row landed in between: take it over
-            return self.register(standby_id, job_id, version, generation, host=host, pid=pid, log_path=log_path)
+            return self.register(standby_id, job_id, version, generation, host=host, pid=pid, log_path=log_path,
+                                 role=role)
         return True
 
     def ready(self, standby_id: str) -> None:
@@ -134,7 +154,15 @@ class StandbyLog:
             status = conn.execute(select(standbys.c.status).where(standbys.c.standby_id == standby_id)).scalar()
         return StandbyStatus(status) if status else None
 
-    def took_over(self, standby_id: str, replaced_run_id: str, why: str) -> None:
+    def release(self, standby_id: str, generation: int, starting_offsets: str | None, epoch: int) -> bool:
+        """Let a live successor start: on ``generation`` (from ``starting_offsets`` for a new one), taking
+        over from ``epoch``.  False when it is no longer live."""
+        with self.engine.begin() as conn:
+            result = conn.execute(update(standbys).where(standbys.c.standby_id == standby_id, _live()).values(
+                release_generation=generation, release_offsets=starting_offsets, release_epoch=epoch))
+        return result.rowcount == 1
+
+    def took_over(self, standby_id: str, replaced_run_id: str | None, why: str) -> None:
         now = time.time()
         self._update(standby_id, status=StandbyStatus.TOOK_OVER.value, replaced_run_id=replaced_run_id,
                      took_over_at=now, ended_at=now, message=plain_text(why)[:4000])
@@ -157,13 +185,14 @@ class StandbyLog:
             row = conn.execute(select(standbys).where(standbys.c.standby_id == standby_id)).mappings().first()
         return StandbyRecord.from_row(row) if row else None
 
-    def live(self, job_id: str) -> list[StandbyRecord]:
+    def live(self, job_id: str, role: str | None = None) -> list[StandbyRecord]:
         """The standbys of ``job_id`` recorded as warming or waiting, oldest first (some may have died
-        without recording it: the caller checks their process or heartbeat)."""
+        without recording it: the caller checks their process or heartbeat); of ``role`` only if given."""
         with self.engine.connect() as conn:
             rows = conn.execute(select(standbys).where(standbys.c.job_id == job_id, _live())
                                 .order_by(standbys.c.started_at)).mappings().all()
-        return [StandbyRecord.from_row(row) for row in rows]
+        found = [StandbyRecord.from_row(row) for row in rows]
+        return [s for s in found if role is None or (s.role or STANDBY) == role]
 
     def recent(self, job_id: str, limit: int = 10) -> list[StandbyRecord]:
         with self.engine.connect() as conn:

@@ -62,4 +62,5 @@ with _dag("test_stream_stop") as stop:
 
 with _dag("test_stream_upgrade") as upgrade:
     UpgradeStreamingJobOperator(task_id="upgrade", reset_policy="{{ params.reset_policy }}",
-                                preflight_timeout="{{ params.preflight_timeout }}", **JOB)
+                                preflight_timeout="{{ params.preflight_timeout }}",
+                                prewarm="{{ params.prewarm | default(false) }}", **JOB)

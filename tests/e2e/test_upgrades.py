@@ -16,7 +16,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_stream_provider import kafka_offsets
 from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
 from stack.events import EventProducer, Trickle
-from stack.jobs import EVENTS_JOB, check_exactly_once
+from stack.jobs import EVENTS_JOB, check_exactly_once, wait_until
 from tests.dags import provider_scenarios as dags
 from tests.dagtest.dagruns import FIXTURE_JOBS, caught_up, run_dag, runs
 
@@ -71,27 +71,52 @@ def _no_preflight_left(stream) -> None:
     assert not preflight.exists() or not any(preflight.iterdir()), "preflight copies must be removed"
 
 
+def _prewarmed(stream, outcome: dict, before: set[str]) -> float:
+    """Check that the upgrade started its warm successor (not a cold driver) on the generation it decided;
+    return the downtime: the old run's last committed batch -> the new run's first."""
+    from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
+
+    assert outcome.get("prewarmed") is True, f"the successor started, not a cold driver: {outcome}"
+    store = stream["state"].store
+    successor = StandbyLog(store).get(outcome["run_id"])
+    assert successor.successor and successor.status == StandbyStatus.TOOK_OVER, successor
+    assert successor.release_generation == outcome["generation"], successor
+    old = store.get_run(outcome["stopped"]["run_id"])
+    assert old.run_id in before and old.status == "STOPPED", old
+    first = wait_until(lambda: store.first_commit(stream["job_id"], outcome["run_id"], 0.0), 120,
+                       "the new run's first commit")
+    return round(first - old.last_batch_at, 2)
+
+
+def _run_ids(stream) -> set[str]:
+    return {r.run_id for r in stream["state"].store.runs(stream["job_id"])}
+
+
 # -- incompatible pairs -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("old", "new", "error_class"),
+    ("old", "new", "error_class", "prewarm"),
     [
+        # prewarm: the new version warmed up beside the old run, released onto generation 2
         pytest.param("running_count_by_user.py", "running_count_by_user_kind.py",
-                     "STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE", id="aggregation-keys-changed"),
-        pytest.param(EVENTS_JOB, "with_control_topic.py", "STREAM_FAILED", id="second-source-added"),
+                     "STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE", True, id="aggregation-keys-changed-prewarmed"),
+        pytest.param(EVENTS_JOB, "with_control_topic.py", "STREAM_FAILED", False, id="second-source-added"),
     ],
 )
-def test_incompatible_upgrade_resets_from_stored_offsets(stream, broker, figures, old, new, error_class):
+def test_incompatible_upgrade_resets_from_stored_offsets(stream, broker, figures, old, new, error_class, prewarm):
     broker.create_topic(f"{stream['topic']}-control", 1)
     producer = EventProducer(broker, stream["topic"])
     params = _deploy(stream, producer, old)
     producer.send(500)  # arrives while the upgrade runs
 
-    outcome = _upgrade(_version(params, new, "2.0"), producer)
+    before = _run_ids(stream)
+    outcome = _upgrade({**_version(params, new, "2.0"), "prewarm": prewarm}, producer)
     _assert_reset(outcome, error_class, generation=2)
+    downtime = _prewarmed(stream, outcome, before) if prewarm else None
     counts = _finish(stream, _version(params, new, "2.0"), producer)
     _no_preflight_left(stream)
-    figures.record(f"upgrade {Path(old).stem} -> {Path(new).stem}", preflight_s=outcome["preflight"]["seconds"],
-                   verify_s=outcome["verified"]["seconds"], **counts)
+    figures.record(f"upgrade {Path(old).stem} -> {Path(new).stem}{' (prewarmed)' * prewarm}",
+                   preflight_s=outcome["preflight"]["seconds"], verify_s=outcome["verified"]["seconds"],
+                   **({"downtime_s": downtime} if prewarm else {}), **counts)
 
 
 def test_policy_never_then_stateful_upgrades(stream, broker, figures):
@@ -168,23 +193,27 @@ def test_compatible_upgrades_keep_the_checkpoint_and_a_broken_one_is_rolled_back
     producer = EventProducer(broker, stream["topic"])
     params = _deploy(stream, producer)
     state, job_id = stream["state"], stream["job_id"]
-    seconds = []
-    for application, version, kafka in [
-        ("filter_added.py", "1.1", {}),
-        ("projection_changed.py", "1.2", {"max_offsets_per_trigger": 400}),
+    seconds, downtime = [], None
+    for application, version, kafka, prewarm in [
+        ("filter_added.py", "1.1", {}, False),
+        # the new version warmed up beside the old run, released onto the same generation
+        ("projection_changed.py", "1.2", {"max_offsets_per_trigger": 400}, True),
     ]:
         producer.send(600)
         params = _version(params, application, version, **kafka)
-        outcome = _upgrade(params, producer)
+        before = _run_ids(stream)
+        outcome = _upgrade({**params, "prewarm": prewarm}, producer)
         assert outcome["preflight"]["verdict"] == "compatible", outcome
         assert outcome["decision"] == "reuse" and outcome["action"] == "reuse", outcome
         assert outcome["generation"] == 1 and outcome["stopped"]["outcome"] == "stopped", outcome
         seconds.append(outcome["preflight"]["seconds"])
+        if prewarm:
+            downtime = _prewarmed(stream, outcome, before)
     root = Path(params["spec"]["checkpoint_root"]) / job_id
     assert not (root / "archive").exists() and not (root / "gen-2").exists()
 
-    with Trickle(producer):
-        status, tasks = run_dag(dags.upgrade, _version(params, "new_result_column.py", "2.0"))
+    with Trickle(producer):  # prewarmed too: the successor's run fails its first commit, then the rollback
+        status, tasks = run_dag(dags.upgrade, {**_version(params, "new_result_column.py", "2.0"), "prewarm": True})
     assert status == "failed" and tasks["upgrade"][0] == "failed", tasks
     tried = [r for r in runs(state, job_id) if r.version == "2.0"]
     assert [r.dry_run for r in tried] == [True, False], tried
@@ -199,7 +228,7 @@ def test_compatible_upgrades_keep_the_checkpoint_and_a_broken_one_is_rolled_back
     assert state.current_generation(job_id) == 1 and not (root / "gen-2").exists()
     _no_preflight_left(stream)
     figures.record("upgrade: 2 compatible versions on one checkpoint, then a rollback", preflight_s=seconds,
-                   **counts)
+                   prewarmed_downtime_s=downtime, **counts)
 
 
 def test_an_idle_stream_upgrades_without_waiting_for_data(stream, broker, figures):

@@ -81,3 +81,24 @@ def test_a_standby_recorded_by_its_launcher_is_taken_over_by_its_driver_unless_e
     assert log.end_all("orders", "the job is being stopped") == ["s-1", "s-2"]
     assert not log.register("s-2", "orders", "1.0", 1, host="h", pid=103, log_path=None)
     assert log.get("s-2").status == StandbyStatus.ENDED and log.get("s-2").pid == 102
+
+
+def test_a_successor_is_released_once_and_is_no_standby_to_the_health_check(state_store, database_url):
+    """An upgrade's successor waits for its release; the health check neither offers it as the job's standby
+    nor reports it missing; a release names the generation, offsets and epoch, and only a live one takes."""
+    import socket
+
+    log = StandbyLog(state_store)
+    with subprocess.Popen(["sleep", "30"]) as process:
+        log.register("succ", "orders", "2.0", 1, host=socket.gethostname(), pid=process.pid, log_path=None,
+                     role="successor")
+        controller = _controller(database_url)
+        assert controller.live_standby() is None, "a successor is not the job's standby"
+        assert log.get("succ").successor and log.live("orders", role="successor")[0].standby_id == "succ"
+        assert log.release("succ", 2, '{"orders":{"0":42}}', 7)
+        record = log.get("succ")
+        assert (record.release_generation, record.release_offsets, record.release_epoch) == (
+            2, '{"orders":{"0":42}}', 7)
+        process.kill()
+    log.took_over("succ", None, "released by the upgrade")
+    assert not log.release("succ", 3, None, 8), "an ended successor is not released again"
