@@ -126,8 +126,10 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
         samples["scaling"]["history"] = recovery.by_history(stack, profile["history"], total)
     if section("partitions", f"recovery and reset with {profile['partitions']} partitions"):
         samples["scaling"]["partitions"] = recovery.by_partitions(stack, profile["partitions"], total)
-    if section("standby", f"kill -9 of the active driver with a warm standby, {profile['standby_kills']} kills"):
+    if section("standby", f"kill -9 of the active driver with a warm standby, {profile['standby_kills']} kills; "
+                          f"upgrades with a pre-warmed successor, {profile['upgrade']} runs"):
         samples.update(recovery.standby_takeover(stack, profile["standby_kills"], total))
+        samples.update(recovery.upgrade_prewarmed(stack, profile["upgrade"], total))
     if section("mttr_real_airflow", f"kill -9 under a real Airflow, {profile['real_airflow_kills']} kills each: "
                                     f"{', '.join(real_airflow.VARIANTS)}"):
         for variant, seconds in real_airflow.run(stack, profile["real_airflow_kills"], total).items():

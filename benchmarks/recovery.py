@@ -217,12 +217,12 @@ def upgrade_incompatible(stack: Stack, repeats: int, total: Audit) -> tuple[list
         job.wait_caught_up(producer.produced)
         with Trickle(producer, chunk=30, pause_s=0.3):
             started = time.time()
-            upgraded = stack.trigger_ok("stream_upgrade", application=EVENTS_JOB_V2, version="2.0")["upgrade"]
+            upgraded, downtime = _upgrade(stack, job, EVENTS_JOB_V2, "2.0")
             seconds.append(job.wait_first_commit(generation=2, after=started) - started)
         error_class = upgraded["preflight"]["error_class"]
         say(f"  incompatible upgrade {attempt + 1}/{repeats}: {upgraded['action']} after preflight "
             f"{upgraded['preflight']['verdict']} ({error_class}, {upgraded['preflight']['seconds']}s); "
-            f"v2 processing after {seconds[-1]:.1f}s")
+            f"v2 processing after {seconds[-1]:.1f}s, {downtime:.1f}s after v1's last batch")
         job.wait_caught_up(producer.produced)
         _finish(stack, job, producer, total)
         from airflow.models.variable import Variable
@@ -231,6 +231,49 @@ def upgrade_incompatible(stack: Stack, repeats: int, total: Audit) -> tuple[list
     baseline = (f"no automatic recovery: every retry starts the new version on the old checkpoint and fails "
                 f"again ({error_class}); a person must move the checkpoint aside and pass startingOffsets")
     return seconds, baseline
+
+
+def _upgrade(stack: Stack, job: Job, application: str, version: str, **params) -> tuple[dict, float]:
+    """``stream_upgrade`` to ``application``: its result, and the downtime it caused (the old run's last
+    committed batch -> the new run's first)."""
+    old = job.latest_run()
+    upgraded = stack.trigger_ok("stream_upgrade", application=application, version=version, **params)["upgrade"]
+    first = job.wait_first_commit(run_id=upgraded["run_id"])
+    return upgraded, first - job.store.get_run(old.run_id).last_batch_at
+
+
+def upgrade_prewarmed(stack: Stack, repeats: int, total: Audit) -> dict[str, list[float]]:
+    """``stream_upgrade`` with ``prewarm``: the new version warms up beside the old one and starts once
+    the old run stopped.  Per repetition a compatible upgrade (same code, new label; same generation) and
+    an incompatible one (a new stateful operator; generation 2 from the stored offsets), each timed from
+    the old run's last committed batch to the new run's first, the incompatible one also from the trigger."""
+    from airflow.models.variable import Variable
+
+    found = {"upgrade_downtime_s/compatible": [], "upgrade_downtime_s/incompatible": [],
+             "upgrade_incompatible_prewarmed_s": []}
+    for attempt in range(repeats):
+        job = stack.new_job("upgrade-prewarmed")
+        producer = stack.producer(job)
+        producer.send(2000)
+        stack.trigger_ok("stream_deploy")
+        job.wait_caught_up(producer.produced)
+        with Trickle(producer, chunk=30, pause_s=0.3):
+            for kind, application, version in (("compatible", EVENTS_JOB, "1.1"),
+                                               ("incompatible", EVENTS_JOB_V2, "2.0")):
+                started = time.time()
+                upgraded, downtime = _upgrade(stack, job, application, version, prewarm=True)
+                if not upgraded.get("prewarmed"):
+                    raise RuntimeError(f"the {kind} upgrade did not start its successor: {upgraded}")
+                found[f"upgrade_downtime_s/{kind}"].append(downtime)
+                if kind == "incompatible":
+                    found["upgrade_incompatible_prewarmed_s"].append(
+                        job.wait_first_commit(run_id=upgraded["run_id"]) - started)
+                say(f"  prewarmed {kind} upgrade {attempt + 1}/{repeats}: {upgraded['action']}, "
+                    f"{downtime:.2f}s without a committed batch")
+        job.wait_caught_up(producer.produced)
+        _finish(stack, job, producer, total)
+        Variable.set("stream_job_application", EVENTS_JOB)  # the next repetition starts from version 1
+    return found
 
 
 # -- scaling -------------------------------------------------------------------------------------------

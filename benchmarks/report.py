@@ -44,6 +44,10 @@ def summarise(samples: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
                   "max": percentile(values, 100)}
         for variant in REAL_AIRFLOW_VARIANTS if (values := samples.get(f"mttr_real_airflow/{variant}"))}
     result["standby"] = _standby(samples, result["cold_start_s"])
+    result["upgrade_downtime"] = {
+        key: {"median": median(values), "runs": len(values)}
+        for key in ("upgrade_downtime_s/compatible", "upgrade_downtime_s/incompatible",
+                    "upgrade_incompatible_prewarmed_s") if (values := samples.get(key))}
     result["baseline_upgrade_incompatible"] = samples.get("baseline_upgrade_incompatible", "not measured")
     result["lost"] = samples.get("lost", 0)
     result["duplicated"] = samples.get("duplicated", 0)
@@ -122,6 +126,11 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         if standby["rss_vs_idle_driver"] is not None:
             found.append(check("waiting standby RSS / idle driver RSS <= 1.2", standby["rss_vs_idle_driver"], 1.2,
                                standby["rss_vs_idle_driver"] <= 1.2))
+    for kind, limit in (("compatible", 5), ("incompatible", 10)):
+        downtime = (r.get("upgrade_downtime") or {}).get(f"upgrade_downtime_s/{kind}")
+        if downtime:
+            found.append(check(f"upgrade_downtime_s {kind} (prewarmed) <= {limit}", downtime["median"], limit,
+                               downtime["median"] <= limit))
     rss = r["scaling"].get("rss_vs_backlog", {}).get("peak_rss_mb") or []
     if len(rss) >= 2:
         spread = flatness(rss)
@@ -178,6 +187,20 @@ def _breakdown_lines(found: dict[str, dict[str, float]]) -> list[str]:
               "transaction), and `other`, the trigger's remaining time (for the append sink, its whole "
               "batch).", ""]
     return lines
+
+
+def _upgrade_lines(found: dict[str, Any], cold_s: float | None) -> list[str]:
+    if not found:
+        return []
+    labels = {"upgrade_downtime_s/compatible": "compatible version (same generation): the old run's last "
+                                               "committed batch -> the new run's first",
+              "upgrade_downtime_s/incompatible": "incompatible version (reset to generation 2): the same",
+              "upgrade_incompatible_prewarmed_s": "incompatible version: `stream_upgrade` triggered -> the new "
+                                                  f"run's first batch (without prewarm: `upgrade_incompatible_s` "
+                                                  f"{_fmt(cold_s)})"}
+    return ["## Upgrades with a pre-warmed successor (`stream_upgrade`, `prewarm`)", "",
+            "| measure | seconds | runs |", "|---|---:|---:|",
+            *[f"| {labels[k]} | {_fmt(v['median'])} | {v['runs']} |" for k, v in found.items()], ""]
 
 
 def _standby_lines(standby: dict[str, Any] | None) -> list[str]:
@@ -289,6 +312,7 @@ def markdown(r: dict[str, Any]) -> str:
                   for v, x in real.items()]
         lines += ["", "p95 is the nearest rank: with 10 kills, the largest.", ""]
     lines += _standby_lines(r.get("standby"))
+    lines += _upgrade_lines(r.get("upgrade_downtime") or {}, r.get("upgrade_incompatible_s"))
     lines += ["## Exactly-once over every run", "",
               f"{r['audited_records']:,} records audited: lost **{r['lost']}**, duplicated **{r['duplicated']}**.", "",
               "## Targets", "", "| target | value | limit | met |", "|---|---:|---:|:-:|"]
