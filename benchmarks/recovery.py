@@ -210,11 +210,7 @@ def upgrade_incompatible(stack: Stack, repeats: int, total: Audit) -> tuple[list
     """``stream_upgrade`` to a version with a new stateful operator -> its first committed batch."""
     seconds, error_class = [], ""
     for attempt in range(repeats):
-        job = stack.new_job("upgrade")
-        producer = stack.producer(job)
-        producer.send(2000)
-        stack.trigger_ok("stream_deploy")
-        job.wait_caught_up(producer.produced)
+        job, producer = _deployed(stack, "upgrade")
         with Trickle(producer, chunk=30, pause_s=0.3):
             started = time.time()
             upgraded, downtime = _upgrade(stack, job, EVENTS_JOB_V2, "2.0")
@@ -231,6 +227,16 @@ def upgrade_incompatible(stack: Stack, repeats: int, total: Audit) -> tuple[list
     baseline = (f"no automatic recovery: every retry starts the new version on the old checkpoint and fails "
                 f"again ({error_class}); a person must move the checkpoint aside and pass startingOffsets")
     return seconds, baseline
+
+
+def _deployed(stack: Stack, name: str) -> tuple[Job, object]:
+    """A new job deployed with ``stream_deploy`` and caught up with its first 2,000 records."""
+    job = stack.new_job(name)
+    producer = stack.producer(job)
+    producer.send(2000)
+    stack.trigger_ok("stream_deploy")
+    job.wait_caught_up(producer.produced)
+    return job, producer
 
 
 def _upgrade(stack: Stack, job: Job, application: str, version: str, **params) -> tuple[dict, float]:
@@ -252,11 +258,7 @@ def upgrade_prewarmed(stack: Stack, repeats: int, total: Audit) -> dict[str, lis
     found = {"upgrade_downtime_s/compatible": [], "upgrade_downtime_s/incompatible": [],
              "upgrade_incompatible_prewarmed_s": []}
     for attempt in range(repeats):
-        job = stack.new_job("upgrade-prewarmed")
-        producer = stack.producer(job)
-        producer.send(2000)
-        stack.trigger_ok("stream_deploy")
-        job.wait_caught_up(producer.produced)
+        job, producer = _deployed(stack, "upgrade-prewarmed")
         with Trickle(producer, chunk=30, pause_s=0.3):
             for kind, application, version in (("compatible", EVENTS_JOB, "1.1"),
                                                ("incompatible", EVENTS_JOB_V2, "2.0")):
