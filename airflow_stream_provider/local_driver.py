@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV
+from airflow_stream_provider.state.records import RunRecord
 
 
 @dataclass(frozen=True)
@@ -108,13 +109,21 @@ def process_alive(pid: int, registered_at: float | None = None) -> bool:
         return True
 
 
+def on_this_host(pid: int | None, host: str | None, submission_id: str | None = None) -> bool:
+    """Whether a recorded driver's process is one of this host's (not a cluster's, not another host's)."""
+    return bool(pid) and host == socket.gethostname() and not submission_id
+
+
 def alive_on_this_host(pid: int | None, host: str | None, started_at: float | None,
                        submission_id: str | None = None) -> bool | None:
     """The process check of a recorded driver (a run, a standby): True/False where it runs on this host,
     None elsewhere or on a cluster (only heartbeats can tell there)."""
-    if not pid or host != socket.gethostname() or submission_id:
-        return None
-    return process_alive(pid, started_at)
+    return process_alive(pid, started_at) if on_this_host(pid, host, submission_id) else None
+
+
+def run_alive(run: RunRecord | None) -> bool | None:
+    """The process check of a recorded run's driver (see :func:`alive_on_this_host`); None without a run."""
+    return alive_on_this_host(run.pid, run.host, run.started_at, run.submission_id) if run else None
 
 
 def signal_group(pgid: int, sig: int) -> None:

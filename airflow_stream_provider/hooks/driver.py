@@ -133,12 +133,12 @@ class StreamDriverHook(BaseHook):
     # -- the life of a recorded run --------------------------------------------------------------------
     @staticmethod
     def is_local(run: RunRecord) -> bool:
-        return bool(run.pid) and run.host == socket.gethostname() and not run.submission_id
+        return local_driver.on_this_host(run.pid, run.host, run.submission_id)
 
     @staticmethod
     def is_alive(run: RunRecord) -> bool | None:
         """True/False where the process can be checked from here, None where only heartbeats can tell."""
-        return local_driver.alive_on_this_host(run.pid, run.host, run.started_at, run.submission_id)
+        return local_driver.run_alive(run)
 
     def terminate(self, run: RunRecord) -> bool:
         """SIGTERM to the Python driver only: its harness stops the query between batches.  Sent to the

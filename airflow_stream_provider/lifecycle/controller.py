@@ -30,7 +30,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_stream_provider import diagnosis, faults, kafka_offsets, local_driver
 from airflow_stream_provider.diagnosis import Diagnosis, Health, Thresholds
 from airflow_stream_provider.hooks.checkpoint import CheckpointHook
-from airflow_stream_provider.hooks.driver import StreamDriverHook
+from airflow_stream_provider.hooks.driver import StreamDriverHook, SubmittedDriver
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.kafka_offsets import LostRange, Offsets
@@ -39,7 +39,13 @@ from airflow_stream_provider.lifecycle.health import HealthProbe, standby_gone
 from airflow_stream_provider.lifecycle.waits import Outcome, RunWait, RunWatch
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord, RunStatus
-from airflow_stream_provider.state.standbys import SUCCESSOR, StandbyLog, StandbyRecord, StandbyStatus
+from airflow_stream_provider.state.standbys import (
+    STANDBY,
+    SUCCESSOR,
+    StandbyLog,
+    StandbyRecord,
+    StandbyStatus,
+)
 
 #: The stop's escalation: after the stop marker, SIGTERM, then a kill; each waits for the driver to end.
 STOP_STAGES = ("marker", "terminate", "kill")
@@ -287,17 +293,22 @@ class StreamJobController:
             return None
         application, spec = recorded
         spec = replace(spec, standby=True).with_generation(run.generation)
-        standby_id = uuid.uuid4().hex
-        submitted = self.driver.submit(application, spec, standby_id, self.state.password, standby=True)
-        # Recorded now, under the launcher's process, so the watcher and the next health check see a
-        # standby warming from this moment on, not a missing one to start again; the driver takes the row
-        # over when it registers.
-        self.standbys.register(standby_id, self.job_id, spec.version, spec.generation, host=socket.gethostname(),
-                               pid=submitted.pid, log_path=submitted.log_path)
+        standby_id, submitted = self._start_standby(application, spec, STANDBY)
         self.log.info("Started standby %s for run %s of job %s (version %s, generation %s)", standby_id,
                       run.run_id, self.job_id, spec.version, run.generation)
         return {"standby_id": standby_id, "status": StandbyStatus.WARMING.value, "action": "started",
                 "pid": submitted.pid, "log_path": submitted.log_path}
+
+    def _start_standby(self, application: str, spec: StreamJobSpec, role: str) -> tuple[str, SubmittedDriver]:
+        """Submit a standby or successor driver and record it WARMING at once, under the launcher's process,
+        so the watcher and the next health check see it warming from this moment on, not missing and to be
+        started again; the driver takes the row over when it registers."""
+        standby_id = uuid.uuid4().hex
+        submitted = self.driver.submit(application, spec, standby_id, self.state.password,
+                                       standby=role == STANDBY, successor=role == SUCCESSOR)
+        self.standbys.register(standby_id, self.job_id, spec.version, spec.generation, host=socket.gethostname(),
+                               pid=submitted.pid, log_path=submitted.log_path, role=role)
+        return standby_id, submitted
 
     def standby_launch(self, standby: StandbyRecord, failed: RunRecord | None,
                        application: str | None) -> dict[str, Any] | None:
@@ -321,10 +332,7 @@ class StreamJobController:
             self.driver.check_standby()
         except ValueError as err:
             raise AirflowFailException(f"prewarm: {err}; or upgrade without prewarm. Nothing was started.") from None
-        standby_id = uuid.uuid4().hex
-        submitted = self.driver.submit(application, spec, standby_id, self.state.password, successor=True)
-        self.standbys.register(standby_id, self.job_id, spec.version, spec.generation, host=socket.gethostname(),
-                               pid=submitted.pid, log_path=submitted.log_path, role=SUCCESSOR)
+        standby_id, submitted = self._start_standby(application, spec, SUCCESSOR)
         self.log.info("Started successor %s of job %s: version %s warms up while the old version runs",
                       standby_id, self.job_id, spec.version)
         return {"standby_id": standby_id, "application": application, "spec": spec.to_json(),

@@ -331,6 +331,11 @@ class StreamJobOperator(BaseOperator):
                        carry) -> Any:
         job = StreamJobSpec.from_dict(json.loads(spec_json)) if spec_json else self.job
         reset = self.controller.before_reset(job, reason, allow_data_loss=allow_data_loss)
+        return self.launch_reset(context, job, reset, reason, after, carry, application=application)
+
+    def launch_reset(self, context, job: StreamJobSpec, reset: dict[str, Any], reason: str, after: str,
+                     carry: dict[str, Any], *, application: str | None = None) -> Any:
+        """Launch ``job`` on the generation ``reset`` prepared (``before_reset``), then ``after``."""
         flow = {"reason": reason, "reset": reset, "after": after, "carry": carry}
         return self.launch_then(context, "_reset_launched", flow, application=application,
                                 spec_json=job.to_json(), generation=reset["generation"],
@@ -344,6 +349,16 @@ class StreamJobOperator(BaseOperator):
     def done(self, context, result, **extra) -> Any:
         """The end of a flow: the task's result (XCom)."""
         return {**result, **extra} if isinstance(result, dict) else result
+
+
+def flag(value: Any, name: str) -> bool:
+    """A templated flag renders to the string "False" without native rendering: never read that as yes."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "false"):
+        return text == "true"
+    raise AirflowFailException(f"{name}={value!r}: expected true or false")
 
 
 def _still_starting(run: RunRecord | None, launch: dict[str, Any]) -> bool:

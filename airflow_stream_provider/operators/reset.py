@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from airflow.sdk.exceptions import AirflowFailException
-
-from airflow_stream_provider.operators.base import StreamJobOperator
+from airflow_stream_provider.operators.base import StreamJobOperator, flag
 
 
 class ResetStreamingJobOperator(StreamJobOperator):
@@ -29,14 +27,4 @@ class ResetStreamingJobOperator(StreamJobOperator):
 
     def start(self, context) -> dict[str, Any]:
         return self.reset_then(context, self.reason, "done", {},
-                               allow_data_loss=_flag(self.allow_data_loss, "allow_data_loss"))
-
-
-def _flag(value: Any, name: str) -> bool:
-    """A templated flag renders to the string "False" without native rendering: never read that as yes."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "false"):
-        return text == "true"
-    raise AirflowFailException(f"{name}={value!r}: expected true or false")
+                               allow_data_loss=flag(self.allow_data_loss, "allow_data_loss"))

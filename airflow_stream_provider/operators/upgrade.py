@@ -16,7 +16,13 @@ from airflow_stream_provider.failures import FailureKind
 from airflow_stream_provider.lifecycle.controller import StreamJobError
 from airflow_stream_provider.lifecycle.driver_log import log_tail
 from airflow_stream_provider.lifecycle.waits import RunWait
-from airflow_stream_provider.operators.base import LAUNCH_KEY, StreamJobOperator, _set_task_state, _task_state
+from airflow_stream_provider.operators.base import (
+    LAUNCH_KEY,
+    StreamJobOperator,
+    _set_task_state,
+    _task_state,
+    flag,
+)
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord, RunStatus
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
@@ -115,7 +121,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             "previous": previous and {"application": previous[0], "spec_json": previous[1].to_json()},
             "outcome": {"job_id": job_id, "from_version": before and before.version, "to_version": new.version,
                         "generation_before": generation}}
-        if _flag(self.prewarm) and live is not None:
+        if flag(self.prewarm, "prewarm") and live is not None:
             if not self.application:
                 raise AirflowFailException(f"{self.task_id}: 'application' (the job file to submit) is required")
             ctx["successor"] = self.controller.start_successor(self.application, new.with_generation(generation))
@@ -278,9 +284,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             if reset is None:
                 return self.launch_then(context, "_started", {"ctx": ctx}, spec_json=new.to_json(),
                                         on_fail="_start_refused")
-            carry = {"reason": reason, "reset": reset, "after": "_started", "carry": {"ctx": ctx}}
-            return self.launch_then(context, "_reset_launched", carry, spec_json=new.to_json(),
-                                    generation=reset["generation"], starting_offsets=reset["starting_offsets"])
+            return self.launch_reset(context, new, reset, reason, "_started", {"ctx": ctx})
         ctx["successor_id"] = launch["run_id"]
         self._phase(ctx, UpgradePhase.STARTING)
         pending = {"launch": launch, "after": "_successor_started", "carry": {"ctx": ctx, "reset": reset,
@@ -293,9 +297,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
     def _successor_started(self, context, started, ctx, reset, reason) -> dict[str, Any]:
         if reset is None:
             return self._started(context, started, ctx)
-        self.controller.record_restart("reset", reason, None, started["run_id"])
-        info = {k: reset[k] for k in ("archived_generation", "archive_path", "starting_offsets", "lost_ranges")}
-        return self._started(context, {**started, "action": "reset", **info}, ctx)
+        return self._reset_launched(context, started, reason, reset, "_started", {"ctx": ctx})
 
     def _successor_refused(self, context, error, ctx, reset, reason) -> dict[str, Any]:
         if reset is not None:  # it ran on the new generation and failed there: no checkpoint to blame
@@ -472,8 +474,3 @@ def _verdict(run: RunRecord | None, ending: DryRunEnd, log_path: str | None,
 
 def _first_lines(text: str, lines: int = 4) -> str:
     return "\n".join(line[:400] for line in text.strip().splitlines()[:lines])
-
-
-def _flag(value: Any) -> bool:
-    """A templated boolean: a DAG param may render it as text."""
-    return value.strip().lower() in ("1", "true", "yes", "on") if isinstance(value, str) else bool(value)

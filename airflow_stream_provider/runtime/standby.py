@@ -141,7 +141,7 @@ class Standby:
             return None
         run = self.store.latest_run(self.spec.job_id)
         verdict = decide(self.spec, run, self.store.current_generation(self.spec.job_id),
-                         driver_alive=_alive(run))
+                         driver_alive=local_driver.run_alive(run))
         return self._end(verdict) if verdict.action == "refuse" else None
 
     def wait(self, stop_signalled: Callable[[], bool] = lambda: False) -> Takeover | Verdict:
@@ -166,7 +166,7 @@ class Standby:
                 continue
             run = self.store.latest_run(spec.job_id)
             verdict = decide(spec, run, self.store.current_generation(spec.job_id),
-                             driver_alive=_alive(run))
+                             driver_alive=local_driver.run_alive(run))
             if verdict.action == "take_over":
                 took = self._take_over(verdict)
                 if took is not None:
@@ -219,6 +219,3 @@ class Standby:
                                                                  status.value.lower(), verdict.why)
         return verdict
 
-
-def _alive(run: RunRecord | None) -> bool | None:
-    return local_driver.alive_on_this_host(run.pid, run.host, run.started_at, run.submission_id) if run else None
