@@ -213,8 +213,8 @@ def upgrade_incompatible(stack: Stack, repeats: int, total: Audit) -> tuple[list
         job, producer = _deployed(stack, "upgrade")
         with Trickle(producer, chunk=30, pause_s=0.3):
             started = time.time()
-            upgraded, downtime = _upgrade(stack, job, EVENTS_JOB_V2, "2.0")
-            seconds.append(job.wait_first_commit(generation=2, after=started) - started)
+            upgraded, first, downtime = _upgrade(stack, job, EVENTS_JOB_V2, "2.0")
+            seconds.append(first - started)
         error_class = upgraded["preflight"]["error_class"]
         say(f"  incompatible upgrade {attempt + 1}/{repeats}: {upgraded['action']} after preflight "
             f"{upgraded['preflight']['verdict']} ({error_class}, {upgraded['preflight']['seconds']}s); "
@@ -239,13 +239,13 @@ def _deployed(stack: Stack, name: str) -> tuple[Job, object]:
     return job, producer
 
 
-def _upgrade(stack: Stack, job: Job, application: str, version: str, **params) -> tuple[dict, float]:
-    """``stream_upgrade`` to ``application``: its result, and the downtime it caused (the old run's last
-    committed batch -> the new run's first)."""
+def _upgrade(stack: Stack, job: Job, application: str, version: str, **params) -> tuple[dict, float, float]:
+    """``stream_upgrade`` to ``application``: its result, when the new run first committed, and the
+    downtime it caused (the old run's last committed batch -> the new run's first)."""
     old = job.latest_run()
     upgraded = stack.trigger_ok("stream_upgrade", application=application, version=version, **params)["upgrade"]
     first = job.wait_first_commit(run_id=upgraded["run_id"])
-    return upgraded, first - job.store.get_run(old.run_id).last_batch_at
+    return upgraded, first, first - job.store.get_run(old.run_id).last_batch_at
 
 
 def upgrade_prewarmed(stack: Stack, repeats: int, total: Audit) -> dict[str, list[float]]:
@@ -263,13 +263,12 @@ def upgrade_prewarmed(stack: Stack, repeats: int, total: Audit) -> dict[str, lis
             for kind, application, version in (("compatible", EVENTS_JOB, "1.1"),
                                                ("incompatible", EVENTS_JOB_V2, "2.0")):
                 started = time.time()
-                upgraded, downtime = _upgrade(stack, job, application, version, prewarm=True)
+                upgraded, first, downtime = _upgrade(stack, job, application, version, prewarm=True)
                 if not upgraded.get("prewarmed"):
                     raise RuntimeError(f"the {kind} upgrade did not start its successor: {upgraded}")
                 found[f"upgrade_downtime_s/{kind}"].append(downtime)
                 if kind == "incompatible":
-                    found["upgrade_incompatible_prewarmed_s"].append(
-                        job.wait_first_commit(run_id=upgraded["run_id"]) - started)
+                    found["upgrade_incompatible_prewarmed_s"].append(first - started)
                 say(f"  prewarmed {kind} upgrade {attempt + 1}/{repeats}: {upgraded['action']}, "
                     f"{downtime:.2f}s without a committed batch")
         job.wait_caught_up(producer.produced)
