@@ -117,8 +117,9 @@ class JobRunner:
         run_id = uuid.uuid4().hex
         role = "standby" if standby else "driver"
         log_path = str(self.log_dir / f"{role}-{len(self.drivers):02d}-{run_id[:8]}.log")
-        cmd = self.driver_hook.submit_command(self.application, spec, run_id, log_path, standby=standby)
-        popen = local_driver.start_detached(cmd, log_path, env={**spark_env(), **(env or {})}, cwd=str(REPO))
+        driver_env = {**spark_env(), **(env or {})}
+        cmd = self.driver_hook.submit_command(self.application, spec, run_id, log_path, standby=standby, env=driver_env)
+        popen = local_driver.start_detached(cmd, log_path, env=driver_env, cwd=str(REPO))
         driver = local_driver.DriverProcess(popen.pid, log_path, run_id, popen)
         self.drivers.append(driver)
         return driver

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from typing import Any
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk import BaseHook
 
-from airflow_stream_provider import local_driver
+from airflow_stream_provider import jvm_archive, local_driver
 from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV, StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
 
@@ -54,7 +56,7 @@ class StreamDriverHook(BaseHook):
 
     def __init__(self, spark_conn_id: str = default_conn_name, *, conf: dict[str, str] | None = None,
                  py_files: str | None = None, env_vars: dict[str, str] | None = None,
-                 log_dir: str | None = None, **kwargs):
+                 log_dir: str | None = None, archive_dir: str | None = None, **kwargs):
         super().__init__(**kwargs)
         self.spark_conn_id = spark_conn_id
         self.conf = dict(conf or {})
@@ -62,6 +64,8 @@ class StreamDriverHook(BaseHook):
         self.env_vars = dict(env_vars or {})
         self.log_dir = log_dir or os.path.join(os.environ.get("AIRFLOW_HOME", os.path.expanduser("~/airflow")),
                                                "logs", "stream_drivers")
+        #: where the drivers' class-data-sharing archives live (``jvm_archive``; its default when None)
+        self.archive_dir = archive_dir
 
     def _spark_submit(self, application_args: list[str], conf: dict[str, str], name: str) -> SparkSubmitHook:
         return SparkSubmitHook(conn_id=self.spark_conn_id, conf=conf, py_files=self.py_files, name=name,
@@ -78,11 +82,45 @@ class StreamDriverHook(BaseHook):
                 *(["--successor"] * successor)]
 
     def submit_command(self, application: str, spec: StreamJobSpec, run_id: str, log_path: str, *,
-                       standby: bool = False, successor: bool = False) -> list[str]:
+                       standby: bool = False, successor: bool = False,
+                       env: Mapping[str, str] | None = None) -> list[str]:
         """The spark-submit command of a local or client-mode driver, as ``submit`` builds it: the test
-        stack starts its drivers with it, so tests run the command production runs."""
+        stack starts its drivers with it, so tests run the command production runs.  ``env`` is the
+        driver's environment (where spark-submit and java are found)."""
         args = self.driver_arguments(spec, run_id, log_path, standby=standby, successor=successor)
-        return self._spark_submit(args, self.conf, f"stream-{spec.job_id}")._build_spark_submit_command(application)
+        conf = self._with_class_archive(application, spec, os.environ if env is None else env)
+        return self._spark_submit(args, conf, f"stream-{spec.job_id}")._build_spark_submit_command(application)
+
+    def _with_class_archive(self, application: str, spec: StreamJobSpec, env: Mapping[str, str]) -> dict[str, str]:
+        """The driver's Spark conf with the installation's class-data-sharing archive (``jvm_archive``):
+        mapped in when it exists, started in the background when it does not."""
+        conf = dict(self.conf)
+        options = conf.get(jvm_archive.JAVA_OPTIONS, "")
+        if jvm_archive.chosen_by_user(options):
+            return conf
+        connection = self._spark_submit([], conf, "stream-archive")._connection
+        if (connection["deploy_mode"] or "client") == "cluster":  # the driver's host is the cluster's choice
+            return conf
+        binary = connection["spark_binary"] or "spark-submit"
+        archive = jvm_archive.ClassArchive.of(env, binary, conf, self.archive_dir)
+        if archive is None:
+            return conf
+        if archive.ready():
+            conf[jvm_archive.JAVA_OPTIONS] = archive.java_options(options)
+            return conf
+        written = archive.claim()
+        if written is not None:
+            run_id = f"warm-up-{uuid.uuid4().hex[:12]}"
+            log_path = self.log_path(spec.job_id, run_id)
+            args = [*self.driver_arguments(spec, run_id, log_path), "--warm-up-only"]
+            train_conf = {**conf, jvm_archive.JAVA_OPTIONS: f"{options} -XX:ArchiveClassesAtExit={written}".strip(),
+                          "spark.ui.enabled": "false"}
+            command = self._spark_submit(args, train_conf, f"stream-{spec.job_id}-warm-up")
+            pid = archive.start_run(command._build_spark_submit_command(application), written, env, log_path)
+            self.log.info("No JVM class archive for this Spark installation yet: a warm-up-only run of job %s "
+                          "(pid %s, log %s) writes %s for the drivers started after it", spec.job_id, pid,
+                          log_path, archive.path)
+        return conf
 
     def check_standby(self) -> None:
         """A standby must watch the active driver's process and start as fast as a local process does:
@@ -109,8 +147,8 @@ class StreamDriverHook(BaseHook):
             self.check_standby()
         if deploy_mode == "cluster":
             return self._submit_cluster(application, args, name, run_id, master, password)
-        cmd = hook._build_spark_submit_command(application)
         env = {**os.environ, **self.env_vars}
+        cmd = self.submit_command(application, spec, run_id, log_path, standby=standby, successor=successor, env=env)
         popen = local_driver.start_detached(cmd, log_path, env=env, password=password)
         self.log.info("Started %s for job %s run %s: pid %s, master %s, log %s",
                       "a successor driver" if successor else "a standby driver" if standby else "driver", spec.job_id,

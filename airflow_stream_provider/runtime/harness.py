@@ -38,7 +38,8 @@ from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
 from airflow_stream_provider.runtime.listener import StateListener
 from airflow_stream_provider.runtime.poison import POISON_POLICIES, keeps_state
 from airflow_stream_provider.runtime.sink import DEAD_LETTER_COLUMNS, ResultsFn, TransactionalSink
-from airflow_stream_provider.runtime.standby import Standby, Takeover
+from airflow_stream_provider.runtime.standby import Standby, Takeover, run_warm_up
+from airflow_stream_provider.runtime.startup import StartupClock
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state import store as state
 from airflow_stream_provider.state import transaction
@@ -96,10 +97,14 @@ class StreamHarness:
     """
 
     def __init__(self, spec: StreamJobSpec, *, run_id: str | None = None, log_path: str | None = None,
-                 standby: bool = False, successor: bool = False):
+                 standby: bool = False, successor: bool = False, warm_up_only: bool = False):
+        self.startup = StartupClock()
         self.spec = spec.validate()
         self.store = state.StateStore.from_url(spec.database_url)
-        self.store.ensure_schema()
+        #: a run that only loads what a start loads and records nothing (see ``_warm_up_only``)
+        self.warm_up_only = warm_up_only
+        if not warm_up_only:
+            self.store.ensure_schema()
         self.run_id = run_id or uuid.uuid4().hex
         self.log_path = log_path
         self._stop_signalled = False
@@ -110,14 +115,18 @@ class StreamHarness:
         self.standby: Standby | None = None
         #: set while this thread builds a standby's warm-up query (a standby re-runs it in the background)
         self._warming = threading.local()
-        if standby or successor:
+        if warm_up_only:
+            self.startup.skip()
+        elif standby or successor:
             self.standby = Standby(self.store, spec, self.run_id, pid=os.getpid(), log_path=log_path,
                                    successor=successor)
             self._standby_registered = self.standby.register()
+            self.startup.skip()  # a standby's start is its warm-up; what counts is its takeover
         else:
             self._begin(self.store.begin_run(spec.job_id, spec.generation, spec.version, run_id=self.run_id,
                                              dry_run=spec.dry_run, host=socket.gethostname(), pid=os.getpid(),
                                              log_path=log_path))
+        self.startup.done("state_database")
         self.spark: SparkSession | None = None
         self._generation_start: kafka_offsets.Offsets = {}
         #: the generation's recorded start (None: not recorded yet) and what to record once every stream
@@ -158,6 +167,9 @@ class StreamHarness:
                             help="start as the job's warm standby: take over when its active run is dead")
         parser.add_argument("--successor", action="store_true",
                             help="start as an upgrade's warm successor: start when the upgrade releases it")
+        parser.add_argument("--warm-up-only", action="store_true",
+                            help="run the job's code once on a throw-away query and exit, recording nothing "
+                                 "(the launcher's class-data-sharing run)")
         args = parser.parse_args(argv)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:
@@ -167,7 +179,7 @@ class StreamHarness:
             sys.exit(failures.EXIT_CONFIG)
         try:
             return cls(spec, run_id=args.run_id, log_path=args.log_path, standby=args.standby,
-                       successor=args.successor)
+                       successor=args.successor, warm_up_only=args.warm_up_only)
         except Exception as err:
             classification = failures.classify(repr(err))
             log.error("cannot reach the state database %s: %s", spec.database_url, err)
@@ -190,6 +202,8 @@ class StreamHarness:
             or ``fail`` the run as POISON with the record's position (see ``sink``).
         :return: the driver's exit code (``failures.EXIT_STOPPED`` after a clean stop).
         """
+        if self.warm_up_only:
+            return self._warm_up_only(transform, results)
         try:
             if on_poison not in POISON_POLICIES:
                 raise StartupError(
@@ -200,6 +214,7 @@ class StreamHarness:
                 )
             self.on_poison = on_poison
             self._start_spark()
+            self.startup.done("spark_session")
             if self.standby is not None:
                 ended = self._stand_by(transform, results)
                 if ended is not None:
@@ -217,12 +232,28 @@ class StreamHarness:
                     failures.EXIT_CONFIG,
                 )
             self._transform, self._stateful = transform, keeps_state(records)
+            self.startup.done("source")
             query = self._start_query(records, results)
+            self.startup.done("query_start")
             return self._watch(query)
         except StartupError as err:
             return self._finish(state.FAILED, err.exit_code, err.kind, None, str(err))
         except Exception as err:
             return self._failed(err)
+        finally:
+            if self.spark is not None:
+                self.spark.stop()
+
+    def _warm_up_only(self, transform: Callable[[DataFrame], DataFrame], results: ResultsFn) -> int:
+        """Start Spark, run the job's code once on a throw-away query (a standby's warm-up) and exit: the run
+        a launcher uses to record the classes a driver's start loads (``jvm_archive``).  Records nothing,
+        takes no epoch, writes no result."""
+        try:
+            self._start_spark()
+            seconds = run_warm_up(lambda checkpoint: self._warm_up_query(transform, results, checkpoint),
+                                  self.spec.job_id)
+            log.info("warm-up only: the job's code ran once in %.1fs", seconds)
+            return failures.EXIT_STOPPED
         finally:
             if self.spark is not None:
                 self.spark.stop()
@@ -291,7 +322,7 @@ class StreamHarness:
         self.spark = builder.getOrCreate()
         self.spark.sparkContext.setLogLevel(os.environ.get("STREAM_SPARK_LOG_LEVEL", "WARN"))
         ui_url = self.spark.sparkContext.uiWebUrl  # None with spark.ui.enabled=false
-        if ui_url:  # for the operators' "Spark UI" link and the status page
+        if ui_url and not self.warm_up_only:  # for the operators' "Spark UI" link and the status page
             self.store.record_ui_url(self.run_id, ui_url)
 
     def _resolve_generation_start(self) -> kafka_offsets.Offsets:
@@ -535,6 +566,8 @@ class StreamHarness:
 
     def _after_commit(self, outcome: transaction.BatchOutcome) -> None:
         self.store.record_progress(self.run_id, outcome.batch_id, None, committed=True)
+        self.startup.done("first_batch")
+        self.startup.report()
         if self.spec.dry_run:  # leave no other trace
             # Done once a batch that reads the previous batch's state ran: batch 0 starts from empty
             # state, so a stateful change shows only from batch 1 on.  A re-run of the copy's batch 0

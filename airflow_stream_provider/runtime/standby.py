@@ -112,27 +112,8 @@ class Standby:
             self._rewarm.start()
 
     def _run(self, query: Callable[[str], object]) -> float:
-        began = self._warmed_at = time.monotonic()
-        scratch = tempfile.mkdtemp(prefix=f"standby-{self.spec.job_id}-")
-        try:
-            running = query(f"file://{scratch}")
-            deadline = time.monotonic() + WARM_UP_TIMEOUT_S
-            # Done once a batch went through (a live topic keeps it busy: one is enough), or once it waits
-            # for data where the topics hold none (then only the source's planning was warmed).
-            while running.isActive and time.monotonic() < deadline:
-                status = running.status
-                if running.lastProgress is not None or (
-                        not status["isTriggerActive"] and status["message"].startswith("Waiting for data")):
-                    break
-                time.sleep(0.05)
-            running.stop()
-            if running.exception() is not None:
-                log.warning("standby warm-up query failed (the takeover pays for it): %s", running.exception())
-        except Exception as err:
-            log.warning("standby warm-up failed (the takeover pays for it): %r", err)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        return time.monotonic() - began
+        self._warmed_at = time.monotonic()
+        return run_warm_up(query, self.spec.job_id)
 
     def refusal(self) -> Verdict | None:
         """Checked before warming up: a standby that could never take over (another version, another
@@ -219,3 +200,30 @@ class Standby:
                                                                  status.value.lower(), verdict.why)
         return verdict
 
+
+def run_warm_up(query: Callable[[str], object], job_id: str) -> float:
+    """Run ``query(checkpoint_dir)`` (the harness's throw-away query over the job's code, which returns a
+    started ``StreamingQuery``) on a scratch checkpoint until one batch went through, then stop it; return
+    the seconds it took.  Best effort: a failure is logged, not raised."""
+    began = time.monotonic()
+    scratch = tempfile.mkdtemp(prefix=f"standby-{job_id}-")
+    try:
+        running = query(f"file://{scratch}")
+        deadline = time.monotonic() + WARM_UP_TIMEOUT_S
+        # Done once a batch went through (a live topic keeps it busy: one is enough), or once it waits
+        # for data where the topics hold none (then only the source's planning was warmed).
+        while running.isActive and time.monotonic() < deadline:
+            status = running.status
+            if running.lastProgress is not None or (
+                    not status["isTriggerActive"] and status["message"].startswith("Waiting for data")):
+                break
+            time.sleep(0.05)
+        running.stop()
+        if running.exception() is not None:
+            log.warning("warm-up query failed (a later start pays for what it would have loaded): %s",
+                        running.exception())
+    except Exception as err:
+        log.warning("warm-up failed (a later start pays for what it would have loaded): %r", err)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return time.monotonic() - began

@@ -1,0 +1,101 @@
+"""The drivers' class-data-sharing archive: which archive, who writes it, when a deployment's own choice wins.
+
+Real files and real processes throughout; the end-to-end test with real drivers is in
+``tests/e2e/test_jvm_archive.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import time
+
+from airflow_stream_provider import jvm_archive
+from airflow_stream_provider.jvm_archive import ClassArchive
+
+
+def _executable(path, text="#!/bin/sh\nexit 0\n"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def _env(tmp_path, spark_dir="spark-a"):
+    spark = _executable(tmp_path / spark_dir / "spark-submit")
+    java = _executable(tmp_path / "jdk" / "bin" / "java")
+    return {"PATH": str(spark.parent), "JAVA_HOME": str(java.parent.parent)}
+
+
+def test_one_archive_per_spark_and_java_installation(tmp_path):
+    env = _env(tmp_path)
+    first = ClassArchive.of(env, "spark-submit", {}, tmp_path / "archives")
+    assert first == ClassArchive.of(env, "spark-submit", {}, tmp_path / "archives")
+    assert first.path.parent == tmp_path / "archives" and first.path.suffix == ".jsa"
+    other_spark = ClassArchive.of(_env(tmp_path, "spark-b"), "spark-submit", {}, tmp_path / "archives")
+    other_classpath = ClassArchive.of(env, "spark-submit", {"spark.driver.extraClassPath": "/opt/x.jar"},
+                                      tmp_path / "archives")
+    assert len({first.path, other_spark.path, other_classpath.path}) == 3
+
+
+def test_no_archive_without_spark_submit_or_java(tmp_path):
+    env = _env(tmp_path)
+    assert ClassArchive.of({**env, "PATH": str(tmp_path / "nowhere")}, "spark-submit", {}, tmp_path) is None
+    assert ClassArchive.of({**env, "JAVA_HOME": str(tmp_path / "nojdk")}, "spark-submit", {}, tmp_path) is None
+
+
+def test_a_deployments_own_class_data_sharing_is_left_alone():
+    assert jvm_archive.chosen_by_user("-Xshare:off")
+    assert jvm_archive.chosen_by_user("-XX:+UseG1GC -XX:SharedArchiveFile=/opt/app.jsa")
+    assert not jvm_archive.chosen_by_user("-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+
+
+def test_one_archive_run_at_a_time_and_no_retry_soon_after_a_failure(tmp_path):
+    archive = ClassArchive(tmp_path / "archives" / "driver-x.jsa")
+    written = archive.claim()
+    assert written is not None and archive.lock.exists() and written.parent == archive.path.parent
+    assert archive.claim() is None, "a second run while the first holds the lock"
+
+    outcome = archive.finish_run(["sh", "-c", "exit 3"], written)
+    assert "exit code 3" in outcome and str(archive.lock) in outcome
+    assert not archive.ready() and archive.lock.exists()
+    assert archive.claim() is None, "a failed run blocks another for an hour"
+
+    old = time.time() - jvm_archive.RETRY_AFTER_S - 60
+    os.utime(archive.lock, (old, old))
+    assert archive.claim() is not None, "a stale lock does not block forever"
+
+
+def test_a_finished_run_moves_its_archive_into_place(tmp_path):
+    archive = ClassArchive(tmp_path / "driver-x.jsa")
+    written = archive.claim()
+    outcome = archive.finish_run(["sh", "-c", f"printf classes > {written}"], written)
+    assert outcome == f"archive written: {archive.path}"
+    assert archive.ready() and archive.path.read_text() == "classes"
+    assert not written.exists() and not archive.lock.exists()
+    assert archive.java_options("-XX:+UseSerialGC") == f"-XX:+UseSerialGC -XX:SharedArchiveFile={archive.path}"
+
+
+def test_a_run_that_exits_0_without_an_archive_is_a_failure(tmp_path):
+    archive = ClassArchive(tmp_path / "driver-x.jsa")
+    written = archive.claim()
+    assert "no archive" in archive.finish_run(["true"], written)
+    assert not archive.ready() and archive.lock.exists()
+
+
+def test_the_background_wrapper_runs_detached_and_reports(tmp_path):
+    archive = ClassArchive(tmp_path / "driver-x.jsa")
+    written = archive.claim()
+    log = tmp_path / "warm-up.log"
+    pid = archive.start_run(["sh", "-c", f"printf classes > {written}"], written, dict(os.environ), str(log))
+    deadline = time.monotonic() + 30
+    while not archive.ready() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert archive.ready(), log.read_text()
+    assert os.getpgid(pid) == pid or not os.path.exists(f"/proc/{pid}")  # its own session
+    deadline = time.monotonic() + 10
+    while "archive written" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert f"archive written: {archive.path}" in log.read_text()
+    assert sys.executable in log.read_text().splitlines()[0]
