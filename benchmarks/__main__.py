@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import real_airflow, recovery, report, throughput
+from benchmarks import cold_start, real_airflow, recovery, report, throughput
 from benchmarks.audit import Audit
 from benchmarks.report import OPTIONAL_SECTIONS, SECTIONS
 from benchmarks.stack import REPO, Stack, say
@@ -56,8 +56,10 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
             current.append((name, time.monotonic()))
         return name in sections
 
-    if section("cold", f"driver spawn -> first committed batch, {profile['cold']} runs"):
-        samples["cold_start_s"] = recovery.cold_start(stack, profile["cold"], total)
+    if section("cold", f"driver spawn -> first committed batch, {profile['cold']} runs of each kind of driver"):
+        found = cold_start.measure(stack, profile["cold"], total)
+        samples["scaling"]["startup_s"] = found.pop("startup_s")
+        samples.update(found)
     if section("mttr", f"kill -9 under the polling health DAG + recover (dag.test), {profile['mttr']} runs"):
         samples["detect_kill9_s"], samples["mttr_kill9_s"] = recovery.mttr_provider(stack, profile["mttr"], total)
     if section("baseline", f"kill -9 under SparkSubmitOperator + retries, {profile['baseline']} runs"):

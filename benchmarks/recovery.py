@@ -80,33 +80,6 @@ def _finish(stack: Stack, job: Job, producer, total: Audit) -> None:
     _audit(job, producer, total)
 
 
-# -- the floor ---------------------------------------------------------------------------------------
-def cold_start(stack: Stack, repeats: int, total: Audit) -> list[float]:
-    """Spawn of a driver on an existing checkpoint with records waiting -> its first committed batch."""
-    from stack.jobs import JobRunner, make_spec
-
-    job = stack.new_job("cold-start")
-    spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url,
-                     stack.workdir / "checkpoints", trigger_interval="1 second", max_offsets_per_trigger=2000)
-    runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id, conf=stack.spark_conf)
-    producer = stack.producer(job)
-    producer.send(600)
-    runner.process_backlog(dict(producer.produced.end_offsets))  # creates the checkpoint; not timed
-    seconds = []
-    for attempt in range(repeats):
-        producer.send(300)
-        spawned = time.time()
-        driver = runner.start()
-        seconds.append(job.wait_first_commit(run_id=driver.run_id, after=spawned) - spawned)
-        say(f"  cold start {attempt + 1}/{repeats}: {seconds[-1]:.1f}s")
-        runner.wait_caught_up(dict(producer.produced.end_offsets), driver)
-        runner.stop(driver)
-    runner.store.dispose()
-    producer.close()
-    _audit(job, producer, total)
-    return seconds
-
-
 # -- kill -9 with this provider ----------------------------------------------------------------------
 def kill_and_recover(stack: Stack, job: Job) -> tuple[float, float, float]:
     """While ``bench_polling_health``'s sensor is deferred (under ``dag.test()``: the best case), SIGKILL

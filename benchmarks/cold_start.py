@@ -1,0 +1,126 @@
+"""The floor of every restart: a driver spawned on an existing checkpoint with records waiting, to its first
+committed batch; and what each of the start's cuts saves.
+
+Three kinds of driver take turns (the machine's noise hits each alike):
+
+* ``shipped``: as the provider launches it: the JVM maps the installation's class archive (``jvm_archive``)
+  and Spark's Python zips are compiled (``make install`` runs ``runtime.precompile``);
+* ``no_archive``: the same without the class archive (``-Xshare:auto``, the JVM's own default);
+* ``uncut``: without the archive, on a Spark whose Python zips hold only sources, as Spark ships them (a
+  ``SPARK_HOME`` of links to the driver environment's pyspark, with source-only copies of its zips).
+
+Each driver's own startup line says where its time went (``runtime.startup``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import zipfile
+from pathlib import Path
+
+from benchmarks.audit import Audit, audit
+from benchmarks.stack import Stack, say
+
+VARIANTS = ("shipped", "no_archive", "uncut")
+#: The sample key of each kind's seconds (``cold_start_s`` is the shipped one, as before).
+KEYS = {"shipped": "cold_start_s", "no_archive": "cold_start_no_archive_s", "uncut": "cold_start_uncut_s"}
+ARCHIVE_WAIT_S = 300
+
+
+def measure(stack: Stack, repeats: int, total: Audit) -> dict:
+    """Seconds per kind (under ``KEYS``) and ``startup_s``: each kind's median seconds per startup phase."""
+    from stack.jobs import JobRunner, make_spec
+
+    job = stack.new_job("cold-start")
+    spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url,
+                     stack.workdir / "checkpoints", trigger_interval="1 second", max_offsets_per_trigger=2000)
+    logs = stack.workdir / "driver-logs" / job.job_id
+    shipped = JobRunner(spec, logs, conf=stack.spark_conf)
+    producer = stack.producer(job)
+    producer.send(600)
+    shipped.process_backlog(dict(producer.produced.end_offsets))  # creates the checkpoint; not timed
+    _await_archive(stack, shipped)
+    plain = {**stack.spark_conf, "spark.driver.extraJavaOptions":
+             f"{stack.spark_conf.get('spark.driver.extraJavaOptions', '')} -Xshare:auto".strip()}
+    runners = {"shipped": (shipped, {}), "no_archive": (JobRunner(spec, logs, conf=plain), {}),
+               "uncut": (JobRunner(spec, logs, conf=plain), {"SPARK_HOME": str(_spark_as_shipped(stack))})}
+    seconds: dict[str, list[float]] = {kind: [] for kind in VARIANTS}
+    phases: dict[str, list[dict]] = {kind: [] for kind in VARIANTS}
+    for attempt in range(repeats):
+        for kind in VARIANTS:
+            runner, env = runners[kind]
+            producer.send(300)
+            spawned = time.time()
+            driver = runner.start(env=env)
+            seconds[kind].append(job.wait_first_commit(run_id=driver.run_id, after=spawned) - spawned)
+            runner.wait_caught_up(dict(producer.produced.end_offsets), driver)
+            runner.stop(driver)
+            phases[kind].append(_startup_line(driver.log_path))
+            say(f"  cold start {attempt + 1}/{repeats} {kind}: {seconds[kind][-1]:.1f}s  {_say(phases[kind][-1])}")
+    for runner, _ in runners.values():
+        runner.store.dispose()
+    producer.close()
+    found = audit(job.store, job.job_id, producer.produced)
+    say(f"  {job.job_id}: {found.produced} records produced, {found.lost} lost, {found.duplicated} duplicated")
+    total += found
+    samples = {KEYS[kind]: values for kind, values in seconds.items()}
+    samples["startup_s"] = {kind: _medians(found) for kind, found in phases.items()}
+    return samples
+
+
+def _await_archive(stack: Stack, runner) -> None:
+    """The first driver's launch started the class archive's run when there was none: wait for it."""
+    from airflow_stream_provider import jvm_archive
+
+    archive = jvm_archive.ClassArchive.of(stack.spark_env, "spark-submit", stack.spark_conf,
+                                          runner.driver_hook.archive_dir)
+    if archive is None:
+        say("  no class archive: spark-submit or java not found")
+        return
+    deadline = time.monotonic() + ARCHIVE_WAIT_S
+    while archive.lock.exists() and not archive.ready() and time.monotonic() < deadline:
+        time.sleep(1)
+    say(f"  class archive {'ready' if archive.ready() else 'missing (shipped = no_archive)'}: {archive.path}")
+
+
+def _spark_as_shipped(stack: Stack) -> Path:
+    """A SPARK_HOME whose Python zips hold only sources: links to the driver environment's pyspark, with
+    copies of ``python/lib``'s zips without their compiled modules."""
+    home = stack.workdir / "spark-as-shipped"
+    if home.exists():
+        return home
+    from stack.jobs import SPARK_BIN
+
+    pyspark = next((SPARK_BIN.parent / "lib").glob("python3*/site-packages/pyspark"))
+    home.mkdir()
+    for entry in pyspark.iterdir():
+        if entry.name != "python":
+            (home / entry.name).symlink_to(entry)
+    (home / "python").mkdir()
+    for entry in (pyspark / "python").iterdir():
+        if entry.name != "lib":
+            (home / "python" / entry.name).symlink_to(entry)
+    (home / "python" / "lib").mkdir()
+    for source in (pyspark / "python" / "lib").glob("*.zip"):
+        with zipfile.ZipFile(source) as compiled, zipfile.ZipFile(home / "python" / "lib" / source.name, "w",
+                                                                   zipfile.ZIP_DEFLATED) as plain:
+            for entry in compiled.infolist():
+                if not entry.filename.endswith(".pyc"):
+                    plain.writestr(entry.filename, compiled.read(entry))
+    return home
+
+
+def _startup_line(log_path: str) -> dict:
+    lines = [line for line in Path(log_path).read_text(errors="replace").splitlines() if " startup {" in line]
+    return json.loads(lines[0].split(" startup ", 1)[1]) if lines else {}
+
+
+def _say(phases: dict) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if k != "total")
+
+
+def _medians(found: list[dict]) -> dict[str, float]:
+    names = [name for name in (found[0] if found else {})]
+    return {name: round(statistics.median(p.get(name, 0.0) for p in found), 3) for name in names}
