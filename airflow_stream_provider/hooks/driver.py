@@ -105,22 +105,27 @@ class StreamDriverHook(BaseHook):
         archive = jvm_archive.ClassArchive.of(env, binary, conf, self.archive_dir)
         if archive is None:
             return conf
-        if archive.ready():
-            conf[jvm_archive.JAVA_OPTIONS] = archive.java_options(options)
-            return conf
-        written = archive.claim()
-        if written is not None:
-            run_id = f"warm-up-{uuid.uuid4().hex[:12]}"
-            log_path = self.log_path(spec.job_id, run_id)
-            args = [*self.driver_arguments(spec, run_id, log_path), "--warm-up-only"]
-            train_conf = {**conf, jvm_archive.JAVA_OPTIONS: f"{options} -XX:ArchiveClassesAtExit={written}".strip(),
-                          "spark.ui.enabled": "false"}
-            command = self._spark_submit(args, train_conf, f"stream-{spec.job_id}-warm-up")
-            pid = archive.start_run(command._build_spark_submit_command(application), written, env, log_path)
-            self.log.info("No JVM class archive for this Spark installation yet: a warm-up-only run of job %s "
-                          "(pid %s, log %s) writes %s for the drivers started after it", spec.job_id, pid,
-                          log_path, archive.path)
+        try:
+            if archive.ready():
+                conf[jvm_archive.JAVA_OPTIONS] = archive.java_options(options)
+            elif (written := archive.claim()) is not None:
+                self._start_archive_run(archive, written, application, spec, conf, env)
+        except OSError as err:  # e.g. a read-only home: the driver starts as it would without the archive
+            self.log.warning("No JVM class archive in %s (%s): drivers start without one", archive.path.parent, err)
         return conf
+
+    def _start_archive_run(self, archive: jvm_archive.ClassArchive, written: Path, application: str,
+                           spec: StreamJobSpec, conf: dict[str, str], env: Mapping[str, str]) -> None:
+        """Start the warm-up-only run of the job's code whose JVM writes ``archive`` as it exits."""
+        run_id = f"warm-up-{uuid.uuid4().hex[:12]}"
+        log_path = self.log_path(spec.job_id, run_id)
+        args = [*self.driver_arguments(spec, run_id, log_path), "--warm-up-only"]
+        options = f"{conf.get(jvm_archive.JAVA_OPTIONS, '')} -XX:ArchiveClassesAtExit={written}".strip()
+        command = self._spark_submit(args, {**conf, jvm_archive.JAVA_OPTIONS: options, "spark.ui.enabled": "false"},
+                                     f"stream-{spec.job_id}-warm-up")
+        pid = archive.start_run(command._build_spark_submit_command(application), written, env, log_path)
+        self.log.info("No JVM class archive for this Spark installation yet: a warm-up-only run of job %s (pid %s, "
+                      "log %s) writes %s for the drivers started after it", spec.job_id, pid, log_path, archive.path)
 
     def check_standby(self) -> None:
         """A standby must watch the active driver's process and start as fast as a local process does:

@@ -1,0 +1,62 @@
+"""How the driver hook puts the class archive on a driver's command line, through a real Airflow Spark
+connection and the real spark-submit and java of the driver environment.  The archive run itself, with
+real drivers, is ``tests/e2e/test_jvm_archive.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_stream_provider import jvm_archive
+from airflow_stream_provider.hooks.driver import StreamDriverHook
+from stack.jobs import make_spec, spark_env
+from tests.dagtest import airflow as airflow_stack
+
+
+@pytest.fixture
+def hook(monkeypatch, tmp_path):
+    monkeypatch.setenv(*airflow_stack.connection_env("spark_local", conn_type="spark", host="local[2]",
+                                                     extra={"deploy-mode": "client", "spark-binary": "spark-submit"}))
+    return StreamDriverHook("spark_local", conf={"spark.driver.memory": "768m"}, log_dir=str(tmp_path / "logs"),
+                            archive_dir=str(tmp_path / "archives"))
+
+
+def _command(hook, tmp_path) -> str:
+    spec = make_spec("orders", "127.0.0.1:9092", "orders", "sqlite:///x.db", tmp_path / "ckpt")
+    return " ".join(hook.submit_command("job.py", spec, "r1", str(tmp_path / "r1.log"), env=spark_env()))
+
+
+def _archive(hook) -> jvm_archive.ClassArchive:
+    return jvm_archive.ClassArchive.of(spark_env(), "spark-submit", hook.conf, hook.archive_dir)
+
+
+def test_an_archive_that_exists_is_mapped_into_the_driver(hook, tmp_path):
+    archive = _archive(hook)
+    archive.path.parent.mkdir(parents=True)
+    archive.path.write_bytes(b"classes")
+    assert f"spark.driver.extraJavaOptions=-XX:SharedArchiveFile={archive.path}" in _command(hook, tmp_path)
+
+
+def test_while_another_run_writes_it_the_driver_starts_without_one(hook, tmp_path):
+    archive = _archive(hook)
+    assert archive.claim() is not None  # the other run
+    assert "SharedArchiveFile" not in _command(hook, tmp_path)
+    assert not (tmp_path / "logs").exists(), "no second archive run"
+
+
+def test_a_deployments_own_choice_and_cluster_mode_are_left_alone(hook, tmp_path, monkeypatch):
+    archive = _archive(hook)
+    archive.path.parent.mkdir(parents=True)
+    archive.path.write_bytes(b"classes")
+    hook.conf["spark.driver.extraJavaOptions"] = "-Xshare:off"
+    assert "spark.driver.extraJavaOptions=-Xshare:off" in _command(hook, tmp_path)
+    assert "SharedArchiveFile" not in _command(hook, tmp_path)
+    hook.conf.pop("spark.driver.extraJavaOptions")
+    monkeypatch.setenv(*airflow_stack.connection_env("spark_local", conn_type="spark", host="yarn",
+                                                     extra={"deploy-mode": "cluster"}))
+    assert "SharedArchiveFile" not in _command(hook, tmp_path)
+
+
+def test_an_unwritable_archive_directory_does_not_keep_a_driver_from_starting(hook, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    hook.archive_dir = str(tmp_path / "a-file" / "archives")  # its parent is a file: no directory here
+    assert "SharedArchiveFile" not in _command(hook, tmp_path)
