@@ -62,11 +62,11 @@ def measure(stack: Stack, repeats: int, total: Audit) -> dict:
     for runner, _ in runners.values():
         runner.store.dispose()
     producer.close()
-    found = audit(job.store, job.job_id, producer.produced)
-    say(f"  {job.job_id}: {found.produced} records produced, {found.lost} lost, {found.duplicated} duplicated")
-    total += found
+    audited = audit(job.store, job.job_id, producer.produced)
+    say(f"  {job.job_id}: {audited.produced} records produced, {audited.lost} lost, {audited.duplicated} duplicated")
+    total += audited
     samples = {KEYS[kind]: values for kind, values in seconds.items()}
-    samples["startup_s"] = {kind: _medians(found) for kind, found in phases.items()}
+    samples["startup_s"] = {kind: _medians(lines) for kind, lines in phases.items()}
     return samples
 
 

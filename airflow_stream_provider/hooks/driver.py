@@ -88,17 +88,24 @@ class StreamDriverHook(BaseHook):
         stack starts its drivers with it, so tests run the command production runs.  ``env`` is the
         driver's environment (where spark-submit and java are found)."""
         args = self.driver_arguments(spec, run_id, log_path, standby=standby, successor=successor)
-        conf = self._with_class_archive(application, spec, os.environ if env is None else env)
-        return self._spark_submit(args, conf, f"stream-{spec.job_id}")._build_spark_submit_command(application)
+        hook = self._spark_submit(args, self.conf, f"stream-{spec.job_id}")
+        return self._local_command(hook, application, spec, os.environ if env is None else env)
 
-    def _with_class_archive(self, application: str, spec: StreamJobSpec, env: Mapping[str, str]) -> dict[str, str]:
+    def _local_command(self, hook: SparkSubmitHook, application: str, spec: StreamJobSpec,
+                       env: Mapping[str, str]) -> list[str]:
+        """``hook``'s spark-submit command, its conf given the installation's class archive; the hook's
+        resolved connection serves both (each resolution is a lookup of the Spark connection)."""
+        hook._conf = self._with_class_archive(application, spec, env, hook._connection)
+        return hook._build_spark_submit_command(application)
+
+    def _with_class_archive(self, application: str, spec: StreamJobSpec, env: Mapping[str, str],
+                            connection: Mapping[str, Any]) -> dict[str, str]:
         """The driver's Spark conf with the installation's class-data-sharing archive (``jvm_archive``):
         mapped in when it exists, started in the background when it does not."""
         conf = dict(self.conf)
         options = conf.get(jvm_archive.JAVA_OPTIONS, "")
         if jvm_archive.chosen_by_user(options):
             return conf
-        connection = self._spark_submit([], conf, "stream-archive")._connection
         if (connection["deploy_mode"] or "client") == "cluster":  # the driver's host is the cluster's choice
             return conf
         binary = connection["spark_binary"] or "spark-submit"
@@ -153,7 +160,7 @@ class StreamDriverHook(BaseHook):
         if deploy_mode == "cluster":
             return self._submit_cluster(application, args, name, run_id, master, password)
         env = {**os.environ, **self.env_vars}
-        cmd = self.submit_command(application, spec, run_id, log_path, standby=standby, successor=successor, env=env)
+        cmd = self._local_command(hook, application, spec, env)
         popen = local_driver.start_detached(cmd, log_path, env=env, password=password)
         self.log.info("Started %s for job %s run %s: pid %s, master %s, log %s",
                       "a successor driver" if successor else "a standby driver" if standby else "driver", spec.job_id,
