@@ -531,19 +531,20 @@ class TransactionalSink:
 
     # -- result tables ----------------------------------------------------------------------------------
     def _writes(self, results: Sequence[Result]) -> list[transaction.Write]:
-        """Collect every result frame.  They are independent Spark jobs over the persisted batch, so they
-        run side by side: a micro-batch waits for the slowest, not for the sum (most of a small job is
-        the driver planning it and the scheduler's round trips, which overlap)."""
+        """Collect every result frame as an Arrow table, which the database write takes as it is (no
+        Python object per row).  They are independent Spark jobs over the persisted batch, so they run
+        side by side: a micro-batch waits for the slowest, not for the sum (most of a small job is the
+        driver planning it and the scheduler's round trips, which overlap)."""
         tables = [self._table(result) for result in results]  # DDL once, before any thread
         self._record_outputs()
         if len(results) > 1:
             # pinned threads: each job carries the stream thread's job group, so stopping the query
             # cancels them like any job of the batch
-            collect = inheritable_thread_target(_collect)
+            collect = inheritable_thread_target(_arrow)
             with ThreadPoolExecutor(max_workers=len(results), thread_name_prefix="stream-results") as pool:
                 rows = list(pool.map(collect, [result.frame for result in results]))
         else:
-            rows = [_collect(result.frame) for result in results]
+            rows = [_arrow(result.frame) for result in results]
         return [
             transaction.Write(table, batch_rows, tuple(result.key), tuple(result.increments))
             for table, batch_rows, result in zip(tables, rows, results, strict=True)

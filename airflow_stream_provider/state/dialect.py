@@ -5,17 +5,17 @@ Everything else in ``state`` is dialect-neutral SQLAlchemy Core; what is not liv
 * the engine: SQLite runs in WAL mode with ``BEGIN IMMEDIATE`` write transactions, so the driver's
   heartbeats and the sink's commits serialise instead of failing with "database is locked" halfway
   through; PostgreSQL gets a small pre-pinged pool;
-* the upsert: both dialects spell ``INSERT ... ON CONFLICT`` through their own ``insert`` construct;
+* the upsert: both dialects spell ``INSERT ... ON CONFLICT`` through their own ``insert`` construct (how
+  many rows reach it at once is ``bulk``'s business);
 * a connection timeout for a quick reachability check (PostgreSQL's default waits minutes);
 * which database errors mean "this value was refused" rather than "the database is unreachable".
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from sqlalchemy import Column, Connection, Engine, MetaData, Table, create_engine, event, select
+from sqlalchemy import Engine, Table, create_engine, event
 from sqlalchemy import exc as sql_errors
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL
@@ -68,43 +68,11 @@ def insert_for(dialect: str):
 def upsert(dialect: str, table: Table, key: Sequence[str], increments: Sequence[str] = ()):
     """``INSERT ... ON CONFLICT (key)``: ``increments`` columns are added to the stored value, every other
     column is overwritten; a table with key columns only ignores the conflict."""
-    return _on_conflict(insert_for(dialect)(table), table, key, increments)
+    return on_conflict(insert_for(dialect)(table), table, key, increments)
 
 
-def write_rows(conn: Connection, table: Table, key: Sequence[str], increments: Sequence[str],
-               rows: Sequence[Mapping[str, Any]]) -> None:
-    """Upsert ``rows`` (one per key) into ``table`` inside ``conn``'s transaction.
-
-    On PostgreSQL through psycopg, from ``COPY_FROM_ROWS`` rows on, the rows go into a temporary table
-    with ``COPY`` and from there into ``table`` with one ``INSERT ... SELECT ... ON CONFLICT``: the data
-    crosses once as a stream instead of as thousands of bound parameters.  The temporary table is dropped
-    at the end of the transaction, committed or rolled back."""
-    if conn.dialect.name == "postgresql" and conn.dialect.driver == "psycopg" and len(rows) >= COPY_FROM_ROWS:
-        _copy_upsert(conn, table, key, increments, rows)
-    else:
-        conn.execute(upsert(conn.dialect.name, table, key, increments), rows)
-
-
-#: From this many rows a PostgreSQL upsert goes through COPY: below it, the temporary table's extra round
-#: trips cost more than the multi-row INSERTs they replace.
-COPY_FROM_ROWS = 200
-
-
-def _copy_upsert(conn: Connection, table: Table, key: Sequence[str], increments: Sequence[str],
-                 rows: Sequence[Mapping[str, Any]]) -> None:
-    quote = conn.dialect.identifier_preparer.quote
-    stage = Table(f"stream_stage_{table.name}", MetaData(), *(Column(c.name, c.type) for c in table.columns))
-    names = [c.name for c in table.columns]
-    conn.exec_driver_sql(f"CREATE TEMPORARY TABLE {quote(stage.name)} (LIKE {quote(table.name)}) ON COMMIT DROP")
-    with conn.connection.driver_connection.cursor() as cursor:
-        with cursor.copy(f"COPY {quote(stage.name)} ({', '.join(quote(n) for n in names)}) FROM STDIN") as copy:
-            for row in rows:
-                copy.write_row([row.get(name) for name in names])
-    conn.execute(_on_conflict(postgresql.insert(table).from_select(names, select(stage)), table, key, increments))
-    conn.exec_driver_sql(f"DROP TABLE {quote(stage.name)}")  # a second write to the table in this transaction
-
-
-def _on_conflict(stmt, table: Table, key: Sequence[str], increments: Sequence[str]):
+def on_conflict(stmt, table: Table, key: Sequence[str], increments: Sequence[str]):
+    """``stmt`` (an insert) with the upsert's ``ON CONFLICT (key)`` clause."""
     updates = {
         c.name: (table.c[c.name] + stmt.excluded[c.name]) if c.name in increments else stmt.excluded[c.name]
         for c in table.columns
@@ -121,6 +89,6 @@ def is_data_error(err: BaseException) -> bool:
     SQLite raises SQLAlchemy's DataError/IntegrityError; PostgreSQL's driver also gives the SQLSTATE."""
     if isinstance(err, sql_errors.DataError | sql_errors.IntegrityError):
         return True
-    # SQLAlchemy wraps the driver's error in ``orig``; a COPY (``write_rows``) raises psycopg's own
+    # SQLAlchemy wraps the driver's error in ``orig``; a COPY (``bulk.write_rows``) raises psycopg's own
     state = getattr(getattr(err, "orig", None) or err, "sqlstate", None)
     return bool(state) and str(state)[:2] in ("22", "23", "54")

@@ -10,7 +10,7 @@ before the batch runs).  This module turns that at-least-once delivery into exac
 2. ``commit`` writes everything inside one transaction that first checks the run's fencing epoch, so a
    zombie driver cannot commit, and that re-reads the stored offsets under the lock.
 
-Pure database code (no pyspark): the Spark side hands it plain rows.  ``trial_write`` lets the sink ask
+Pure database code (no pyspark): the Spark side hands it Arrow tables or plain rows (``bulk``).  ``trial_write`` lets the sink ask
 the database whether it accepts a batch's rows without committing them (poison record isolation).
 """
 
@@ -20,15 +20,19 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Table, func, select
 
 from airflow_stream_provider import kafka_offsets
 from airflow_stream_provider.kafka_offsets import Offsets
 from airflow_stream_provider.state import schema
-from airflow_stream_provider.state.dialect import upsert, write_rows
+from airflow_stream_provider.state.bulk import Rows, count, write_rows
+from airflow_stream_provider.state.dialect import upsert
 from airflow_stream_provider.state.store import StateStore
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +90,11 @@ class BatchPlan:
 @dataclass
 class Write:
     """Rows for one result table.  On a key conflict, ``increments`` columns are added to the stored
-    value (aggregates applied as increments) and every other column is overwritten (idempotent upsert)."""
+    value (aggregates applied as increments) and every other column is overwritten (idempotent upsert).
+    ``rows``: an Arrow table (as the sink collects them) or dicts; several rows may share a key."""
 
     table: Table
-    rows: Sequence[Mapping[str, Any]]
+    rows: Rows | pa.Table
     key: tuple[str, ...]
     increments: tuple[str, ...] = ()
 
@@ -208,8 +213,8 @@ def commit(
         ledger_batch = _ledger_batch_id(conn, run, batch_plan.range.batch_id)
         began = time.perf_counter()
         for write in writes:
-            if write.rows:
-                write_rows(conn, write.table, write.key, write.increments, _dedupe(write))
+            if count(write.rows):
+                write_rows(conn, write.table, write.key, write.increments, write.rows)
         if dead_letters:
             conn.execute(schema.dead_letters.insert(), _dead_letter_rows(run, ledger_batch, dead_letters, now))
         outcome.write_s = time.perf_counter() - began
@@ -258,8 +263,8 @@ def trial_write(
         tx = conn.begin()
         try:
             for write in writes:
-                if write.rows:
-                    write_rows(conn, write.table, write.key, write.increments, _dedupe(write))
+                if count(write.rows):
+                    write_rows(conn, write.table, write.key, write.increments, write.rows)
             if dead_letters:
                 conn.execute(schema.dead_letters.insert(), _dead_letter_rows(run, batch_id, dead_letters, time.time()))
         finally:
@@ -372,18 +377,3 @@ def _advance_offsets(
 
 def _upsert(dialect: str, write: Write):
     return upsert(dialect, write.table, write.key, write.increments)
-
-
-def _dedupe(write: Write) -> list[Mapping[str, Any]]:
-    """One row per key: PostgreSQL refuses an upsert that touches the same row twice in one statement.
-    Increments are summed; other columns keep the last row's value (the latest record wins)."""
-    merged: dict[tuple, dict[str, Any]] = {}
-    for row in write.rows:
-        key = tuple(row[k] for k in write.key)
-        current = merged.get(key)
-        if current is None:
-            merged[key] = dict(row)
-            continue
-        for column, value in row.items():
-            current[column] = current[column] + value if column in write.increments else value
-    return list(merged.values())

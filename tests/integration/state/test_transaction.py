@@ -179,12 +179,12 @@ def test_a_large_postgresql_write_goes_through_copy_with_the_same_upsert_and_err
     """From ``COPY_FROM_ROWS`` rows, PostgreSQL takes the rows through COPY into a temporary table: the
     upsert keeps its meaning (increments add, other columns overwrite), a refused value is still a data
     error (what poison isolation asks), and nothing of the staging stays behind."""
-    from airflow_stream_provider.state import dialect
+    from airflow_stream_provider.state import bulk, dialect
     from airflow_stream_provider.state.transaction import trial_write
 
     if store.dialect != "postgresql":
-        pytest.skip("COPY is PostgreSQL's; SQLite always takes executemany")
-    n = dialect.COPY_FROM_ROWS * 3
+        pytest.skip("COPY is PostgreSQL's")
+    n = bulk.COPY_FROM_ROWS * 3
     run = _run(store)
     for batch_id, (start, last) in enumerate([(0, "first"), (n, "second")]):
         rows = [{"k": f"key-{i}", "n": i, "last": last} for i in range(n)]

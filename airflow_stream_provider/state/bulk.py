@@ -1,0 +1,174 @@
+"""A batch's result rows into their table in bulk: one row per key, in the form each dialect takes fastest.
+
+Rows arrive as an Arrow table (what the sink collects from Spark) or as a list of dicts (tests, small
+writes).  An Arrow table never becomes Python row objects on the way: a batch of a hundred thousand
+events spent more time in per-row Python (dicts, bound parameters, ``COPY`` rows) than in its database.
+
+* PostgreSQL through psycopg, from ``COPY_FROM_ROWS`` rows on: ``COPY`` into a temporary table, then one
+  ``INSERT ... SELECT ... ON CONFLICT`` from it.  An Arrow table crosses as CSV that Arrow writes in C++;
+* SQLite: ``executemany`` of the compiled upsert on tuples built column by column, with timestamps and
+  dates in SQLAlchemy's own text form (a key written either way is the same key);
+* anything else (other column types, small writes): SQLAlchemy's ``executemany``.
+
+Pure database code: no pyspark.  pyarrow is imported only when an Arrow table is written.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Column, Connection, MetaData, Table, select
+from sqlalchemy.dialects import postgresql
+
+from airflow_stream_provider.state.dialect import on_conflict, upsert
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+Rows = Sequence[Mapping[str, Any]]
+
+#: From this many rows a PostgreSQL upsert goes through COPY: below it, the temporary table's extra round
+#: trips cost more than the multi-row INSERTs they replace.
+COPY_FROM_ROWS = 200
+#: Rows per CSV chunk handed to COPY: bounds the text held at once whatever the batch size.
+COPY_CHUNK_ROWS = 20_000
+#: SQLAlchemy's text form of a DATETIME / DATE on SQLite (``sqlite.DATETIME``'s storage format).
+SQLITE_DATETIME = "%Y-%m-%d %H:%M:%S"  # Arrow's %S carries the microseconds of a timestamp[us]
+SQLITE_DATE = "%Y-%m-%d"
+
+
+def is_table(rows: object) -> bool:
+    """Whether ``rows`` is an Arrow table (without importing pyarrow for a list of dicts)."""
+    return hasattr(rows, "num_rows") and hasattr(rows, "column_names")
+
+
+def count(rows: Rows | pa.Table) -> int:
+    return rows.num_rows if is_table(rows) else len(rows)
+
+
+def write_rows(conn: Connection, table: Table, key: Sequence[str], increments: Sequence[str],
+               rows: Rows | pa.Table) -> None:
+    """Upsert ``rows`` into ``table`` inside ``conn``'s transaction, one row per key (``one_per_key``).
+    The temporary table of a COPY is dropped at the end of the transaction, committed or rolled back."""
+    if is_table(rows):
+        rows = one_per_key_table(rows, key, increments)
+        if rows.num_rows == 0:
+            return
+    else:
+        rows = one_per_key(rows, key, increments)
+    dialect = conn.dialect
+    if dialect.name == "postgresql" and dialect.driver == "psycopg" and count(rows) >= COPY_FROM_ROWS:
+        _copy_upsert(conn, table, key, increments, rows)
+    elif dialect.name == "sqlite" and is_table(rows) and (columns := _sqlite_columns(rows)) is not None:
+        _sqlite_executemany(conn, table, key, increments, dict(zip(rows.column_names, columns, strict=True)))
+    else:
+        conn.execute(upsert(dialect.name, table, key, increments), rows.to_pylist() if is_table(rows) else rows)
+
+
+def one_per_key(rows: Rows, key: Sequence[str], increments: Sequence[str]) -> list[Mapping[str, Any]]:
+    """One row per key: PostgreSQL refuses an upsert that touches the same row twice in one statement.
+    Increments are summed; other columns keep the last row's value (the latest record wins)."""
+    merged: dict[tuple, dict[str, Any]] = {}
+    for row in rows:
+        identity = tuple(row[k] for k in key)
+        current = merged.get(identity)
+        if current is None:
+            merged[identity] = dict(row)
+            continue
+        for column, value in row.items():
+            current[column] = current[column] + value if column in increments else value
+    return list(merged.values())
+
+
+def one_per_key_table(rows: pa.Table, key: Sequence[str], increments: Sequence[str]) -> pa.Table:
+    """``one_per_key`` for an Arrow table, in Arrow: unchanged when every key is unique (the usual case)."""
+    import pyarrow.compute as pc
+
+    if rows.num_rows < 2 or rows.group_by(list(key)).aggregate([]).num_rows == rows.num_rows:
+        return rows
+    last = pc.ScalarAggregateOptions(skip_nulls=False)  # the last row's value, even a null one
+    others = [c for c in rows.column_names if c not in key]
+    merged = rows.group_by(list(key), use_threads=False).aggregate(
+        [(c, "sum") if c in increments else (c, "last", last) for c in others]
+    )
+    merged = merged.rename_columns(
+        [c.rsplit("_", 1)[0] if c.endswith(("_sum", "_last")) and c.rsplit("_", 1)[0] in others else c
+         for c in merged.column_names]
+    )
+    return merged.select(rows.column_names)
+
+
+def _copy_upsert(conn: Connection, table: Table, key: Sequence[str], increments: Sequence[str],
+                 rows: Rows | pa.Table) -> None:
+    quote = conn.dialect.identifier_preparer.quote
+    stage = Table(f"stream_stage_{table.name}", MetaData(), *(Column(c.name, c.type) for c in table.columns))
+    names = [c.name for c in table.columns if not is_table(rows) or c.name in rows.column_names]
+    columns = ", ".join(quote(n) for n in names)
+    conn.exec_driver_sql(f"CREATE TEMPORARY TABLE {quote(stage.name)} (LIKE {quote(table.name)}) ON COMMIT DROP")
+    with conn.connection.driver_connection.cursor() as cursor:
+        if is_table(rows) and _csv_ready(rows):
+            with cursor.copy(f"COPY {quote(stage.name)} ({columns}) FROM STDIN (FORMAT csv)") as copy:
+                for chunk in _csv_chunks(rows.select(names)):
+                    copy.write(chunk)
+        else:
+            rows = rows.to_pylist() if is_table(rows) else rows
+            with cursor.copy(f"COPY {quote(stage.name)} ({columns}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row([row.get(name) for name in names])
+    conn.execute(on_conflict(postgresql.insert(table).from_select(names, select(*(stage.c[n] for n in names))),
+                             table, key, increments))
+    conn.exec_driver_sql(f"DROP TABLE {quote(stage.name)}")  # a second write to the table in this transaction
+
+
+def _csv_ready(rows: pa.Table) -> bool:
+    """Whether Arrow's CSV text of every column reads back as the same value in PostgreSQL: strings are
+    quoted (an empty string stays one, an unquoted empty field is NULL), numbers round-trip, timestamps
+    are ISO text.  Binary and nested columns are not."""
+    import pyarrow as pa
+
+    return all(
+        pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t) or pa.types.is_floating(t)
+        or pa.types.is_boolean(t) or pa.types.is_date(t) or pa.types.is_decimal(t)
+        or (pa.types.is_timestamp(t) and t.tz is None)
+        for t in rows.schema.types
+    )
+
+
+def _csv_chunks(rows: pa.Table):
+    import pyarrow.csv as csv
+
+    options = csv.WriteOptions(include_header=False)
+    for batch in rows.to_batches(max_chunksize=COPY_CHUNK_ROWS):
+        text = io.BytesIO()
+        csv.write_csv(batch, text, options)
+        yield text.getvalue()
+
+
+def _sqlite_columns(rows: pa.Table) -> list[list] | None:
+    """Each column of ``rows`` as the values SQLAlchemy would bind on SQLite, or None when a column's type
+    is not one this path knows."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    columns = []
+    for column in rows.columns:
+        t = column.type
+        if pa.types.is_timestamp(t) and t.tz is None:
+            column = pc.strftime(column.cast(pa.timestamp("us")), SQLITE_DATETIME)
+        elif pa.types.is_date(t):
+            column = pc.strftime(column, SQLITE_DATE)
+        elif not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
+                  or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+            return None
+        columns.append(column.to_pylist())
+    return columns
+
+
+def _sqlite_executemany(conn: Connection, table: Table, key: Sequence[str], increments: Sequence[str],
+                        columns: dict[str, list]) -> None:
+    """The upsert compiled once, its parameters bound by position: the driver's ``executemany`` loops in C."""
+    names = [c.name for c in table.columns if c.name in columns]
+    compiled = upsert("sqlite", table, key, increments).compile(dialect=conn.dialect, column_keys=names)
+    conn.exec_driver_sql(compiled.string, list(zip(*(columns[name] for name in compiled.positiontup), strict=True)))
