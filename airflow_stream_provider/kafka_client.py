@@ -93,7 +93,16 @@ def watermarks(client: KafkaConsumer, topics: Iterable[str]) -> tuple[Offsets, O
 def read_range(
     bootstrap: str, options: Mapping[str, object], topic: str, partition: int, start: int, end: int
 ) -> Iterator:
-    """Yield the records of ``[start, end)`` of one partition, then stop.
+    """Yield the records of ``[start, end)`` of one partition, then stop."""
+    for records in read_range_batches(bootstrap, options, topic, partition, start, end):
+        yield from records
+
+
+def read_range_batches(
+    bootstrap: str, options: Mapping[str, object], topic: str, partition: int, start: int, end: int
+) -> Iterator[list]:
+    """The records of ``[start, end)`` of one partition as lists, one per poll (at most
+    ``MAX_POLL_RECORDS``): a caller that builds columns takes them a list at a time.
 
     Offsets may have holes (compaction, transaction markers), so the loop ends on the consumer's
     position, not on a record count.
@@ -120,11 +129,16 @@ def read_range(
             batch = client.poll(timeout_ms=500, max_records=min(MAX_POLL_RECORDS, end - now))
         except KafkaError as err:
             raise KafkaReadError(f"reading {topic}-{partition} [{start}, {end}) failed: {err!r}") from err
-        for record in batch.get(tp, ()):
-            if record.offset >= end:  # the rest of this fetch belongs to the next batch
-                return
-            if record.offset >= start:
-                yield record
+        records = batch.get(tp)
+        if not records:
+            continue
+        if records[0].offset < start or records[-1].offset >= end:
+            # the rest of this fetch belongs to the next batch (records come in offset order)
+            records = [r for r in records if start <= r.offset < end]
+        if records:
+            yield records
+        if batch[tp][-1].offset >= end - 1:
+            return
 
 
 def commit_group(bootstrap: str, options: Mapping[str, object], group_id: str, positions: Offsets) -> None:

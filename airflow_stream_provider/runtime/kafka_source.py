@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
@@ -39,7 +40,10 @@ class KafkaRange(InputPartition):
 
 class KafkaDataSource(DataSource):
     """Options mirror the JVM source: ``kafka.bootstrap.servers``, ``subscribe``, ``startingOffsets``,
-    ``maxOffsetsPerTrigger``, ``failOnDataLoss``, and ``kafka.*`` client properties."""
+    ``maxOffsetsPerTrigger``, ``failOnDataLoss``, and ``kafka.*`` client properties.
+
+    ``maxOffsetsPerTrigger`` is a ceiling: a run's batches start at ``FIRST_BATCH_RECORDS`` and double
+    while a backlog lasts (``kafka_offsets.batch_limit``)."""
 
     @classmethod
     def name(cls) -> str:
@@ -62,6 +66,8 @@ class KafkaStreamReader(DataSourceStreamReader):
         self.max_offsets = int(limit) if limit else None
         self.fail_on_data_loss = lowered.get("failondataloss", "true").lower() != "false"
         self.client_options = kafka_client.client_options(options)
+        #: records the previous batch planned: the next may read twice as many (``batch_limit``)
+        self.previous_batch_records: int | None = None
 
     # -- driver side: planning ---------------------------------------------------------------------
     def _consumer(self):
@@ -83,8 +89,12 @@ class KafkaStreamReader(DataSourceStreamReader):
         earliest, latest = kafka_client.watermarks(self._consumer(), self.topics)
         position = kafka_offsets.from_spark_json(start)
         position = self._check_data_loss(position, earliest, latest)
-        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        return kafka_offsets.to_spark_dict(kafka_offsets.plan_batch_end(position, earliest, latest, max_rows))
+        ceiling = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        end = kafka_offsets.plan_batch_end(
+            position, earliest, latest, kafka_offsets.batch_limit(self.previous_batch_records, ceiling)
+        )
+        self.previous_batch_records = kafka_offsets.records_between({**earliest, **position}, end)
+        return kafka_offsets.to_spark_dict(end)
 
     def reportLatestOffset(self) -> dict | None:
         _, latest = kafka_client.watermarks(self._consumer(), self.topics)
@@ -150,9 +160,9 @@ class KafkaStreamReader(DataSourceStreamReader):
     # -- executor side: reading --------------------------------------------------------------------
     def read(self, partition: KafkaRange) -> Iterator[pa.RecordBatch]:
         """The range as Arrow record batches: Spark takes them without converting row by row, which is
-        most of the cost of a Python source (the alternative, yielding tuples, pickles every record)."""
-        columns: tuple[list, ...] = ([], [], [], [], [], [])
-        for record in kafka_client.read_range(
+        most of the cost of a Python source (the alternative, yielding tuples, pickles every record).
+        Columns are built a poll at a time, not a record at a time."""
+        for records in kafka_client.read_range_batches(
             self.bootstrap,
             self.client_options,
             partition.topic,
@@ -160,13 +170,8 @@ class KafkaStreamReader(DataSourceStreamReader):
             partition.start,
             partition.end,
         ):
-            for column, value in zip(columns, _row(record), strict=True):
-                column.append(value)
-            if len(columns[0]) >= ARROW_BATCH_ROWS:
-                yield _record_batch(columns)
-                columns = ([], [], [], [], [], [])
-        if columns[0]:
-            yield _record_batch(columns)
+            for first in range(0, len(records), ARROW_BATCH_ROWS):
+                yield _record_batch(partition, records[first : first + ARROW_BATCH_ROWS])
 
 
 #: Records per Arrow batch handed to Spark: large enough to amortise the hand-over, small enough to
@@ -184,14 +189,18 @@ ARROW_SCHEMA = pa.schema(
 )
 
 
-def _row(record) -> tuple:
+def _record_batch(partition: KafkaRange, records: list) -> pa.RecordBatch:
     # Kafka timestamps are epoch milliseconds (-1: none set); Spark's timestamps are microseconds.
-    timestamp = record.timestamp * 1000 if record.timestamp >= 0 else None
-    return record.topic, record.partition, record.offset, record.key, record.value, timestamp
-
-
-def _record_batch(columns: tuple[list, ...]) -> pa.RecordBatch:
+    millis = pa.array([r.timestamp for r in records], pa.int64())
+    micros = pc.if_else(pc.less(millis, 0), pa.scalar(None, pa.int64()), pc.multiply(millis, 1000))
     return pa.RecordBatch.from_arrays(
-        [pa.array(values, type=field.type) for values, field in zip(columns, ARROW_SCHEMA, strict=True)],
+        [
+            pa.repeat(pa.scalar(partition.topic, pa.string()), len(records)),
+            pa.repeat(pa.scalar(partition.partition, pa.int32()), len(records)),
+            pa.array([r.offset for r in records], pa.int64()),
+            pa.array([r.key for r in records], pa.binary()),
+            pa.array([r.value for r in records], pa.binary()),
+            micros.cast(ARROW_SCHEMA.field("timestamp").type),
+        ],
         schema=ARROW_SCHEMA,
     )
