@@ -163,6 +163,29 @@ def limit_range(
     return limited
 
 
+#: A run's first batch reads at most this many records (fewer when the ceiling is lower).
+FIRST_BATCH_RECORDS = 10_000
+
+
+def batch_limit(previous_records: int | None, ceiling: int | None) -> int | None:
+    """How many records the next batch may read: twice what the previous batch read, at least
+    ``FIRST_BATCH_RECORDS``, at most ``ceiling`` (``maxOffsetsPerTrigger``; None: no limit).
+
+    Most of a micro-batch's cost is fixed (planning and scheduling its Spark jobs, the Python source's
+    tasks, one database transaction), so a backlog drains fastest in large batches; a run's first batch
+    stays small so that a restart on a backlog commits as soon as it would have with small batches.
+    While a backlog lasts the size doubles up to the ceiling; once caught up a batch reads what arrived
+    and the next may read twice that, so a burst is taken in a few growing batches."""
+    if ceiling is None:
+        return None
+    return min(ceiling, max(FIRST_BATCH_RECORDS, 2 * (previous_records or 0)))
+
+
+def records_between(start: Mapping[tuple[str, int], int], end: Mapping[tuple[str, int], int]) -> int:
+    """Offsets from ``start`` to ``end`` summed over partitions (a partition new in ``end`` from 0)."""
+    return sum(max(stop - start.get(tp, 0), 0) for tp, stop in end.items())
+
+
 def plan_batch_end(position: Mapping[tuple[str, int], int], earliest: Mapping[tuple[str, int], int],
                    latest: Mapping[tuple[str, int], int], max_records: int | None) -> Offsets:
     """The end of the next batch from the current position: partitions that appeared since the last

@@ -26,10 +26,10 @@ from benchmarks.stack import REPO, Stack, say
 #: (20-28 s each) and the 1000-batch checkpoint history (about 0.4 s a micro-batch of this job here,
 #: whatever its size: Spark planning and scheduling its small jobs, and writing two checkpoint logs).
 PROFILES = {
-    "default": {"cold": 3, "mttr": 3, "baseline": 3, "upgrade": 2, "throughput_repeats": 1, "backlog": 60_000,
-                "max_offsets": 10_000, "raw_repeats": 3, "rss_backlogs": [15_000, 60_000, 150_000],
+    "default": {"cold": 3, "mttr": 3, "baseline": 3, "upgrade": 2, "throughput_repeats": 1, "backlog": 300_000,
+                "max_offsets": 100_000, "raw_repeats": 3, "rss_backlogs": [30_000, 150_000, 300_000],
                 "history": [10, 100, 1000], "partitions": [1, 8, 32], "real_airflow_kills": 10,
-                "batch_sizes": [5_000, 20_000, 50_000], "batch_backlog": 150_000, "standby_kills": 10},
+                "batch_sizes": [10_000, 30_000, 100_000], "batch_backlog": 300_000, "standby_kills": 10},
     "quick": {"cold": 1, "mttr": 1, "baseline": 1, "upgrade": 1, "throughput_repeats": 1, "backlog": 6_000,
               "max_offsets": 2_000, "raw_repeats": 1, "rss_backlogs": [4_000, 6_000],
               "history": [5, 20], "partitions": [1, 4], "real_airflow_kills": 1,
@@ -88,7 +88,7 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
         for _ in range(profile["raw_repeats"]):
             samples["raw_consume_msgs_s"].append(throughput.raw_consume(stack, topic, profile["backlog"]))
             say(f"  raw kafka-python: {samples['raw_consume_msgs_s'][-1]:.0f} msgs/s")
-    if section("rss", f"peak driver RSS for backlogs {profile['rss_backlogs']} (batches of {profile['max_offsets']:,})"):
+    if section("rss", f"peak driver RSS for backlogs {profile['rss_backlogs']} (batches up to {profile['max_offsets']:,})"):
         rss = {"backlog": [], "peak_rss_mb": [], "jvm_mb": [], "python_mb": [], "pss_mb": [], "msgs_s": [],
                "max_offsets_per_trigger": profile["max_offsets"]}
         for backlog in profile["rss_backlogs"]:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 
 from airflow_stream_provider.kafka_offsets import (
+    FIRST_BATCH_RECORDS,
+    batch_limit,
     find_lost_ranges,
     from_spark_json,
     limit_range,
     plan_batch_end,
+    records_between,
     resolve,
     to_spark_json,
 )
@@ -55,3 +58,26 @@ def test_new_partitions_join_at_their_earliest_offset():
     assert end == {A0: 12, A1: 9}
     start_of_new = plan_batch_end({A0: 12}, earliest={A0: 0, A1: 4}, latest={A0: 12, A1: 4}, max_records=None)
     assert start_of_new[A1] == 4
+
+
+def test_batches_start_small_and_double_while_a_backlog_lasts():
+    """A run's first batch is small (a restart commits quickly); each full batch doubles the next, up to
+    the ceiling; a caught-up batch sizes the next from what it read."""
+    ceiling, backlog, position, sizes = 100_000, 400_000, {A0: 0, A1: 0}, []
+    latest = {A0: backlog // 2, A1: backlog // 2}
+    previous = None
+    while position != latest:
+        end = plan_batch_end(position, {A0: 0, A1: 0}, latest, batch_limit(previous, ceiling))
+        previous = records_between(position, end)
+        sizes.append(previous)
+        position = end
+    assert sizes == [FIRST_BATCH_RECORDS, 20_000, 40_000, 80_000, 100_000, 100_000, 50_000]
+    assert batch_limit(50_000, ceiling) == ceiling
+    assert batch_limit(300, ceiling) == FIRST_BATCH_RECORDS  # caught up: back to the first size
+    assert batch_limit(None, 1_500) == 1_500  # a ceiling below the first size is the size
+    assert batch_limit(None, None) is None and batch_limit(5, None) is None  # no ceiling: all available
+
+
+def test_records_between_counts_new_partitions_from_zero():
+    assert records_between({A0: 10}, {A0: 15, A1: 3}) == 8
+    assert records_between({A0: 10}, {A0: 10}) == 0
