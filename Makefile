@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 $(SPARK_VENV)/.installed: pyproject.toml
 	@echo ">> creating the Spark-driver environment in $(SPARK_VENV)"
 	$(PYTHON) -m venv $(SPARK_VENV)
-	$(SPARK_VENV)/bin/pip install $(PIP_FLAGS) -e '.[spark]'
+	$(SPARK_VENV)/bin/pip install $(PIP_FLAGS) -e '.[spark,confluent]'
 	@echo ">> compiling the Python in Spark's zips (every Python process Spark starts imports pyspark from them)"
 	$(SPARK_VENV)/bin/python -m airflow_stream_provider.runtime.precompile
 	@touch $@

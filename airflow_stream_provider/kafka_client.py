@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from typing import NamedTuple
 
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
@@ -24,6 +25,21 @@ _LOCK = threading.Lock()
 STALL_TIMEOUT_S = 30.0
 #: Records one poll of a range read hands out at most (bounds a Python worker's memory per poll).
 MAX_POLL_RECORDS = 5000
+
+
+class Columns(NamedTuple):
+    """One poll's records of a range, column by column; timestamps in epoch ms, -1 when unset."""
+
+    offsets: list[int]
+    keys: list[bytes | None]
+    values: list[bytes | None]
+    timestamps: list[int]
+
+    @classmethod
+    def of(cls, records: list) -> Columns:
+        """kafka-python's records as columns."""
+        return cls([r.offset for r in records], [r.key for r in records], [r.value for r in records],
+                   [r.timestamp for r in records])
 
 
 class KafkaReadError(RuntimeError):

@@ -32,7 +32,7 @@ from pyspark import SparkConf
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
-from airflow_stream_provider import failures, faults, kafka_client, kafka_offsets
+from airflow_stream_provider import confluent_reader, failures, faults, kafka_client, kafka_offsets
 from airflow_stream_provider.runtime import kafka_source
 from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
 from airflow_stream_provider.runtime.listener import StateListener
@@ -501,9 +501,26 @@ class StreamHarness:
         }
         if self.spec.kafka.max_offsets_per_trigger:
             options["maxOffsetsPerTrigger"] = str(self.spec.kafka.max_offsets_per_trigger)
-        log.info("reading %s through the %s Kafka source from %s", list(topics), kind, starting_offsets)
+        if kind == "python":
+            options["reader"] = self._reader()
+        log.info("reading %s through the %s Kafka source%s from %s", list(topics), kind,
+                 f" ({options['reader']} reader)" if "reader" in options else "", starting_offsets)
         frame = reader.options(**options).load()
         return frame.select("topic", "partition", "offset", "key", "value", "timestamp")
+
+    def _reader(self) -> str:
+        """The read tasks' client; confluent-kafka must be importable here (and, on a cluster, on the
+        executors: the same Python environment)."""
+        reader = self.spec.kafka.reader
+        if reader == confluent_reader.READER and not confluent_reader.available():
+            raise StartupError(
+                None,
+                "kafka.reader is 'confluent-kafka' but the confluent_kafka package is not installed in the "
+                "driver's Python. Install airflow-stream-provider[confluent] where Spark runs Python, or "
+                "set kafka.reader to 'kafka-python'",
+                failures.EXIT_CONFIG,
+            )
+        return reader
 
     def _jvm_connector_present(self) -> bool:
         try:  # through the context class loader: --packages jars are not on py4j's own loader

@@ -18,7 +18,8 @@ import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
-from airflow_stream_provider import kafka_client, kafka_offsets
+from airflow_stream_provider import confluent_reader, kafka_client, kafka_offsets
+from airflow_stream_provider.kafka_client import Columns
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ class KafkaRange(InputPartition):
 
 class KafkaDataSource(DataSource):
     """Options mirror the JVM source: ``kafka.bootstrap.servers``, ``subscribe``, ``startingOffsets``,
-    ``maxOffsetsPerTrigger``, ``failOnDataLoss``, and ``kafka.*`` client properties.
+    ``maxOffsetsPerTrigger``, ``failOnDataLoss``, and ``kafka.*`` client properties; ``reader``
+    (``kafka-python`` or ``confluent-kafka``) chooses the read tasks' client.
 
     ``maxOffsetsPerTrigger`` is a ceiling: a run's batches start at ``FIRST_BATCH_RECORDS`` and double
     while a backlog lasts (``kafka_offsets.batch_limit``)."""
@@ -66,6 +68,9 @@ class KafkaStreamReader(DataSourceStreamReader):
         self.max_offsets = int(limit) if limit else None
         self.fail_on_data_loss = lowered.get("failondataloss", "true").lower() != "false"
         self.client_options = kafka_client.client_options(options)
+        #: the read tasks' client: kafka-python, or confluent-kafka when the ``confluent`` extra is there
+        self.reader = lowered.get("reader", "kafka-python")
+        self.confluent_config = confluent_reader.client_config(self.bootstrap, options)
         #: records the previous batch planned: the next may read twice as many (``batch_limit``)
         self.previous_batch_records: int | None = None
 
@@ -162,16 +167,14 @@ class KafkaStreamReader(DataSourceStreamReader):
         """The range as Arrow record batches: Spark takes them without converting row by row, which is
         most of the cost of a Python source (the alternative, yielding tuples, pickles every record).
         Columns are built a poll at a time, not a record at a time."""
-        for records in kafka_client.read_range_batches(
-            self.bootstrap,
-            self.client_options,
-            partition.topic,
-            partition.partition,
-            partition.start,
-            partition.end,
-        ):
-            for first in range(0, len(records), ARROW_BATCH_ROWS):
-                yield _record_batch(partition, records[first : first + ARROW_BATCH_ROWS])
+        where = (partition.topic, partition.partition, partition.start, partition.end)
+        if self.reader == confluent_reader.READER:
+            polls = confluent_reader.read_range_columns(self.confluent_config, *where)
+        else:
+            polls = map(Columns.of, kafka_client.read_range_batches(self.bootstrap, self.client_options, *where))
+        for columns in polls:
+            for first in range(0, len(columns.offsets), ARROW_BATCH_ROWS):
+                yield _record_batch(partition, Columns(*(c[first : first + ARROW_BATCH_ROWS] for c in columns)))
 
 
 #: Records per Arrow batch handed to Spark: large enough to amortise the hand-over, small enough to
@@ -189,17 +192,18 @@ ARROW_SCHEMA = pa.schema(
 )
 
 
-def _record_batch(partition: KafkaRange, records: list) -> pa.RecordBatch:
+def _record_batch(partition: KafkaRange, columns: Columns) -> pa.RecordBatch:
     # Kafka timestamps are epoch milliseconds (-1: none set); Spark's timestamps are microseconds.
-    millis = pa.array([r.timestamp for r in records], pa.int64())
+    millis = pa.array(columns.timestamps, pa.int64())
     micros = pc.if_else(pc.less(millis, 0), pa.scalar(None, pa.int64()), pc.multiply(millis, 1000))
+    rows = len(columns.offsets)
     return pa.RecordBatch.from_arrays(
         [
-            pa.repeat(pa.scalar(partition.topic, pa.string()), len(records)),
-            pa.repeat(pa.scalar(partition.partition, pa.int32()), len(records)),
-            pa.array([r.offset for r in records], pa.int64()),
-            pa.array([r.key for r in records], pa.binary()),
-            pa.array([r.value for r in records], pa.binary()),
+            pa.repeat(pa.scalar(partition.topic, pa.string()), rows),
+            pa.repeat(pa.scalar(partition.partition, pa.int32()), rows),
+            pa.array(columns.offsets, pa.int64()),
+            pa.array(columns.keys, pa.binary()),
+            pa.array(columns.values, pa.binary()),
             micros.cast(ARROW_SCHEMA.field("timestamp").type),
         ],
         schema=ARROW_SCHEMA,

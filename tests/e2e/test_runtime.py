@@ -6,6 +6,7 @@ once, KPIs equal to a recomputation, stored offsets equal to Kafka's end offsets
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -87,6 +88,30 @@ def test_kill9_exactly_once(broker, topic, runner, figures):
     assert counts["read"] == 20_000
     figures.record(f"kill -9 [{runner.store.dialect}]", kills=kills, kills_before_first_batch=early_kills,
                    produced=producer.sent, malformed=len(producer.produced.malformed), **counts)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_the_confluent_reader_is_exactly_once_through_kill9(broker, topic, runner, figures):
+    """The optional fast reader (kafka.reader: confluent-kafka) through a SIGKILL in a batch: the replayed
+    batch reads the same records, counts exact.  SQLite only: the reader does not touch the database."""
+    runner.spec = dataclasses.replace(runner.spec, kafka=dataclasses.replace(runner.spec.kafka,
+                                                                             reader="confluent-kafka"))
+    producer = EventProducer(broker, topic, malformed_ratio=0.01)
+    producer.send(6000)
+    driver = runner.start()
+    runner.wait_running(driver)
+    wait_until(lambda: runner.committed_batches() > 0 or not driver.alive(), 120, "a first committed batch",
+               on_timeout=lambda: runner.log_tail(driver))
+    assert driver.alive(), runner.log_tail(driver)
+    assert "through the python Kafka source (confluent-kafka reader)" in runner.log_tail(driver, lines=400)
+    driver.kill()
+    producer.send(2000)
+    driver = runner.start()
+    runner.wait_caught_up(_end(producer), driver)
+    assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED
+    counts = check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
+    assert counts["read"] == 8000
+    figures.record("confluent reader, kill -9 [sqlite]", **counts)
 
 
 # The seam's database side (start offsets vs stored offsets, gap refusal) runs on both databases in

@@ -37,11 +37,12 @@ def test_good_spec_round_trips():
     ({"database_url": "mysql://db/x"}, "database_url", "sqlite://"),
     ({"kafka_starting_offsets": '{"orders": {"0": "ten"}}'}, "kafka.starting_offsets", "earliest"),
     ({"kafka_source": "jvmm"}, "kafka.source", "auto"),
+    ({"kafka_reader": "librdkafka"}, "kafka.reader", "confluent extra"),
     ({"kafka_bootstrap_servers": "nohostport"}, "kafka.bootstrap_servers", "broker1:9092"),
     ({"kafka_topics": []}, "kafka.topics", "at least one"),
     ({"kafka_topics": ["bad topic"]}, "kafka.topics", "letters"),
     ({"trigger_interval": "soon"}, "trigger_interval", "1 second"),
-    ({"kafka_max_offsets_per_trigger": 0}, "kafka.max_offsets_per_trigger", "10000"),
+    ({"kafka_max_offsets_per_trigger": 0}, "kafka.max_offsets_per_trigger", "100000"),
     ({"generaton": 2}, "generaton", "Known fields"),
 ])
 def test_bad_field_is_named_with_its_fix(changes, field, fix):

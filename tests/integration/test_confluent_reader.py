@@ -1,0 +1,71 @@
+"""The fast reader (confluent-kafka) against the default (kafka-python) on a real broker: the same
+records of every range, column for column, and a clear error for a range the broker no longer has."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from kafka import KafkaProducer
+
+from airflow_stream_provider import confluent_reader, kafka_client
+from airflow_stream_provider.kafka_client import Columns, KafkaReadError
+
+RECORDS = 240
+
+
+@pytest.fixture(scope="module")
+def log(broker):
+    """One partition of RECORDS records: null keys, a tombstone, binary values, a set timestamp."""
+    topic = f"reader-{uuid.uuid4().hex[:8]}"
+    broker.create_topic(topic, 1)
+    producer = KafkaProducer(bootstrap_servers=broker.bootstrap, batch_size=0, linger_ms=0)
+    for n in range(RECORDS):
+        key = None if n % 3 == 0 else f"k{n}".encode()
+        value = None if n == 7 else bytes([n % 256, 0, 255]) + f"value {n}".encode()
+        producer.send(topic, key=key, value=value, partition=0, timestamp_ms=1_700_000_000_000 + n)
+    producer.flush()
+    producer.close()
+    yield broker.bootstrap, topic
+    for consumer in confluent_reader._CACHE.values():  # cached per process, as in a Spark worker
+        consumer.close()
+    confluent_reader._CACHE.clear()
+
+
+def _kafka_python(bootstrap: str, topic: str, start: int, end: int) -> Columns:
+    return _joined(map(Columns.of, kafka_client.read_range_batches(bootstrap, {}, topic, 0, start, end)))
+
+
+def _confluent(bootstrap: str, topic: str, start: int, end: int) -> Columns:
+    config = confluent_reader.client_config(bootstrap, {})
+    return _joined(confluent_reader.read_range_columns(config, topic, 0, start, end))
+
+
+def _joined(polls) -> Columns:
+    joined = Columns([], [], [], [])
+    for columns in polls:
+        for whole, part in zip(joined, columns, strict=True):
+            whole.extend(part)
+    return joined
+
+
+@pytest.mark.parametrize("start,end", [(0, RECORDS), (3, 17), (RECORDS - 5, RECORDS), (100, 101)])
+def test_the_fast_reader_reads_exactly_what_kafka_python_reads(log, start, end):
+    bootstrap, topic = log
+    expected = _kafka_python(bootstrap, topic, start, end)
+    assert expected.offsets == list(range(start, end))
+    assert _confluent(bootstrap, topic, start, end) == expected
+    assert _confluent(bootstrap, topic, start, end) == expected  # the cached consumer, reassigned
+
+
+def test_a_range_the_broker_does_not_have_is_a_read_error_not_a_hang(log, monkeypatch):
+    """Past the log's end (records gone, a recreated topic) the read stalls: it fails after the stall
+    timeout (shortened here) with the range named, and Spark retries the task as with kafka-python."""
+    monkeypatch.setattr(confluent_reader, "STALL_TIMEOUT_S", 3.0)
+    bootstrap, topic = log
+    asked = time.monotonic()
+    with pytest.raises(KafkaReadError, match=rf"{topic}-0 \[{RECORDS + 10}, {RECORDS + 20}\)"):
+        list(confluent_reader.read_range_columns(confluent_reader.client_config(bootstrap, {}), topic, 0,
+                                                 RECORDS + 10, RECORDS + 20))
+    assert time.monotonic() - asked < 15
