@@ -84,6 +84,10 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
                     topic = drained["topic"]
                     if exactly_once and database == "sqlite":
                         drained_eos_sqlite[profile["backlog"]] = drained
+        # the optional fast reader (kafka.reader: confluent-kafka), exactly-once on PostgreSQL
+        drained = throughput.drain(stack, exactly_once=True, database="postgresql", backlog=profile["backlog"],
+                                   max_offsets=profile["max_offsets"], total=total, reader="confluent-kafka")
+        samples.setdefault("eos_confluent_msgs_s", []).append(drained["msgs_s"])
         samples["raw_consume_msgs_s"] = []
         for _ in range(profile["raw_repeats"]):
             samples["raw_consume_msgs_s"].append(throughput.raw_consume(stack, topic, profile["backlog"]))

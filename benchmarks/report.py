@@ -40,6 +40,9 @@ def summarise(samples: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         runs[f"eos_msgs_s/{database}"] = len(samples.get(f"eos_msgs_s/{database}", []))
         runs[f"alo_msgs_s/{database}"] = len(samples.get(f"alo_msgs_s/{database}", []))
     result["by_database"] = by_database
+    result["eos_confluent_msgs_s"] = median(samples.get("eos_confluent_msgs_s", []))
+    result["eos_confluent_vs_raw"] = ratio(result["eos_confluent_msgs_s"], raw)
+    runs["eos_confluent_msgs_s/postgresql"] = len(samples.get("eos_confluent_msgs_s", []))
     result["mttr_real_airflow"] = {
         variant: {"runs": len(values), "p50": percentile(values, 50), "p95": percentile(values, 95),
                   "max": percentile(values, 100)}
@@ -283,6 +286,9 @@ def markdown(r: dict[str, Any]) -> str:
     for database, values in r["by_database"].items():
         lines.append(f"| {database} | {_fmt(values['eos_msgs_s'])} | {_fmt(values['alo_msgs_s'])} | "
                      f"{_fmt(r['raw_consume_msgs_s'])} | {_fmt(values['eos_vs_raw'])} | {_fmt(values['eos_vs_alo'])} |")
+    if r.get("eos_confluent_msgs_s"):
+        lines += ["", f"With the optional confluent-kafka reader (`kafka.reader`), exactly-once on PostgreSQL: "
+                  f"{_fmt(r['eos_confluent_msgs_s'])} msgs/s, {_fmt(r['eos_confluent_vs_raw'])} of raw kafka-python."]
     lines += ["", f"Runs: {', '.join(f'{k} {v}' for k, v in runs.items() if '/' in k or k.startswith('raw'))}.", ""]
     lines += _startup_lines(r["scaling"].get("startup_s") or {})
     lines += _breakdown_lines(r["scaling"].get("breakdown_s") or {})

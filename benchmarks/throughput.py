@@ -9,6 +9,7 @@ start, measured on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -97,14 +98,16 @@ def steady_rate(batches: list[tuple[int, float]]) -> float | None:
 
 
 def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_offsets: int,
-          total: Audit) -> dict:
-    """One driver drains a backlog of ``backlog`` events; returns its rate and peak memory."""
-    kind = "eos" if exactly_once else "alo"
-    job = stack.new_job(f"{kind}-{database}", database=database, max_offsets=max_offsets)
+          total: Audit, reader: str = "kafka-python") -> dict:
+    """One driver drains a backlog of ``backlog`` events; returns its rate and peak memory.  ``reader``:
+    the Python source's read-task client (``kafka.reader``)."""
+    kind = ("eos" if exactly_once else "alo") + ("" if reader == "kafka-python" else f" ({reader} reader)")
+    job = stack.new_job(f"{kind.split()[0]}-{database}", database=database, max_offsets=max_offsets)
     producer = stack.producer(job)
     producer.send(backlog)
     spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url, stack.workdir / "checkpoints",
                      trigger_interval="100 milliseconds", max_offsets_per_trigger=max_offsets)
+    spec = dataclasses.replace(spec, kafka=dataclasses.replace(spec.kafka, reader=reader))
     runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id,
                        application=EVENTS_JOB if exactly_once else AT_LEAST_ONCE_JOB, conf=stack.spark_conf)
     driver = runner.start()
