@@ -194,13 +194,13 @@ ARROW_SCHEMA = pa.schema(
 
 def _record_batch(partition: KafkaRange, columns: Columns) -> pa.RecordBatch:
     # Kafka timestamps are epoch milliseconds (-1: none set); Spark's timestamps are microseconds.
-    millis = pa.array(columns.timestamps, pa.int64())
-    micros = pc.if_else(pc.less(millis, 0), pa.scalar(None, pa.int64()), pc.multiply(millis, 1000))
     rows = len(columns.offsets)
+    millis = pa.array(columns.timestamps, pa.int64())
+    micros = pc.if_else(pc.less(millis, 0), pa.nulls(rows, pa.int64()), pc.multiply(millis, 1000))
     return pa.RecordBatch.from_arrays(
         [
-            pa.repeat(pa.scalar(partition.topic, pa.string()), rows),
-            pa.repeat(pa.scalar(partition.partition, pa.int32()), rows),
+            pa.repeat(partition.topic, rows).cast(pa.string()),
+            pa.repeat(partition.partition, rows).cast(pa.int32()),
             pa.array(columns.offsets, pa.int64()),
             pa.array(columns.keys, pa.binary()),
             pa.array(columns.values, pa.binary()),
