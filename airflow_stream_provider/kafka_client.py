@@ -9,14 +9,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import NamedTuple
-
-from kafka import KafkaConsumer, TopicPartition
-from kafka.errors import KafkaError
-from kafka.structs import OffsetAndMetadata
+from typing import TYPE_CHECKING, NamedTuple
 
 from airflow_stream_provider.kafka_offsets import Offsets
 
+if TYPE_CHECKING:
+    from kafka import KafkaConsumer, TopicPartition
+
+# kafka-python is imported where a consumer is made, not with this module: a Python process Spark starts
+# only to create or plan the data source never reads Kafka, and importing kafka costs 90 ms and 20 MB.
 _CACHE: dict[tuple, KafkaConsumer] = {}
 _LOCK = threading.Lock()
 #: How long one range read may go without advancing before it calls the broker unreachable.  A read
@@ -72,6 +73,8 @@ def consumer(
 def new_consumer(
     bootstrap: str, options: Mapping[str, object] | None = None, group_id: str | None = None
 ) -> KafkaConsumer:
+    from kafka import KafkaConsumer
+
     return KafkaConsumer(
         bootstrap_servers=bootstrap.split(","),
         group_id=group_id,
@@ -83,6 +86,8 @@ def new_consumer(
 
 
 def partitions(client: KafkaConsumer, topics: Iterable[str]) -> list[TopicPartition]:
+    from kafka import TopicPartition
+
     found = []
     for topic in topics:
         ids = client.partitions_for_topic(topic)
@@ -128,6 +133,9 @@ def read_range_batches(
     out, so an uncapped poll would decode the whole fetch (thousands of records past a 3-record range,
     about 80 ms here).  What is left stays buffered and serves the next range that starts there.
     """
+    from kafka import TopicPartition
+    from kafka.errors import KafkaError
+
     client = consumer(bootstrap, options)
     tp = TopicPartition(topic, partition)
     client.assign([tp])
@@ -160,5 +168,8 @@ def read_range_batches(
 def commit_group(bootstrap: str, options: Mapping[str, object], group_id: str, positions: Offsets) -> None:
     """Commit next offsets to a consumer group so standard lag tools (kafka-consumer-groups, Burrow) see
     the job's progress.  Informational only: the stored offsets in the database are the truth."""
+    from kafka import TopicPartition
+    from kafka.structs import OffsetAndMetadata
+
     client = consumer(bootstrap, options, group_id=group_id)
     client.commit({TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in positions.items()})

@@ -4,22 +4,29 @@ Used when Spark's JVM connector (spark-sql-kafka-0-10) is not on the classpath. 
 "direct" model: the driver plans per-partition offset ranges, each Spark task reads exactly one range,
 nothing is copied into a second log.  Columns and offset JSON match the JVM source, so a checkpoint's
 offset log reads the same and jobs do not care which source they got.
+
+Spark starts Python processes only to create the source and to plan its reads, and keeps them for the
+application's life: pyarrow (and kafka-python, in ``kafka_client``) are imported where records are
+read, so those processes do not carry them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
 from airflow_stream_provider import confluent_reader, kafka_client, kafka_offsets
 from airflow_stream_provider.kafka_client import Columns
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 log = logging.getLogger(__name__)
 
@@ -180,23 +187,33 @@ class KafkaStreamReader(DataSourceStreamReader):
 #: Records per Arrow batch handed to Spark: large enough to amortise the hand-over, small enough to
 #: keep a Python worker's memory bounded whatever maxOffsetsPerTrigger is.
 ARROW_BATCH_ROWS = 5000
-ARROW_SCHEMA = pa.schema(
-    [
-        ("topic", pa.string()),
-        ("partition", pa.int32()),
-        ("offset", pa.int64()),
-        ("key", pa.binary()),
-        ("value", pa.binary()),
-        ("timestamp", pa.timestamp("us", tz="UTC")),
-    ]
-)
+
+
+@functools.cache
+def arrow_schema() -> pa.Schema:
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("topic", pa.string()),
+            ("partition", pa.int32()),
+            ("offset", pa.int64()),
+            ("key", pa.binary()),
+            ("value", pa.binary()),
+            ("timestamp", pa.timestamp("us", tz="UTC")),
+        ]
+    )
 
 
 def _record_batch(partition: KafkaRange, columns: Columns) -> pa.RecordBatch:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     # Kafka timestamps are epoch milliseconds (-1: none set); Spark's timestamps are microseconds.
     rows = len(columns.offsets)
     millis = pa.array(columns.timestamps, pa.int64())
     micros = pc.if_else(pc.less(millis, 0), pa.nulls(rows, pa.int64()), pc.multiply(millis, 1000))
+    schema = arrow_schema()
     return pa.RecordBatch.from_arrays(
         [
             pa.repeat(partition.topic, rows).cast(pa.string()),
@@ -204,7 +221,7 @@ def _record_batch(partition: KafkaRange, columns: Columns) -> pa.RecordBatch:
             pa.array(columns.offsets, pa.int64()),
             pa.array(columns.keys, pa.binary()),
             pa.array(columns.values, pa.binary()),
-            micros.cast(ARROW_SCHEMA.field("timestamp").type),
+            micros.cast(schema.field("timestamp").type),
         ],
-        schema=ARROW_SCHEMA,
+        schema=schema,
     )
