@@ -17,7 +17,14 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 
-from airflow_stream_provider.kafka_client import MAX_POLL_RECORDS, STALL_TIMEOUT_S, Columns, KafkaReadError
+from airflow_stream_provider.kafka_client import (
+    MAX_POLL_RECORDS,
+    STALL_TIMEOUT_S,
+    Columns,
+    kafka_properties,
+    read_failed,
+    read_stalled,
+)
 
 READER = "confluent-kafka"
 #: librdkafka prefetches up to 64 MB per partition by default; a read task needs its range, not more.
@@ -46,10 +53,7 @@ def client_config(bootstrap: str, options: Mapping[str, str]) -> dict[str, objec
         "auto.offset.reset": "error",
         "queued.max.messages.kbytes": QUEUED_KBYTES,
     }
-    for key, value in options.items():
-        if key.lower().startswith("kafka.") and key.lower() != "kafka.bootstrap.servers":
-            config[key[len("kafka."):]] = value
-    return config
+    return {**config, **kafka_properties(options)}
 
 
 def _consumer(config: dict[str, object]):
@@ -80,16 +84,14 @@ def read_range_columns(config: dict[str, object], topic: str, partition: int, st
                 if error is not None:
                     if error.code() == KafkaError._PARTITION_EOF:
                         if message.offset() < end:  # planned from the log's end: records are gone
-                            raise KafkaReadError(
-                                f"reading {topic}-{partition} [{start}, {end}) failed: the log ends at "
-                                f"offset {message.offset()}, before the range does (retention, or a "
-                                f"recreated topic)"
-                            )
+                            raise read_failed(topic, partition, start, end, (
+                                f"the log ends at offset {message.offset()}, before the range does "
+                                f"(retention, or a recreated topic)"))
                         # a range planned up to the log's end is complete (trailing transaction
                         # markers leave no record to see)
                         position = end
                         continue
-                    raise KafkaReadError(f"reading {topic}-{partition} [{start}, {end}) failed: {error}")
+                    raise read_failed(topic, partition, start, end, str(error))
                 offset = message.offset()
                 if offset >= end:  # the rest belongs to the next batch
                     position = end
@@ -106,9 +108,6 @@ def read_range_columns(config: dict[str, object], topic: str, partition: int, st
                 advanced_at = time.monotonic()
                 yield columns
             elif time.monotonic() - advanced_at > STALL_TIMEOUT_S:
-                raise KafkaReadError(
-                    f"stalled reading {topic}-{partition} [{start}, {end}): no progress for "
-                    f"{STALL_TIMEOUT_S:.0f}s at offset {position}; is the broker reachable?"
-                )
+                raise read_stalled(topic, partition, start, end, position, STALL_TIMEOUT_S)
     finally:
         client.unassign()

@@ -47,15 +47,34 @@ class KafkaReadError(RuntimeError):
     """Kafka did not deliver a range the driver planned (broker down, records gone)."""
 
 
+def kafka_properties(options: Mapping[str, str]) -> dict[str, str]:
+    """Kafka client properties in Kafka's own dotted names from Spark-style ``kafka.*`` options
+    (bootstrap handled apart)."""
+    return {
+        key[len("kafka.") :]: value
+        for key, value in options.items()
+        if key.lower().startswith("kafka.") and key.lower() != "kafka.bootstrap.servers"
+    }
+
+
 def client_options(options: Mapping[str, str]) -> dict[str, object]:
     """kafka-python keyword arguments from Spark-style ``kafka.*`` options (bootstrap handled apart)."""
-    converted: dict[str, object] = {}
-    for key, value in options.items():
-        if not key.lower().startswith("kafka.") or key.lower() == "kafka.bootstrap.servers":
-            continue
-        name = key[len("kafka.") :].replace(".", "_")
-        converted[name] = int(value) if isinstance(value, str) and value.isdigit() else value
-    return converted
+    return {
+        name.replace(".", "_"): int(value) if isinstance(value, str) and value.isdigit() else value
+        for name, value in kafka_properties(options).items()
+    }
+
+
+def read_failed(topic: str, partition: int, start: int, end: int, why: str) -> KafkaReadError:
+    return KafkaReadError(f"reading {topic}-{partition} [{start}, {end}) failed: {why}")
+
+
+def read_stalled(topic: str, partition: int, start: int, end: int, position: int, seconds: float
+                 ) -> KafkaReadError:
+    return KafkaReadError(
+        f"stalled reading {topic}-{partition} [{start}, {end}): no progress for {seconds:.0f}s at offset "
+        f"{position}; is the broker reachable?"
+    )
 
 
 def consumer(
@@ -145,14 +164,11 @@ def read_range_batches(
         if now > position:
             position, advanced_at = now, time.monotonic()
         elif time.monotonic() - advanced_at > STALL_TIMEOUT_S:
-            raise KafkaReadError(
-                f"stalled reading {topic}-{partition} [{start}, {end}): no progress for {STALL_TIMEOUT_S:.0f}s "
-                f"at offset {position}; is the broker reachable?"
-            )
+            raise read_stalled(topic, partition, start, end, position, STALL_TIMEOUT_S)
         try:
             batch = client.poll(timeout_ms=500, max_records=min(MAX_POLL_RECORDS, end - now))
         except KafkaError as err:
-            raise KafkaReadError(f"reading {topic}-{partition} [{start}, {end}) failed: {err!r}") from err
+            raise read_failed(topic, partition, start, end, repr(err)) from err
         records = batch.get(tp)
         if not records:
             continue
