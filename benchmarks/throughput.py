@@ -101,8 +101,9 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
           total: Audit, reader: str = "kafka-python") -> dict:
     """One driver drains a backlog of ``backlog`` events; returns its rate and peak memory.  ``reader``:
     the Python source's read-task client (``kafka.reader``)."""
-    kind = ("eos" if exactly_once else "alo") + ("" if reader == "kafka-python" else f" ({reader} reader)")
-    job = stack.new_job(f"{kind.split()[0]}-{database}", database=database, max_offsets=max_offsets)
+    sink = "eos" if exactly_once else "alo"
+    kind = sink if reader == "kafka-python" else f"{sink} ({reader} reader)"
+    job = stack.new_job(f"{sink}-{database}", database=database, max_offsets=max_offsets)
     producer = stack.producer(job)
     producer.send(backlog)
     spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url, stack.workdir / "checkpoints",

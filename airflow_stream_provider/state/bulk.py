@@ -50,14 +50,11 @@ def count(rows: Rows | pa.Table) -> int:
 
 def write_rows(conn: Connection, table: Table, key: Sequence[str], increments: Sequence[str],
                rows: Rows | pa.Table) -> None:
-    """Upsert ``rows`` into ``table`` inside ``conn``'s transaction, one row per key (``one_per_key``).
-    The temporary table of a COPY is dropped at the end of the transaction, committed or rolled back."""
-    if is_table(rows):
-        rows = one_per_key_table(rows, key, increments)
-        if rows.num_rows == 0:
-            return
-    else:
-        rows = one_per_key(rows, key, increments)
+    """Upsert ``rows`` into ``table`` inside ``conn``'s transaction, one row per key (``one_per_key``);
+    no rows, nothing to do.  The temporary table of a COPY is dropped at the end of the transaction, committed or rolled back."""
+    if not count(rows):
+        return
+    rows = one_per_key_table(rows, key, increments) if is_table(rows) else one_per_key(rows, key, increments)
     dialect = conn.dialect
     if dialect.name == "postgresql" and dialect.driver == "psycopg" and count(rows) >= COPY_FROM_ROWS:
         _copy_upsert(conn, table, key, increments, rows)
@@ -89,15 +86,12 @@ def one_per_key_table(rows: pa.Table, key: Sequence[str], increments: Sequence[s
     if rows.num_rows < 2 or rows.group_by(list(key)).aggregate([]).num_rows == rows.num_rows:
         return rows
     last = pc.ScalarAggregateOptions(skip_nulls=False)  # the last row's value, even a null one
-    others = [c for c in rows.column_names if c not in key]
+    how = {c: "sum" if c in increments else "last" for c in rows.column_names if c not in key}
     merged = rows.group_by(list(key), use_threads=False).aggregate(
-        [(c, "sum") if c in increments else (c, "last", last) for c in others]
+        [(c, f, last) if f == "last" else (c, f) for c, f in how.items()]
     )
-    merged = merged.rename_columns(
-        [c.rsplit("_", 1)[0] if c.endswith(("_sum", "_last")) and c.rsplit("_", 1)[0] in others else c
-         for c in merged.column_names]
-    )
-    return merged.select(rows.column_names)
+    named = {f"{c}_{f}": c for c, f in how.items()}  # Arrow names an aggregate "<column>_<function>"
+    return merged.rename_columns([named.get(c, c) for c in merged.column_names]).select(rows.column_names)
 
 
 def _copy_upsert(conn: Connection, table: Table, key: Sequence[str], increments: Sequence[str],

@@ -10,8 +10,9 @@ before the batch runs).  This module turns that at-least-once delivery into exac
 2. ``commit`` writes everything inside one transaction that first checks the run's fencing epoch, so a
    zombie driver cannot commit, and that re-reads the stored offsets under the lock.
 
-Pure database code (no pyspark): the Spark side hands it Arrow tables or plain rows (``bulk``).  ``trial_write`` lets the sink ask
-the database whether it accepts a batch's rows without committing them (poison record isolation).
+Pure database code (no pyspark): the Spark side hands it Arrow tables or plain rows (``bulk``).
+``trial_write`` lets the sink ask the database whether it accepts a batch's rows without committing
+them (poison record isolation).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from sqlalchemy import Table, func, select
 from airflow_stream_provider import kafka_offsets
 from airflow_stream_provider.kafka_offsets import Offsets
 from airflow_stream_provider.state import schema
-from airflow_stream_provider.state.bulk import Rows, count, write_rows
+from airflow_stream_provider.state.bulk import Rows, write_rows
 from airflow_stream_provider.state.dialect import upsert
 from airflow_stream_provider.state.store import StateStore
 
@@ -213,8 +214,7 @@ def commit(
         ledger_batch = _ledger_batch_id(conn, run, batch_plan.range.batch_id)
         began = time.perf_counter()
         for write in writes:
-            if count(write.rows):
-                write_rows(conn, write.table, write.key, write.increments, write.rows)
+            write_rows(conn, write.table, write.key, write.increments, write.rows)
         if dead_letters:
             conn.execute(schema.dead_letters.insert(), _dead_letter_rows(run, ledger_batch, dead_letters, now))
         outcome.write_s = time.perf_counter() - began
@@ -263,8 +263,7 @@ def trial_write(
         tx = conn.begin()
         try:
             for write in writes:
-                if count(write.rows):
-                    write_rows(conn, write.table, write.key, write.increments, write.rows)
+                write_rows(conn, write.table, write.key, write.increments, write.rows)
             if dead_letters:
                 conn.execute(schema.dead_letters.insert(), _dead_letter_rows(run, batch_id, dead_letters, time.time()))
         finally:
