@@ -156,29 +156,32 @@ def limit_range(
     if max_records is None or total <= max_records:
         return end
     budget = max(max_records, 1)
-    limited = {}
-    for tp, lag in backlog.items():
-        share = int(lag * budget / total) if lag else 0
-        limited[tp] = start[tp] + min(lag, max(share, 1 if lag else 0))
-    return limited
+    shares = {tp: min(lag, max(lag * budget // total, 1 if lag else 0)) for tp, lag in backlog.items()}
+    # what rounding down left (less than one record a partition) goes to the partitions with the most
+    # still unread, so a limited batch reads exactly its budget
+    left = budget - sum(shares.values())
+    unread = sorted((tp for tp in backlog if shares[tp] < backlog[tp]), key=lambda tp: shares[tp] - backlog[tp])
+    for tp in unread[: max(left, 0)]:
+        shares[tp] += 1
+    return {tp: start[tp] + share for tp, share in shares.items()}
 
 
-#: A run's first batch reads at most this many records (fewer when the ceiling is lower).
+#: A run's first batch, and the first after the source caught up, read at most this many records.
 FIRST_BATCH_RECORDS = 10_000
 
 
 def batch_limit(previous_records: int | None, ceiling: int | None) -> int | None:
-    """How many records the next batch may read: twice what the previous batch read, at least
-    ``FIRST_BATCH_RECORDS``, at most ``ceiling`` (``maxOffsetsPerTrigger``; None: no limit).
+    """How many records the next batch may read: at most ``FIRST_BATCH_RECORDS`` for a run's first batch
+    and for one after a batch that read fewer (the source had caught up), else the ``ceiling``
+    (``maxOffsetsPerTrigger``; None: no limit).
 
     Most of a micro-batch's cost is fixed (planning and scheduling its Spark jobs, the Python source's
-    tasks, one database transaction), so a backlog drains fastest in large batches; a run's first batch
-    stays small so that a restart on a backlog commits as soon as it would have with small batches.
-    While a backlog lasts the size doubles up to the ceiling; once caught up a batch reads what arrived
-    and the next may read twice that, so a burst is taken in a few growing batches."""
+    tasks, one database transaction), so a backlog drains fastest in batches of the ceiling; a small
+    first batch lets a restart on a backlog, or the start of a burst, commit as soon as it would have with
+    small batches.  Each step between the two sizes would cost a batch's fixed time: one step is enough."""
     if ceiling is None:
         return None
-    return min(ceiling, max(FIRST_BATCH_RECORDS, 2 * (previous_records or 0)))
+    return ceiling if (previous_records or 0) >= FIRST_BATCH_RECORDS else min(ceiling, FIRST_BATCH_RECORDS)
 
 
 def records_between(start: Mapping[tuple[str, int], int], end: Mapping[tuple[str, int], int]) -> int:

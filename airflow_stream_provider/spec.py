@@ -52,8 +52,8 @@ class KafkaSpec:
     #: "jvm" needs spark-sql-kafka on the classpath; "python" is the kafka-python data source;
     #: "auto" picks jvm when its connector is present.
     source: str = "auto"
-    #: The most records one batch reads.  The Python source starts a run at 10,000 and doubles while a
-    #: backlog lasts (``kafka_offsets.batch_limit``): big batches drain a backlog, small ones recover fast.
+    #: The most records one batch reads.  The Python source reads at most 10,000 in a run's first batch,
+    #: then up to this (``kafka_offsets.batch_limit``): big batches drain a backlog, a small one recovers fast.
     max_offsets_per_trigger: int | None = 100_000
     #: Where a *new generation* starts: "earliest", "latest" or Spark's offset JSON.  Spark ignores it
     #: for a query that already has a checkpoint, which is why a reset always means a new generation.

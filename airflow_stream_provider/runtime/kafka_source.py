@@ -51,8 +51,8 @@ class KafkaDataSource(DataSource):
     ``maxOffsetsPerTrigger``, ``failOnDataLoss``, and ``kafka.*`` client properties; ``reader``
     (``kafka-python`` or ``confluent-kafka``) chooses the read tasks' client.
 
-    ``maxOffsetsPerTrigger`` is a ceiling: a run's batches start at ``FIRST_BATCH_RECORDS`` and double
-    while a backlog lasts (``kafka_offsets.batch_limit``)."""
+    ``maxOffsetsPerTrigger`` is a ceiling: a run's first batch reads at most ``FIRST_BATCH_RECORDS``,
+    later ones up to the ceiling while a backlog lasts (``kafka_offsets.batch_limit``)."""
 
     @classmethod
     def name(cls) -> str:
@@ -78,7 +78,7 @@ class KafkaStreamReader(DataSourceStreamReader):
         #: the read tasks' client: kafka-python, or confluent-kafka when the ``confluent`` extra is there
         self.reader = lowered.get("reader", "kafka-python")
         self.confluent_config = confluent_reader.client_config(self.bootstrap, options)
-        #: records the previous batch planned: the next may read twice as many (``batch_limit``)
+        #: records the previous batch planned: fewer than a first batch's size keeps the next small (``batch_limit``)
         self.previous_batch_records: int | None = None
 
     # -- driver side: planning ---------------------------------------------------------------------

@@ -51,6 +51,8 @@ def test_limit_shares_the_budget_by_backlog():
     assert end == {A0: 90, A1: 10, B0: 0}
     assert limit_range({A0: 0}, {A0: 5}, 100) == {A0: 5}
     assert limit_range({A0: 0, A1: 0}, {A0: 1000, A1: 1}, 10) == {A0: 9, A1: 1}  # no partition starves
+    # shares rounded down: the records left over go to the partitions with the most unread
+    assert limit_range({A0: 0, A1: 0, B0: 0}, {A0: 100, A1: 100, B0: 100}, 100) == {A0: 34, A1: 33, B0: 33}
 
 
 def test_new_partitions_join_at_their_earliest_offset():
@@ -60,9 +62,9 @@ def test_new_partitions_join_at_their_earliest_offset():
     assert start_of_new[A1] == 4
 
 
-def test_batches_start_small_and_double_while_a_backlog_lasts():
-    """A run's first batch is small (a restart commits quickly); each full batch doubles the next, up to
-    the ceiling; a caught-up batch sizes the next from what it read."""
+def test_a_run_starts_with_a_small_batch_then_reads_up_to_the_ceiling():
+    """A run's first batch is small (a restart commits quickly); after a full one, batches read up to the
+    ceiling while the backlog lasts; a caught-up batch makes the next small again (the start of a burst)."""
     ceiling, backlog, position, sizes = 100_000, 400_000, {A0: 0, A1: 0}, []
     latest = {A0: backlog // 2, A1: backlog // 2}
     previous = None
@@ -71,8 +73,8 @@ def test_batches_start_small_and_double_while_a_backlog_lasts():
         previous = records_between(position, end)
         sizes.append(previous)
         position = end
-    assert sizes == [FIRST_BATCH_RECORDS, 20_000, 40_000, 80_000, 100_000, 100_000, 50_000]
-    assert batch_limit(50_000, ceiling) == ceiling
+    assert sizes == [FIRST_BATCH_RECORDS, 100_000, 100_000, 100_000, 90_000]
+    assert batch_limit(FIRST_BATCH_RECORDS, ceiling) == ceiling
     assert batch_limit(300, ceiling) == FIRST_BATCH_RECORDS  # caught up: back to the first size
     assert batch_limit(None, 1_500) == 1_500  # a ceiling below the first size is the size
     assert batch_limit(None, None) is None and batch_limit(5, None) is None  # no ceiling: all available
