@@ -7,25 +7,32 @@ Three kinds of driver take turns (the machine's noise hits each alike):
   and Spark's Python zips are compiled (``make install`` runs ``runtime.precompile``);
 * ``no_archive``: the same without the class archive (``-Xshare:auto``, the JVM's own default);
 * ``uncut``: without the archive, on a Spark whose Python zips hold only sources, as Spark ships them (a
-  ``SPARK_HOME`` of links to the driver environment's pyspark, with source-only copies of its zips).
+  ``SPARK_HOME`` of links to the driver environment's pyspark, with source-only copies of its zips);
+* ``before``: the code the cold-start work started from (``cold_before.BEFORE``), on that same Spark: the
+  start the target halves.  Its job has a topic, database and checkpoint of its own.
 
-Each driver's own startup line says where its time went (``runtime.startup``).
+Each driver's own startup line says where its time went (``runtime.startup``; ``before`` has none).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
+import uuid
 import zipfile
 from pathlib import Path
 
+from benchmarks import cold_before
 from benchmarks.audit import Audit, audit
-from benchmarks.stack import Stack, say
+from benchmarks.load import BacklogProducer
+from benchmarks.stack import REPO, Stack, say
 
-VARIANTS = ("shipped", "no_archive", "uncut")
-#: The sample key of each kind's seconds (``cold_start_s`` is the shipped one, as before).
-KEYS = {"shipped": "cold_start_s", "no_archive": "cold_start_no_archive_s", "uncut": "cold_start_uncut_s"}
+VARIANTS = ("shipped", "no_archive", "uncut", "before")
+#: The sample key of each kind's seconds (``cold_start_s`` is the shipped one).
+KEYS = {"shipped": "cold_start_s", "no_archive": "cold_start_no_archive_s", "uncut": "cold_start_uncut_s",
+        "before": "cold_start_before_s"}
 ARCHIVE_WAIT_S = 300
 
 
@@ -44,21 +51,32 @@ def measure(stack: Stack, repeats: int, total: Audit) -> dict:
     _await_archive(stack, shipped)
     plain = {**stack.spark_conf, "spark.driver.extraJavaOptions":
              f"{stack.spark_conf.get('spark.driver.extraJavaOptions', '')} -Xshare:auto".strip()}
+    spark_home = {"SPARK_HOME": str(_spark_as_shipped(stack))}
     runners = {"shipped": (shipped, {}), "no_archive": (JobRunner(spec, logs, conf=plain), {}),
-               "uncut": (JobRunner(spec, logs, conf=plain), {"SPARK_HOME": str(_spark_as_shipped(stack))})}
+               "uncut": (JobRunner(spec, logs, conf=plain), spark_home)}
+    before = _before(stack, plain, spark_home)
     seconds: dict[str, list[float]] = {kind: [] for kind in VARIANTS}
-    phases: dict[str, list[dict]] = {kind: [] for kind in VARIANTS}
-    for attempt in range(repeats):
-        for kind in VARIANTS:
-            runner, env = runners[kind]
-            producer.send(300)
-            spawned = time.time()
-            driver = runner.start(env=env)
-            seconds[kind].append(job.wait_first_commit(run_id=driver.run_id, after=spawned) - spawned)
-            runner.wait_caught_up(dict(producer.produced.end_offsets), driver)
-            runner.stop(driver)
-            phases[kind].append(_startup_line(driver.log_path))
-            say(f"  cold start {attempt + 1}/{repeats} {kind}: {seconds[kind][-1]:.1f}s  {_say(phases[kind][-1])}")
+    phases: dict[str, list[dict]] = {kind: [] for kind in VARIANTS if kind != "before"}
+    try:
+        for attempt in range(repeats):
+            for kind in VARIANTS:
+                if kind == "before":
+                    seconds[kind].append(_time_before(*before))
+                    say(f"  cold start {attempt + 1}/{repeats} before ({cold_before.BEFORE}): "
+                        f"{seconds[kind][-1]:.1f}s")
+                    continue
+                runner, env = runners[kind]
+                producer.send(300)
+                spawned = time.time()
+                driver = runner.start(env=env)
+                seconds[kind].append(job.wait_first_commit(run_id=driver.run_id, after=spawned) - spawned)
+                runner.wait_caught_up(dict(producer.produced.end_offsets), driver)
+                runner.stop(driver)
+                phases[kind].append(_startup_line(driver.log_path))
+                say(f"  cold start {attempt + 1}/{repeats} {kind}: {seconds[kind][-1]:.1f}s  {_say(phases[kind][-1])}")
+    finally:
+        before[0].close()
+        before[1].close()
     for runner, _ in runners.values():
         runner.store.dispose()
     producer.close()
@@ -68,6 +86,31 @@ def measure(stack: Stack, repeats: int, total: Audit) -> dict:
     samples = {KEYS[kind]: values for kind, values in seconds.items()}
     samples["startup_s"] = {kind: _medians(lines) for kind, lines in phases.items()}
     return samples
+
+
+def _before(stack: Stack, conf: dict[str, str], env: dict[str, str]):
+    """The old code's driver process and the producer of its own topic, its checkpoint already made."""
+    from stack.jobs import SPARK_BIN
+
+    job_id = f"cold-start-before-{uuid.uuid4().hex[:6]}"
+    stack.broker.create_topic(job_id, 3)
+    producer = BacklogProducer(stack.broker, job_id, partitions=3)
+    driver_env = {k: stack.spark_env[k] for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_LOCAL_IP")}
+    driver = cold_before.BeforeDriver(
+        REPO, stack.workdir, python=sys.executable, spark_bin=SPARK_BIN, conf=conf, env={**driver_env, **env},
+        job={"job_id": job_id, "bootstrap": stack.broker.bootstrap, "topic": job_id,
+             "database_url": f"sqlite:///{stack.workdir / f'{job_id}.db'}",
+             "checkpoints": str(stack.workdir / "checkpoints"), "logs": str(stack.workdir / "driver-logs" / job_id)})
+    producer.send(600)
+    driver.ask("backlog", dict(producer.produced.end_offsets))  # creates the checkpoint; not timed
+    return driver, producer
+
+
+def _time_before(driver: cold_before.BeforeDriver, producer: BacklogProducer) -> float:
+    producer.send(300)
+    seconds = driver.ask("start")["seconds"]
+    driver.ask("finish", dict(producer.produced.end_offsets))
+    return seconds
 
 
 def _await_archive(stack: Stack, runner) -> None:

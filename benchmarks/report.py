@@ -9,6 +9,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cold_before import BEFORE
+
 
 def median(samples: list[float]) -> float | None:
     return round(statistics.median(samples), 3) if samples else None
@@ -22,7 +24,7 @@ def summarise(samples: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     """Samples in, the JSON document out: medians under the issue's key names, ``runs`` with counts."""
     times = {key: samples.get(key, []) for key in
              ("mttr_kill9_s", "detect_kill9_s", "baseline_mttr_kill9_s", "cold_start_s", "cold_start_no_archive_s",
-              "cold_start_uncut_s", "upgrade_incompatible_s")}
+              "cold_start_uncut_s", "cold_start_before_s", "upgrade_incompatible_s")}
     result: dict[str, Any] = {key: median(values) for key, values in times.items()}
     runs = {key: len(values) for key, values in times.items()}
     raw = median(samples.get("raw_consume_msgs_s", []))
@@ -102,9 +104,9 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         return {"target": name, "value": value, "limit": limit, "met": bool(met) if value is not None else None}
 
     found = []
-    if r["cold_start_s"] is not None and r.get("cold_start_uncut_s") is not None:
-        limit = round(r["cold_start_uncut_s"] / 2, 3)
-        found.append(check("cold_start_s <= cold_start_uncut_s / 2", r["cold_start_s"], limit,
+    if r["cold_start_s"] is not None and r.get("cold_start_before_s") is not None:
+        limit = round(r["cold_start_before_s"] / 2, 3)
+        found.append(check("cold_start_s <= cold_start_before_s / 2", r["cold_start_s"], limit,
                            r["cold_start_s"] <= limit))
     if r["mttr_kill9_s"] is not None and r["cold_start_s"] is not None:
         limit = round(r["cold_start_s"] + 10, 3)
@@ -190,7 +192,7 @@ def _startup_lines(found: dict[str, dict[str, float]]) -> list[str]:
                     "(spark-submit and the JVM up to the Python driver), python (imports), state_database, "
                     "spark_session, source (the generation's start, the source, the job's transform), query_start, "
                     "first_batch.  `shipped`: the class archive mapped, Spark's Python zips compiled; `no_archive`: "
-                    "without the archive; `uncut`: without either.", ""]
+                    "without the archive; `uncut`: without either.  The code of `cold_start_before_s` logs no phases.", ""]
 
 
 def _breakdown_lines(found: dict[str, dict[str, float]]) -> list[str]:
@@ -265,7 +267,10 @@ def markdown(r: dict[str, Any]) -> str:
         f"| `cold_start_no_archive_s` | {_fmt(r['cold_start_no_archive_s'])} | {runs['cold_start_no_archive_s']} | "
         "the same without the JVM class archive |",
         f"| `cold_start_uncut_s` | {_fmt(r['cold_start_uncut_s'])} | {runs['cold_start_uncut_s']} | the same, "
-        "also with Spark's Python zips as Spark ships them (sources only): the start before its cuts |",
+        "also with Spark's Python zips as Spark ships them (sources only) |",
+        f"| `cold_start_before_s` | {_fmt(r['cold_start_before_s'])} | {runs['cold_start_before_s']} | the code "
+        f"the cold-start work started from ({BEFORE}, whose own run measured 26.1 s), run here in turn with the "
+        "others, on the same Spark as `uncut`: the start the target halves |",
         f"| `detect_kill9_s` | {_fmt(r['detect_kill9_s'])} | {runs['detect_kill9_s']} | SIGKILL -> the polling health "
         "DAG's deferred sensor diagnoses DEAD (looks every 2 s; `dag.test()`, so the sensor is always watching) |",
         f"| `mttr_kill9_s` | {_fmt(r['mttr_kill9_s'])} | {runs['mttr_kill9_s']} | SIGKILL -> first batch committed by "
