@@ -23,6 +23,8 @@ $(SPARK_VENV)/.installed: pyproject.toml
 	@echo ">> creating the Spark-driver environment in $(SPARK_VENV)"
 	$(PYTHON) -m venv $(SPARK_VENV)
 	$(SPARK_VENV)/bin/pip install $(PIP_FLAGS) -e '.[spark,confluent]'
+	@echo ">> pandas for the test jobs that need it, apart from the runtime's environment (a job's own dependency)"
+	$(SPARK_VENV)/bin/pip install $(PIP_FLAGS) --target $(SPARK_VENV)/job-deps 'pandas<3'
 	@echo ">> compiling the Python in Spark's zips (every Python process Spark starts imports pyspark from them)"
 	$(SPARK_VENV)/bin/python -m airflow_stream_provider.runtime.precompile
 	@touch $@

@@ -21,6 +21,9 @@ from airflow_stream_provider.state.store import StateStore
 REPO = Path(__file__).resolve().parents[1]
 EVENTS_JOB = str(REPO / "spark_jobs" / "events_job.py")
 SPARK_BIN = Path(os.environ.get("STREAM_SPARK_BIN", REPO / ".venv-spark" / "bin"))
+#: Packages that some test jobs' own code needs (pandas, for applyInPandasWithState), installed apart from
+#: the runtime's environment (``make install``): such a job's drivers get it on their PYTHONPATH.
+JOB_DEPS = SPARK_BIN.parent / "job-deps"
 #: Test drivers live for seconds to minutes on 2 shared cores: the JVM's quick (C1-only) JIT and serial
 #: GC cut a driver's CPU from spawn to caught up by about 40% (46 -> 29 CPU-seconds for 3,000 events).
 #: A long-running production driver wants the default tiered JIT; the benchmarks use JVM defaults.
