@@ -3,7 +3,8 @@
 The job's asset ``stream://<job_id>`` has an always-on watcher in the triggerer: every transition of a
 run into DEAD, STUCK or FAILED becomes one asset event carrying the diagnosis, and this DAG runs on it
 within seconds.  A persisting condition does not fire again.  Once an hour the DAG also runs without an
-event, as a safety net, and takes the same decision.
+event, as a safety net, and takes the same decision (the Variable ``stream_health_sweep``: another cron
+expression, or ``off``).
 
 Each run diagnoses the job afresh (the reported event is evidence: a run queued behind another may find
 the job already repaired), then acts as ``stream_job.act_on`` says: recover a dead, stuck or failed job
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, task
+from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Variable, task
 from airflow.sdk.exceptions import AirflowFailException
 from stream_job import DAG_ARGS, WATCH, act_on, parse_time_variable
 
@@ -29,11 +30,14 @@ from airflow_stream_provider.diagnosis import Thresholds
 from airflow_stream_provider.lifecycle.health import HealthProbe
 
 log = logging.getLogger(__name__)
-SWEEP = CronTriggerTimetable("17 * * * *", timezone="UTC")  # the safety net: hourly, off the hour
+#: The safety net's cron (UTC): hourly, off the hour, unless the Variable ``stream_health_sweep`` gives
+#: another, or ``off`` to run on the watcher's events alone.
+SWEEP_CRON = Variable.get("stream_health_sweep", default=None) or "17 * * * *"
+SWEEP = None if SWEEP_CRON.strip().lower() == "off" else CronTriggerTimetable(SWEEP_CRON, timezone="UTC")
 SPEC = parse_time_variable("stream_job_spec")
 WATCH_SETTINGS = parse_time_variable("stream_watch") or {}
-SCHEDULE = (AssetOrTimeSchedule(timetable=SWEEP, assets=stream_job_asset(SPEC["job_id"], **WATCH_SETTINGS))
-            if SPEC else SWEEP)
+WATCHED = stream_job_asset(SPEC["job_id"], **WATCH_SETTINGS) if SPEC else None
+SCHEDULE = AssetOrTimeSchedule(timetable=SWEEP, assets=WATCHED) if WATCHED and SWEEP else WATCHED or SWEEP
 
 with DAG("stream_health", schedule=SCHEDULE, max_active_runs=1, doc_md=__doc__, **DAG_ARGS):
 

@@ -59,6 +59,9 @@ class StreamDeployment:
             "stream_driver_log_dir": str(workdir / "driver-logs"),
             "stream_reset_policy": "after_preflight",
             "stream_watch": {"heartbeat_timeout": 15, "stuck_after": 300, "poll_interval": 2, **(watch or {})},
+            # the watcher alone: an hourly sweep landing in a scenario would repair a kill before the
+            # watcher's event, and the scenarios show the watcher's repairs
+            "stream_health_sweep": "off",
             **(variables or {}),
         }
         connections = {

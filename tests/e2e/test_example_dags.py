@@ -58,6 +58,28 @@ def test_without_a_job_spec_the_health_dag_runs_only_the_hourly_sweep(monkeypatc
     assert bag.dags["stream_health"].schedule == CronTriggerTimetable("17 * * * *", timezone="UTC")
 
 
+def test_the_sweep_takes_another_cron_or_is_turned_off(monkeypatch):
+    """``stream_health_sweep``: another cron keeps the watcher beside it; ``off`` leaves the watcher alone,
+    and without a job spec then nothing schedules the DAG (it runs when triggered)."""
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.sdk import Asset, AssetOrTimeSchedule, CronTriggerTimetable
+
+    monkeypatch.syspath_prepend(str(DAGS))
+    monkeypatch.setenv("AIRFLOW_VAR_STREAM_JOB_SPEC", '{"job_id": "events", "kafka": {"topics": ["events"]}}')
+    monkeypatch.setenv("AIRFLOW_VAR_STREAM_HEALTH_SWEEP", "*/15 * * * *")
+    schedule = DagBag(str(DAGS / "stream_health.py")).dags["stream_health"].schedule
+    assert isinstance(schedule, AssetOrTimeSchedule)
+    assert schedule.timetable == CronTriggerTimetable("*/15 * * * *", timezone="UTC")
+
+    monkeypatch.setenv("AIRFLOW_VAR_STREAM_HEALTH_SWEEP", "off")
+    health = DagBag(str(DAGS / "stream_health.py")).dags["stream_health"]
+    assert isinstance(health.schedule, Asset) and health.schedule.uri == "stream://events"
+    assert health.schedule.watchers  # the watcher still wakes it
+
+    monkeypatch.delenv("AIRFLOW_VAR_STREAM_JOB_SPEC")
+    assert DagBag(str(DAGS / "stream_health.py")).dags["stream_health"].schedule is None
+
+
 @pytest.mark.parametrize("path", sorted(DAGS.glob("*.py")), ids=lambda p: p.name)
 def test_no_path_or_host_is_hard_coded_in_a_dag_file(path):
     """Everything about the job comes from connections, Variables and params."""
