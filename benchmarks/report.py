@@ -338,8 +338,8 @@ def markdown(r: dict[str, Any]) -> str:
                                                  strict=True)]
         lines += ["", "Most of a batch's time is fixed (planning and scheduling its Spark jobs, the Python data "
                   "source's per-batch workers): larger batches spread it over more records. maxOffsetsPerTrigger is "
-                  "the ceiling: each run starts at 10,000 records a batch and doubles while the backlog lasts, so "
-                  "the seconds per steady batch average growing batches.", ""]
+                  "the ceiling: each run's first batch reads at most 10,000 records, the batches after it up to the "
+                  "ceiling.", ""]
     real = r.get("mttr_real_airflow")
     if real:
         labels = {"watcher": "always-on watcher -> `stream_health` on the asset event (as shipped)",
