@@ -1,4 +1,5 @@
-"""The drivers' class-data-sharing archive: which archive, who writes it, when a deployment's own choice wins.
+"""The drivers' class-data-sharing archive: which archive, who writes it, when a deployment's own choice wins;
+and the JIT's startup settings (``jvm_jit``).
 
 Real files and real processes throughout; the end-to-end test with real drivers is in
 ``tests/e2e/test_jvm_archive.py``.
@@ -11,7 +12,7 @@ import stat
 import sys
 import time
 
-from airflow_stream_provider import jvm_archive
+from airflow_stream_provider import jvm_archive, jvm_jit
 from airflow_stream_provider.jvm_archive import ClassArchive
 
 
@@ -99,3 +100,11 @@ def test_the_background_wrapper_runs_detached_and_reports(tmp_path):
         time.sleep(0.1)
     assert f"archive written: {archive.path}" in log.read_text()
     assert sys.executable in log.read_text().splitlines()[0]
+
+
+def test_c2_thresholds_are_raised_unless_the_options_shape_the_jit():
+    assert jvm_jit.startup_options("") == " ".join(jvm_jit.LAZY_C2)
+    assert jvm_jit.startup_options("-Xss4m") == f"-Xss4m {' '.join(jvm_jit.LAZY_C2)}"
+    for own in ("-XX:TieredStopAtLevel=1", "-XX:-TieredCompilation", "-XX:Tier4InvocationThreshold=1", "-Xint",
+                "-XX:CompileThreshold=100", "-XX:+UseJVMCICompiler"):
+        assert jvm_jit.startup_options(f"-Xss4m {own}") == f"-Xss4m {own}"

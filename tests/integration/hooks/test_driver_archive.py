@@ -1,12 +1,12 @@
-"""How the driver hook puts the class archive on a driver's command line, through a real Airflow Spark
-connection and the real spark-submit and java of the driver environment.  The archive run itself, with
+"""How the driver hook puts the class archive and the JIT's startup settings on a driver's command line,
+through a real Airflow Spark connection and the real spark-submit and java of the driver environment.  The archive run itself, with
 real drivers, is ``tests/e2e/test_jvm_archive.py``."""
 
 from __future__ import annotations
 
 import pytest
 
-from airflow_stream_provider import jvm_archive
+from airflow_stream_provider import jvm_archive, jvm_jit
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from stack.jobs import make_spec, spark_env
 from tests.dagtest import airflow as airflow_stack
@@ -33,7 +33,8 @@ def test_an_archive_that_exists_is_mapped_into_the_driver(hook, tmp_path):
     archive = _archive(hook)
     archive.path.parent.mkdir(parents=True)
     archive.path.write_bytes(b"classes")
-    assert f"spark.driver.extraJavaOptions=-XX:SharedArchiveFile={archive.path}" in _command(hook, tmp_path)
+    lazy_c2 = " ".join(jvm_jit.LAZY_C2)
+    assert f"spark.driver.extraJavaOptions={lazy_c2} -XX:SharedArchiveFile={archive.path}" in _command(hook, tmp_path)
 
 
 def test_while_another_run_writes_it_the_driver_starts_without_one(hook, tmp_path):
@@ -48,7 +49,7 @@ def test_a_deployments_own_choice_and_cluster_mode_are_left_alone(hook, tmp_path
     archive.path.parent.mkdir(parents=True)
     archive.path.write_bytes(b"classes")
     hook.conf["spark.driver.extraJavaOptions"] = "-Xshare:off"
-    assert "spark.driver.extraJavaOptions=-Xshare:off" in _command(hook, tmp_path)
+    assert f"spark.driver.extraJavaOptions=-Xshare:off {' '.join(jvm_jit.LAZY_C2)}" in _command(hook, tmp_path)
     assert "SharedArchiveFile" not in _command(hook, tmp_path)
     hook.conf.pop("spark.driver.extraJavaOptions")
     monkeypatch.setenv(*airflow_stack.connection_env("spark_local", conn_type="spark", host="yarn",
@@ -60,3 +61,17 @@ def test_an_unwritable_archive_directory_does_not_keep_a_driver_from_starting(ho
     (tmp_path / "a-file").write_text("")
     hook.archive_dir = str(tmp_path / "a-file" / "archives")  # its parent is a file: no directory here
     assert "SharedArchiveFile" not in _command(hook, tmp_path)
+
+
+def test_c2_waits_for_hot_code_unless_the_deployment_shapes_the_jit(hook, tmp_path, monkeypatch):
+    """The JIT's startup settings come with every driver, in cluster mode too (nothing about them is
+    local); Java options that set the JIT's behaviour themselves keep it."""
+    assert all(flag in _command(hook, tmp_path) for flag in jvm_jit.LAZY_C2)
+    hook.conf["spark.driver.extraJavaOptions"] = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+    command = _command(hook, tmp_path)
+    assert "spark.driver.extraJavaOptions=-XX:TieredStopAtLevel=1 -XX:+UseSerialGC" in command
+    assert "Tier4" not in command
+    hook.conf.pop("spark.driver.extraJavaOptions")
+    monkeypatch.setenv(*airflow_stack.connection_env("spark_local", conn_type="spark", host="yarn",
+                                                     extra={"deploy-mode": "cluster"}))
+    assert all(flag in _command(hook, tmp_path) for flag in jvm_jit.LAZY_C2)

@@ -1,0 +1,42 @@
+"""JIT settings for a driver JVM: the optimising compiler (C2) takes only code that is really hot.
+
+A driver's start is CPU-bound on a small host.  For its first seconds the JVM runs Spark's startup code
+(the context, the analyzer's rules, the first plans and their code generation) thousands of times each,
+and the tiered JIT's default thresholds send much of it to C2, whose compiler threads then take the
+cores the start is waiting for.  Code that runs only while a driver starts gains nothing from C2.
+Raising the counts at which a method goes to C2 (tier 4) thirtyfold leaves the startup code with C1,
+while the per-record code of a running stream, called millions of times a batch, still reaches C2 in
+its first large batches.
+
+Measured on 2 cores (``make bench``, and drains of 300,000 events with and without): a cold start
+7.6 -> 6.3 s; steady-state throughput unchanged.  ``-XX:TieredStopAtLevel=1`` (C1 only) starts
+faster still but leaves a long run without C2.
+
+Java options that shape the JIT themselves (any ``Tier*`` or ``CompileThreshold`` setting, ``-Xint``,
+``-Xcomp``, another compiler) are left alone.
+
+Pure (no airflow, no pyspark): the driver hook adds these to the driver's Java options.
+"""
+
+from __future__ import annotations
+
+#: Tier-4 (C2) thresholds, 30 times HotSpot's defaults (5,000 / 600 / 15,000 / 40,000).
+LAZY_C2 = (
+    "-XX:Tier4InvocationThreshold=150000",
+    "-XX:Tier4MinInvocationThreshold=18000",
+    "-XX:Tier4CompileThreshold=450000",
+    "-XX:Tier4BackEdgeThreshold=1200000",
+)
+#: Java options by which a deployment chose its own JIT behaviour: left alone.
+OWN_CHOICE = ("Tier", "CompileThreshold", "-Xint", "-Xcomp", "JVMCI")
+
+
+def chosen_by_user(java_options: str) -> bool:
+    return any(flag in java_options for flag in OWN_CHOICE)
+
+
+def startup_options(java_options: str) -> str:
+    """``java_options`` with C2's thresholds raised, unless they set the JIT's behaviour themselves."""
+    if chosen_by_user(java_options):
+        return java_options
+    return " ".join([java_options, *LAZY_C2]).strip()
