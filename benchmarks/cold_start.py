@@ -1,7 +1,7 @@
 """The floor of every restart: a driver spawned on an existing checkpoint with records waiting, to its first
 committed batch; and what each of the start's cuts saves.
 
-Three kinds of driver take turns (the machine's noise hits each alike):
+Five kinds of driver take turns (the machine's noise hits each alike):
 
 * ``shipped``: as the provider launches it: the JVM maps the installation's class archive (``jvm_archive``),
   C2 takes only really hot code (``jvm_jit``) and Spark's Python zips are compiled (``make install`` runs
@@ -24,6 +24,7 @@ import sys
 import time
 import uuid
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import cold_before
@@ -57,14 +58,14 @@ def measure(stack: Stack, repeats: int, total: Audit) -> dict:
     runners = {"shipped": (shipped, {}), "default_jit": (JobRunner(spec, logs, conf=default_jit), {}),
                "no_archive": (JobRunner(spec, logs, conf=plain), {}),
                "uncut": (JobRunner(spec, logs, conf=plain), spark_home)}
-    before = _before(stack, plain, spark_home)
+    old_code = _OldCode.ready(stack, plain, spark_home)
     seconds: dict[str, list[float]] = {kind: [] for kind in VARIANTS}
     phases: dict[str, list[dict]] = {kind: [] for kind in VARIANTS if kind != "before"}
     try:
         for attempt in range(repeats):
             for kind in VARIANTS:
                 if kind == "before":
-                    seconds[kind].append(_time_before(*before))
+                    seconds[kind].append(old_code.cold_start())
                     say(f"  cold start {attempt + 1}/{repeats} before ({cold_before.BEFORE}): "
                         f"{seconds[kind][-1]:.1f}s")
                     continue
@@ -78,8 +79,7 @@ def measure(stack: Stack, repeats: int, total: Audit) -> dict:
                 phases[kind].append(_startup_line(driver.log_path))
                 say(f"  cold start {attempt + 1}/{repeats} {kind}: {seconds[kind][-1]:.1f}s  {_say(phases[kind][-1])}")
     finally:
-        before[0].close()
-        before[1].close()
+        old_code.close()
     for runner, _ in runners.values():
         runner.store.dispose()
     producer.close()
@@ -97,29 +97,44 @@ def _with_java_options(conf: dict[str, str], option: str) -> dict[str, str]:
     return {**conf, "spark.driver.extraJavaOptions": f"{conf.get('spark.driver.extraJavaOptions', '')} {option}".strip()}
 
 
-def _before(stack: Stack, conf: dict[str, str], env: dict[str, str]):
-    """The old code's driver process and the producer of its own topic, its checkpoint already made."""
-    from stack.jobs import SPARK_BIN
+@dataclass
+class _OldCode:
+    """The ``before`` kind: the old code's driver process (``cold_before``) and the producer of its job's
+    own topic."""
 
-    job_id = f"cold-start-before-{uuid.uuid4().hex[:6]}"
-    stack.broker.create_topic(job_id, 3)
-    producer = BacklogProducer(stack.broker, job_id, partitions=3)
-    driver_env = {k: stack.spark_env[k] for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_LOCAL_IP")}
-    driver = cold_before.BeforeDriver(
-        REPO, stack.workdir, python=sys.executable, spark_bin=SPARK_BIN, conf=conf, env={**driver_env, **env},
-        job={"job_id": job_id, "bootstrap": stack.broker.bootstrap, "topic": job_id,
-             "database_url": f"sqlite:///{stack.workdir / f'{job_id}.db'}",
-             "checkpoints": str(stack.workdir / "checkpoints"), "logs": str(stack.workdir / "driver-logs" / job_id)})
-    producer.send(600)
-    driver.ask("backlog", dict(producer.produced.end_offsets))  # creates the checkpoint; not timed
-    return driver, producer
+    driver: cold_before.BeforeDriver
+    producer: BacklogProducer
 
+    @classmethod
+    def ready(cls, stack: Stack, conf: dict[str, str], env: dict[str, str]) -> _OldCode:
+        """Its job set up and its checkpoint made (not timed)."""
+        from stack.jobs import SPARK_BIN
 
-def _time_before(driver: cold_before.BeforeDriver, producer: BacklogProducer) -> float:
-    producer.send(300)
-    seconds = driver.ask("start")["seconds"]
-    driver.ask("finish", dict(producer.produced.end_offsets))
-    return seconds
+        job_id = f"cold-start-before-{uuid.uuid4().hex[:6]}"
+        stack.broker.create_topic(job_id, 3)
+        producer = BacklogProducer(stack.broker, job_id, partitions=3)
+        driver_env = {k: stack.spark_env[k] for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_LOCAL_IP")}
+        driver = cold_before.BeforeDriver(
+            REPO, stack.workdir, python=sys.executable, spark_bin=SPARK_BIN, conf=conf, env={**driver_env, **env},
+            job={"job_id": job_id, "bootstrap": stack.broker.bootstrap, "topic": job_id,
+                 "database_url": f"sqlite:///{stack.workdir / f'{job_id}.db'}",
+                 "checkpoints": str(stack.workdir / "checkpoints"),
+                 "logs": str(stack.workdir / "driver-logs" / job_id)})
+        producer.send(600)
+        driver.ask("backlog", dict(producer.produced.end_offsets))
+        return cls(driver, producer)
+
+    def cold_start(self) -> float:
+        """Seconds from a driver's spawn to its first committed batch, with records waiting; the driver
+        then catches up and stops."""
+        self.producer.send(300)
+        seconds = self.driver.ask("start")["seconds"]
+        self.driver.ask("finish", dict(self.producer.produced.end_offsets))
+        return seconds
+
+    def close(self) -> None:
+        self.driver.close()
+        self.producer.close()
 
 
 def _await_archive(stack: Stack, runner) -> None:
