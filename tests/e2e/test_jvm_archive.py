@@ -52,7 +52,9 @@ def test_the_first_driver_gets_an_archive_written_and_the_next_one_maps_it(broke
                         on_timeout=lambda: runner.log_tail(second))
     assert mapped
     runner.wait_caught_up(_end(producer), second)
-    log = Path(second.log_path).read_text()
-    assert "startup {" in log, "the driver logs where its start went"
+    # the line comes just after the first commit that made the run caught up: wait for it, not race it
+    logged = wait_until(lambda: "startup {" in Path(second.log_path).read_text(), 30,
+                        "the driver to log where its start went", on_timeout=lambda: runner.log_tail(second))
+    assert logged
     assert runner.stop(second) == failures.EXIT_STOPPED
     check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
