@@ -13,9 +13,11 @@ import shutil
 import signal
 import time
 
+import psutil
 import pytest
 
 from airflow_stream_provider import failures, kafka_offsets
+from airflow_stream_provider.runtime.harness import ARROW_POOL_ENV
 from stack.events import BackgroundProducer, EventProducer
 from stack.jobs import check_exactly_once, wait_until
 
@@ -24,12 +26,27 @@ def _end(producer) -> dict[int, int]:
     return dict(producer.produced.end_offsets)
 
 
+def _worker_arrow_pools(pid: int) -> list[str | None]:
+    """The Arrow allocator each of the driver's reading Python workers was started with."""
+    pools = []
+    for process in psutil.Process(pid).children(recursive=True):
+        try:
+            if "pyspark.worker" in " ".join(process.cmdline()):
+                pools.append(process.environ().get(ARROW_POOL_ENV))
+        except psutil.NoSuchProcess:  # a worker Spark let go between the listing and the look
+            pass
+    return pools
+
+
 def test_graceful_stop_and_restart(broker, topic, runner, figures):
     producer = EventProducer(broker, topic)
     producer.send(3000)
     driver = runner.start()
     runner.wait_running(driver)
     runner.wait_caught_up(_end(producer), driver)
+    # Spark's Python workers (reading, planning) hand freed Arrow buffers back: the system allocator
+    pools = _worker_arrow_pools(driver.pid)
+    assert pools and set(pools) == {"system"}, pools
     producer.send(1000)
     runner.wait_caught_up(_end(producer), driver)
     asked = time.monotonic()
