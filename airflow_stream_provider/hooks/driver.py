@@ -24,7 +24,7 @@ from typing import Any
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk import BaseHook
 
-from airflow_stream_provider import jvm_archive, jvm_jit, local_driver
+from airflow_stream_provider import jvm_archive, jvm_heap, jvm_jit, local_driver
 from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV, StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
 
@@ -100,11 +100,13 @@ class StreamDriverHook(BaseHook):
 
     def _driver_jvm(self, application: str, spec: StreamJobSpec, env: Mapping[str, str],
                     connection: Mapping[str, Any]) -> dict[str, str]:
-        """The driver's Spark conf with what shortens its JVM's start: C2 kept to really hot code
-        (``jvm_jit``), and the installation's class-data-sharing archive (``jvm_archive``), mapped in when
-        it exists, started in the background when it does not."""
+        """The driver's Spark conf with what shortens its JVM's start and bounds its memory: C2 kept to
+        really hot code (``jvm_jit``), the serial collector on a heap that grows as needed (``jvm_heap``),
+        and the installation's class-data-sharing archive (``jvm_archive``), mapped in when it exists,
+        started in the background when it does not."""
         conf = dict(self.conf)
-        options = conf[jvm_archive.JAVA_OPTIONS] = jvm_jit.startup_options(conf.get(jvm_archive.JAVA_OPTIONS, ""))
+        options = conf[jvm_archive.JAVA_OPTIONS] = jvm_heap.startup_options(
+            jvm_jit.startup_options(conf.get(jvm_archive.JAVA_OPTIONS, "")), conf.get("spark.driver.memory"))
         if jvm_archive.chosen_by_user(options):
             return conf
         if (connection["deploy_mode"] or "client") == "cluster":  # the driver's host is the cluster's choice

@@ -1,5 +1,5 @@
 """The drivers' class-data-sharing archive: which archive, who writes it, when a deployment's own choice wins;
-and the JIT's startup settings (``jvm_jit``).
+and the JIT's and the heap's startup settings (``jvm_jit``, ``jvm_heap``).
 
 Real files and real processes throughout; the end-to-end test with real drivers is in
 ``tests/e2e/test_jvm_archive.py``.
@@ -12,7 +12,7 @@ import stat
 import sys
 import time
 
-from airflow_stream_provider import jvm_archive, jvm_jit
+from airflow_stream_provider import jvm_archive, jvm_heap, jvm_jit
 from airflow_stream_provider.jvm_archive import ClassArchive
 
 
@@ -108,3 +108,16 @@ def test_c2_thresholds_are_raised_unless_the_options_shape_the_jit():
     for own in ("-XX:TieredStopAtLevel=1", "-XX:-TieredCompilation", "-XX:Tier4InvocationThreshold=1", "-Xint",
                 "-XX:CompileThreshold=100", "-XX:+UseJVMCICompiler"):
         assert jvm_jit.startup_options(f"-Xss4m {own}") == f"-Xss4m {own}"
+
+
+def test_the_serial_collector_on_a_growing_heap_for_drivers_of_at_most_2_gb():
+    small = " ".join(jvm_heap.SMALL_HEAP)
+    assert jvm_heap.startup_options("", None) == small  # Spark's default driver memory, 1g
+    for memory in ("768m", "2g", "2048", "1536M", "512mb"):
+        assert jvm_heap.startup_options("-Xss4m", memory) == f"-Xss4m {small}", memory
+    for memory in ("3g", "4096m", "1t", "lots"):
+        assert jvm_heap.startup_options("-Xss4m", memory) == "-Xss4m", memory
+    for own in ("-XX:+UseG1GC", "-XX:+UseParallelGC", "-XX:-UseSerialGC", "-XX:+UseZGC", "-Xms1g", "-Xmn64m",
+                "-XX:InitialHeapSize=64m", "-XX:MaxHeapFreeRatio=20"):
+        assert jvm_heap.startup_options(f"-Xss4m {own}", "1g") == f"-Xss4m {own}", own
+    assert jvm_heap.heap_mb("768m") == 768 and jvm_heap.heap_mb("2g") == 2048 and jvm_heap.heap_mb("1024") == 1024

@@ -1,4 +1,4 @@
-"""How the driver hook puts the class archive and the JIT's startup settings on a driver's command line,
+"""How the driver hook puts the class archive, the JIT's startup settings and the heap's on a driver's command line,
 through a real Airflow Spark connection and the real spark-submit and java of the driver environment.  The archive run itself, with
 real drivers, is ``tests/e2e/test_jvm_archive.py``."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_stream_provider import jvm_archive, jvm_jit
+from airflow_stream_provider import jvm_archive, jvm_heap, jvm_jit
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from stack.jobs import make_spec, spark_env
 from tests.dagtest import airflow as airflow_stack
@@ -33,8 +33,9 @@ def test_an_archive_that_exists_is_mapped_into_the_driver(hook, tmp_path):
     archive = _archive(hook)
     archive.path.parent.mkdir(parents=True)
     archive.path.write_bytes(b"classes")
-    lazy_c2 = " ".join(jvm_jit.LAZY_C2)
-    assert f"spark.driver.extraJavaOptions={lazy_c2} -XX:SharedArchiveFile={archive.path}" in _command(hook, tmp_path)
+    lazy_c2, small_heap = " ".join(jvm_jit.LAZY_C2), " ".join(jvm_heap.SMALL_HEAP)
+    assert (f"spark.driver.extraJavaOptions={lazy_c2} {small_heap} -XX:SharedArchiveFile={archive.path}"
+            in _command(hook, tmp_path))
 
 
 def test_while_another_run_writes_it_the_driver_starts_without_one(hook, tmp_path):
@@ -49,7 +50,8 @@ def test_a_deployments_own_choice_and_cluster_mode_are_left_alone(hook, tmp_path
     archive.path.parent.mkdir(parents=True)
     archive.path.write_bytes(b"classes")
     hook.conf["spark.driver.extraJavaOptions"] = "-Xshare:off"
-    assert f"spark.driver.extraJavaOptions=-Xshare:off {' '.join(jvm_jit.LAZY_C2)}" in _command(hook, tmp_path)
+    assert (f"spark.driver.extraJavaOptions=-Xshare:off {' '.join(jvm_jit.LAZY_C2)} {' '.join(jvm_heap.SMALL_HEAP)}"
+            in _command(hook, tmp_path))
     assert "SharedArchiveFile" not in _command(hook, tmp_path)
     hook.conf.pop("spark.driver.extraJavaOptions")
     monkeypatch.setenv(*airflow_stack.connection_env("spark_local", conn_type="spark", host="yarn",
@@ -75,3 +77,15 @@ def test_c2_waits_for_hot_code_unless_the_deployment_shapes_the_jit(hook, tmp_pa
     monkeypatch.setenv(*airflow_stack.connection_env("spark_local", conn_type="spark", host="yarn",
                                                      extra={"deploy-mode": "cluster"}))
     assert all(flag in _command(hook, tmp_path) for flag in jvm_jit.LAZY_C2)
+
+
+def test_small_drivers_get_the_serial_collector_unless_the_deployment_chose(hook, tmp_path):
+    """The heap settings come with drivers of at most 2 GB (768m here); a bigger driver, or Java options that
+    choose the collector or the starting heap, keep the JVM's own."""
+    assert all(flag in _command(hook, tmp_path) for flag in jvm_heap.SMALL_HEAP)
+    hook.conf["spark.driver.memory"] = "4g"
+    assert "UseSerialGC" not in _command(hook, tmp_path)
+    hook.conf["spark.driver.memory"] = "1g"
+    hook.conf["spark.driver.extraJavaOptions"] = "-XX:+UseG1GC"
+    command = _command(hook, tmp_path)
+    assert "UseSerialGC" not in command and "-Xms32m" not in command
