@@ -199,6 +199,22 @@ def plan_batch_end(position: Mapping[tuple[str, int], int], earliest: Mapping[tu
     return limit_range(start, latest, max_records)
 
 
+def read_tasks(ranges: Mapping[tuple[str, int], tuple[int, int]], tasks: int | None) -> list[list[tuple[str, int]]]:
+    """The partitions of a batch's ``ranges`` (``{tp: (start, end)}``) grouped into at most ``tasks`` read
+    tasks of about equal records, each group in topic-partition order; None: one task per partition, as
+    Spark's Kafka connector plans.  The largest range goes first to the task with the fewest records."""
+    order = sorted(ranges)
+    if tasks is None or tasks >= len(order):
+        return [[tp] for tp in order]
+    groups: list[list[tuple[str, int]]] = [[] for _ in range(tasks)]
+    load = [0] * tasks
+    for tp in sorted(order, key=lambda tp: (-(ranges[tp][1] - ranges[tp][0]), tp)):
+        least = load.index(min(load))
+        groups[least].append(tp)
+        load[least] += ranges[tp][1] - ranges[tp][0]
+    return [sorted(group) for group in groups if group]
+
+
 def from_offset_log(lines: list[str]) -> Offsets:
     """The Kafka positions in one offsets-log entry's source lines (after the version and metadata lines).
 

@@ -62,6 +62,10 @@ class KafkaSpec:
     #: The Python source's read tasks decode records with this client.  "confluent-kafka" (the
     #: ``confluent`` extra, installed where Spark runs Python) decodes in C, several times faster.
     reader: str = "kafka-python"
+    #: How many tasks read a batch (the Python source).  None: half the cores in local mode (at least one),
+    #: where the read tasks' Python decoding and the JVM's work share the driver's cores; one task per
+    #: partition elsewhere, as Spark's Kafka connector plans.
+    read_tasks: int | None = None
     #: Extra kafka client properties (security, timeouts), without the "kafka." prefix.
     client_options: Mapping[str, str] = field(default_factory=dict)
 
@@ -299,6 +303,15 @@ def _validate_kafka(kafka: KafkaSpec) -> None:
             "kafka.max_offsets_per_trigger",
             "must be a positive integer or null",
             "Bound each batch, e.g. 100000 (the default), so memory stays flat on a backlog",
+        )
+    if kafka.read_tasks is not None and (
+        isinstance(kafka.read_tasks, bool) or not isinstance(kafka.read_tasks, int) or kafka.read_tasks < 1
+    ):
+        raise SpecError(
+            "kafka.read_tasks",
+            f"{kafka.read_tasks!r} is not a positive integer or null",
+            "Leave it null (half the cores in local mode, one task per partition on a cluster) or give "
+            "the number of tasks that read a batch, e.g. 4",
         )
     if kafka.starting_offsets not in ("earliest", "latest"):
         try:

@@ -5,6 +5,11 @@ Used when Spark's JVM connector (spark-sql-kafka-0-10) is not on the classpath. 
 nothing is copied into a second log.  Columns and offset JSON match the JVM source, so a checkpoint's
 offset log reads the same and jobs do not care which source they got.
 
+A read task may read several partitions' ranges one after the other (``readTasks``): in local mode the
+read tasks' Python decoding and the JVM's work on what they hand over share the driver's cores, and one
+Python reader per two cores keeps both busy with one Python worker process instead of one per Kafka
+partition (about 120 MB each).
+
 Spark starts Python processes only to create the source and to plan its reads, and keeps them for the
 application's life: pyarrow (and kafka-python, in ``kafka_client``) are imported where records are
 read, so those processes do not carry them.
@@ -39,17 +44,25 @@ class KafkaDataLossError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class KafkaRange(InputPartition):
+class KafkaRange:
     topic: str
     partition: int
     start: int
     end: int
 
 
+@dataclass(frozen=True)
+class KafkaReadTask(InputPartition):
+    """One Spark task's share of a batch: the ranges it reads, one after the other."""
+
+    ranges: tuple[KafkaRange, ...]
+
+
 class KafkaDataSource(DataSource):
     """Options mirror the JVM source: ``kafka.bootstrap.servers``, ``subscribe``, ``startingOffsets``,
     ``maxOffsetsPerTrigger``, ``failOnDataLoss``, and ``kafka.*`` client properties; ``reader``
-    (``kafka-python`` or ``confluent-kafka``) chooses the read tasks' client.
+    (``kafka-python`` or ``confluent-kafka``) chooses the read tasks' client, ``readTasks`` how many tasks
+    read a batch (absent: one per partition, as the JVM source plans).
 
     ``maxOffsetsPerTrigger`` is a ceiling: a run's first batch reads at most ``FIRST_BATCH_RECORDS``,
     later ones up to the ceiling while a backlog lasts (``kafka_offsets.batch_limit``)."""
@@ -78,6 +91,8 @@ class KafkaStreamReader(DataSourceStreamReader):
         #: the read tasks' client: kafka-python, or confluent-kafka when the ``confluent`` extra is there
         self.reader = lowered.get("reader", "kafka-python")
         self.confluent_config = confluent_reader.client_config(self.bootstrap, options)
+        tasks = lowered.get("readtasks")
+        self.read_tasks = int(tasks) if tasks else None
         #: records the previous batch planned: fewer than a first batch's size keeps the next small (``batch_limit``)
         self.previous_batch_records: int | None = None
 
@@ -135,15 +150,15 @@ class KafkaStreamReader(DataSourceStreamReader):
                 moved[tp] = earliest[tp]
         return moved
 
-    def partitions(self, start: dict, end: dict) -> list[KafkaRange]:
+    def partitions(self, start: dict, end: dict) -> list[KafkaReadTask]:
         begin = kafka_offsets.from_spark_json(start)
         finish = kafka_offsets.from_spark_json(end)
         if not self.fail_on_data_loss:
             begin = self._skip_lost_starts(begin, finish)
+        ranges = {tp: (begin.get(tp, 0), stop) for tp, stop in finish.items() if stop > begin.get(tp, 0)}
         return [
-            KafkaRange(topic, partition, begin.get((topic, partition), 0), stop)
-            for (topic, partition), stop in sorted(finish.items())
-            if stop > begin.get((topic, partition), 0)
+            KafkaReadTask(tuple(KafkaRange(*tp, *ranges[tp]) for tp in group))
+            for group in kafka_offsets.read_tasks(ranges, self.read_tasks)
         ]
 
     def _skip_lost_starts(self, begin, finish):
@@ -170,10 +185,14 @@ class KafkaStreamReader(DataSourceStreamReader):
         """Nothing to do: the sink commits the consumer group after the results are durable."""
 
     # -- executor side: reading --------------------------------------------------------------------
-    def read(self, partition: KafkaRange) -> Iterator[pa.RecordBatch]:
-        """The range as Arrow record batches: Spark takes them without converting row by row, which is
-        most of the cost of a Python source (the alternative, yielding tuples, pickles every record).
+    def read(self, partition: KafkaReadTask) -> Iterator[pa.RecordBatch]:
+        """The task's ranges as Arrow record batches: Spark takes them without converting row by row, which
+        is most of the cost of a Python source (the alternative, yielding tuples, pickles every record).
         Columns are built a poll at a time, not a record at a time."""
+        for kafka_range in partition.ranges:
+            yield from self._read_range(kafka_range)
+
+    def _read_range(self, partition: KafkaRange) -> Iterator[pa.RecordBatch]:
         where = (partition.topic, partition.partition, partition.start, partition.end)
         if self.reader == confluent_reader.READER:
             polls = confluent_reader.read_range_columns(self.confluent_config, *where)

@@ -11,6 +11,7 @@ from airflow_stream_provider.kafka_offsets import (
     from_spark_json,
     limit_range,
     plan_batch_end,
+    read_tasks,
     records_between,
     resolve,
     to_spark_json,
@@ -83,3 +84,14 @@ def test_a_run_starts_with_a_small_batch_then_reads_up_to_the_ceiling():
 def test_records_between_counts_new_partitions_from_zero():
     assert records_between({A0: 10}, {A0: 15, A1: 3}) == 8
     assert records_between({A0: 10}, {A0: 10}) == 0
+
+
+def test_read_tasks_group_partitions_by_records():
+    ranges = {A0: (0, 900), A1: (100, 400), B0: (0, 500)}
+    assert read_tasks(ranges, None) == [[A0], [A1], [B0]], "one task per partition, as Spark's connector plans"
+    assert read_tasks(ranges, 3) == read_tasks(ranges, 8) == [[A0], [A1], [B0]]
+    assert read_tasks(ranges, 1) == [[A0, A1, B0]]
+    assert read_tasks(ranges, 2) == [[A0], [A1, B0]], "the largest range alone, the other two together"
+    assert read_tasks({}, 1) == []
+    four = {("t", p): (0, n) for p, n in enumerate([10, 10, 10, 10])}
+    assert sorted(map(len, read_tasks(four, 2))) == [2, 2]

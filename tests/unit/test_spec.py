@@ -43,6 +43,8 @@ def test_good_spec_round_trips():
     ({"kafka_topics": ["bad topic"]}, "kafka.topics", "letters"),
     ({"trigger_interval": "soon"}, "trigger_interval", "1 second"),
     ({"kafka_max_offsets_per_trigger": 0}, "kafka.max_offsets_per_trigger", "100000"),
+    ({"kafka_read_tasks": 0}, "kafka.read_tasks", "half the cores"),
+    ({"kafka_read_tasks": "2"}, "kafka.read_tasks", "e.g. 4"),
     ({"generaton": 2}, "generaton", "Known fields"),
 ])
 def test_bad_field_is_named_with_its_fix(changes, field, fix):
