@@ -6,8 +6,9 @@ events spent more time in per-row Python (dicts, bound parameters, ``COPY`` rows
 
 * PostgreSQL through psycopg, from ``COPY_FROM_ROWS`` rows on: ``COPY`` into a temporary table, then one
   ``INSERT ... SELECT ... ON CONFLICT`` from it.  An Arrow table crosses as CSV that Arrow writes in C++;
-* SQLite: ``executemany`` of the compiled upsert on tuples built column by column, with timestamps and
-  dates in SQLAlchemy's own text form (a key written either way is the same key);
+* SQLite: ``executemany`` of the compiled upsert on tuples built column by column, ``SQLITE_CHUNK_ROWS``
+  at a time, with timestamps and dates in SQLAlchemy's own text form (a key written either way is the
+  same key);
 * anything else (other column types, small writes): SQLAlchemy's ``executemany``.
 
 Pure database code: no pyspark.  pyarrow is imported only when an Arrow table is written.
@@ -34,6 +35,9 @@ Rows = Sequence[Mapping[str, Any]]
 COPY_FROM_ROWS = 200
 #: Rows per CSV chunk handed to COPY: bounds the text held at once whatever the batch size.
 COPY_CHUNK_ROWS = 20_000
+#: Rows per ``executemany`` on SQLite: the Python values of a chunk exist at once (about 0.6 KB a row of the
+#: example job's events), not those of the whole batch.
+SQLITE_CHUNK_ROWS = 10_000
 #: SQLAlchemy's text form of a DATETIME / DATE on SQLite (``sqlite.DATETIME``'s storage format).
 SQLITE_DATETIME = "%Y-%m-%d %H:%M:%S"  # Arrow's %S carries the microseconds of a timestamp[us]
 SQLITE_DATE = "%Y-%m-%d"
@@ -58,8 +62,10 @@ def write_rows(conn: Connection, table: Table, key: Sequence[str], increments: S
     dialect = conn.dialect
     if dialect.name == "postgresql" and dialect.driver == "psycopg" and count(rows) >= COPY_FROM_ROWS:
         _copy_upsert(conn, table, key, increments, rows)
-    elif dialect.name == "sqlite" and is_table(rows) and (columns := _sqlite_columns(rows)) is not None:
-        _sqlite_executemany(conn, table, key, increments, dict(zip(rows.column_names, columns, strict=True)))
+    elif dialect.name == "sqlite" and is_table(rows) and _sqlite_ready(rows.schema):
+        for chunk in rows.to_batches(max_chunksize=SQLITE_CHUNK_ROWS):
+            columns = dict(zip(rows.column_names, _sqlite_columns(chunk), strict=True))
+            _sqlite_executemany(conn, table, key, increments, columns)
     else:
         conn.execute(upsert(dialect.name, table, key, increments), rows.to_pylist() if is_table(rows) else rows)
 
@@ -140,22 +146,29 @@ def _csv_chunks(rows: pa.Table):
         yield text.getvalue()
 
 
-def _sqlite_columns(rows: pa.Table) -> list[list] | None:
-    """Each column of ``rows`` as the values SQLAlchemy would bind on SQLite, or None when a column's type
-    is not one this path knows."""
+def _sqlite_ready(schema: pa.Schema) -> bool:
+    """Whether every column's type is one the SQLite path binds itself (``_sqlite_columns``)."""
+    import pyarrow as pa
+
+    return all(
+        (pa.types.is_timestamp(t) and t.tz is None) or pa.types.is_date(t) or pa.types.is_string(t)
+        or pa.types.is_large_string(t) or pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+        for t in schema.types
+    )
+
+
+def _sqlite_columns(rows: pa.RecordBatch) -> list[list]:
+    """Each column of ``rows`` as the values SQLAlchemy would bind on SQLite (``_sqlite_ready`` types)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     columns = []
     for column in rows.columns:
         t = column.type
-        if pa.types.is_timestamp(t) and t.tz is None:
+        if pa.types.is_timestamp(t):
             column = pc.strftime(column.cast(pa.timestamp("us")), SQLITE_DATETIME)
         elif pa.types.is_date(t):
             column = pc.strftime(column, SQLITE_DATE)
-        elif not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
-                  or pa.types.is_floating(t) or pa.types.is_boolean(t)):
-            return None
         columns.append(column.to_pylist())
     return columns
 

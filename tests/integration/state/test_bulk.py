@@ -69,7 +69,9 @@ def _write(store, table: Table, rows) -> None:
 
 
 @pytest.mark.parametrize("count", [20, bulk.COPY_FROM_ROWS * 3])  # PostgreSQL: INSERT, then COPY
-def test_an_arrow_table_stores_what_the_same_rows_as_dicts_store(store, count):
+@pytest.mark.parametrize("chunk", [bulk.SQLITE_CHUNK_ROWS, 7])  # SQLite: in one executemany, or in many
+def test_an_arrow_table_stores_what_the_same_rows_as_dicts_store(store, count, chunk, monkeypatch):
+    monkeypatch.setattr(bulk, "SQLITE_CHUNK_ROWS", chunk)
     rows = _rows(count)
     as_dicts, as_arrow = _table(store, "as_dicts"), _table(store, "as_arrow")
     _write(store, as_dicts, rows)
