@@ -34,19 +34,24 @@ def kill_driver_tree(pid: int) -> None:
     """SIGKILL the driver as a dying machine would: the spark-submit JVM it runs under, the Python driver
     and every worker.  Works for the provider's detached drivers and for the baseline's attached ones
     (which share the Airflow worker's process group, so killing the group is not an option)."""
+    psutil.wait_procs(signal_driver_tree(pid, signal.SIGKILL), timeout=10)
+
+
+def signal_driver_tree(pid: int, sig: int) -> list[psutil.Process]:
+    """Send ``sig`` to the driver's whole tree (its JVM, the Python driver, every worker); return the tree."""
     try:
         driver = psutil.Process(pid)
     except psutil.NoSuchProcess:
-        return
+        return []
     parent = driver.parent()
     root = parent if parent is not None and "java" in (parent.name() or "") else driver
-    victims = [root, *root.children(recursive=True)]
-    for process in victims:
+    tree = [root, *root.children(recursive=True)]
+    for process in tree:
         try:
-            process.send_signal(signal.SIGKILL)
+            process.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(victims, timeout=10)
+    return tree
 
 
 def tree_rss(pid: int) -> dict[str, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 from sqlalchemy import func, inspect, select, text
 
 from benchmarks.audit import Audit, audit
-from benchmarks.stack import AT_LEAST_ONCE_JOB, EVENTS_JOB, Job, Stack, say, tree_rss
+from benchmarks.stack import AT_LEAST_ONCE_JOB, EVENTS_JOB, Job, Stack, say, signal_driver_tree, tree_rss
 from stack.jobs import JobRunner, make_spec
 
 
@@ -97,21 +98,42 @@ def steady_rate(batches: list[tuple[int, float]]) -> float | None:
     return records / max(batches[-1][1] - batches[0][1], 1e-6)
 
 
+#: Spark reaps a Python worker kind's idle workers a minute after the kind was last used, checking every 10 s:
+#: the processes that looked up, created and planned the Python source are gone this long after a start.
+START_WORKERS_REAPED_S = 75
+
+
 def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_offsets: int,
-          total: Audit, reader: str = "kafka-python") -> dict:
+          total: Audit, reader: str = "kafka-python", burst_after: float | None = None) -> dict:
     """One driver drains a backlog of ``backlog`` events; returns its rate and peak memory.  ``reader``:
-    the Python source's read-task client (``kafka.reader``)."""
+    the Python source's read-task client (``kafka.reader``).
+
+    With ``burst_after``, the backlog is a burst that a running job receives: the driver starts on an empty
+    topic, runs that long, and is paused (SIGSTOP to its whole tree) while the burst is produced, so it
+    finds all of it at once and reads it in the same batches as a driver started on it; memory is sampled
+    from the burst on."""
     sink = "eos" if exactly_once else "alo"
     kind = sink if reader == "kafka-python" else f"{sink} ({reader} reader)"
+    kind += "" if burst_after is None else f" (a burst {burst_after:.0f} s into a run)"
     job = stack.new_job(f"{sink}-{database}", database=database, max_offsets=max_offsets)
     producer = stack.producer(job)
-    producer.send(backlog)
+    if burst_after is None:
+        producer.send(backlog)
     spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url, stack.workdir / "checkpoints",
                      trigger_interval="100 milliseconds", max_offsets_per_trigger=max_offsets)
     spec = dataclasses.replace(spec, kafka=dataclasses.replace(spec.kafka, reader=reader))
     runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id,
                        application=EVENTS_JOB if exactly_once else AT_LEAST_ONCE_JOB, conf=stack.spark_conf)
     driver = runner.start()
+    if burst_after is not None:
+        spawned = time.monotonic()
+        runner.wait_running(driver)
+        time.sleep(max(0.0, spawned + burst_after - time.monotonic()))
+        signal_driver_tree(driver.pid, signal.SIGSTOP)
+        try:
+            producer.send(backlog)
+        finally:
+            signal_driver_tree(driver.pid, signal.SIGCONT)
     memory = PeakRss(driver.pid)
     memory.start()
     try:

@@ -48,6 +48,7 @@ def test_targets_say_which_are_met():
     assert verdicts["recovery_s flat across checkpoint history (largest / smallest)"] is False  # 35 / 20
     assert verdicts["reset_s flat across checkpoint history (largest / smallest)"] is True
     assert verdicts["peak driver RSS flat across backlog sizes (largest / smallest)"] is True
+    assert verdicts["peak driver RSS <= 1200 MB, a driver started on a backlog"] is True  # 950
     assert verdicts["lost == 0 and duplicated == 0"] is True
     lossy = report.summarise({**SAMPLES, "duplicated": 2}, {})["targets"]
     assert [t["met"] for t in lossy if t["target"].startswith("lost")] == [False]
@@ -141,3 +142,18 @@ def test_real_airflow_percentiles_table_and_target():
     text = report.markdown(r)
     assert "## `mttr_real_airflow`" in text and "| 29.50 | 33.00 | 33.00 | 10 |" in text
     assert "mttr_real_airflow" not in report.markdown(report.summarise(SAMPLES, {"profile": "test"}))
+
+
+def test_the_memory_ceiling_is_judged_on_every_drain_and_on_a_running_jobs_burst():
+    rss = {"backlog": [1, 2], "peak_rss_mb": [1100.0, 1150.0], "msgs_s": [1.0, 1.0],
+           "running_burst": {"backlog": 2, "after_s": 75, "peak_rss_mb": 1120.0, "jvm_mb": 560.0, "python_mb": 560.0,
+                             "pss_mb": 990.0, "msgs_s": 1.0}}
+    batch = {"max_offsets_per_trigger": [10, 100], "msgs_s": [1.0, 2.0], "seconds_per_batch": [1.0, 2.0],
+             "peak_rss_mb": [1150.0, 1250.0], "jvm_mb": [1.0, 1.0], "python_mb": [1.0, 1.0], "backlog": 300}
+    r = report.summarise({**SAMPLES, "scaling": {"rss_vs_backlog": rss, "batch_size": batch}}, {})
+    targets = {t["target"]: t for t in r["targets"]}
+    started = targets["peak driver RSS <= 1200 MB, a driver started on a backlog"]
+    assert started["value"] == 1250.0 and started["met"] is False  # the largest of both series
+    assert targets["peak driver RSS <= 1200 MB, a running job's burst"]["met"] is True
+    assert targets["peak driver RSS flat across batch sizes (largest / smallest)"]["met"] is True
+    assert "| 2, a burst 75 s into a run | 1,120 | 560 | 560 | 990 |" in report.markdown({**r, "meta": {}})
