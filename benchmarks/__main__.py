@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import cold_start, real_airflow, recovery, report, throughput
+from benchmarks import cold_start, jvm_profile, real_airflow, recovery, report, throughput
 from benchmarks.audit import Audit
 from benchmarks.report import OPTIONAL_SECTIONS, SECTIONS
 from benchmarks.stack import REPO, Stack, say
@@ -153,6 +153,9 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
                           f"upgrades with a pre-warmed successor, {profile['upgrade']} runs"):
         samples.update(recovery.standby_takeover(stack, profile["standby_kills"], total))
         samples.update(recovery.upgrade_prewarmed(stack, profile["upgrade"], total))
+    if section("profile", f"where a {profile['backlog']:,}-event exactly-once drain's JVM task time goes (Java Flight "
+                          "Recorder), and the same drain with the least parsing an event needs"):
+        samples["scaling"]["profile"] = _profile(stack, profile, total)
     if section("mttr_real_airflow", f"kill -9 under a real Airflow, {profile['real_airflow_kills']} kills each: "
                                     f"{', '.join(real_airflow.VARIANTS)}"):
         for variant, seconds in real_airflow.run(stack, profile["real_airflow_kills"], total).items():
@@ -160,6 +163,28 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
     close_section()
     samples.update(lost=total.lost, duplicated=total.duplicated, audited_records=total.produced)
     return samples
+
+
+def _profile(stack: Stack, profile: dict, total: Audit) -> dict:
+    """The example job's drain, then the same backlog through the minimal parse, so the example job's
+    validation and the JVM's share of reading are measured in one run.  Both are recorded by JFR (when the
+    JDK's ``jfr`` is here), so its overhead is on both sides of the ratio."""
+    found: dict = {}
+    jobs = {"example": None, "minimal_parse": str(REPO / "benchmarks" / "jobs" / "events_minimal_parse.py")}
+    if not jvm_profile.available():
+        say("  no jfr (the JDK's tool) here: the drains run without a JVM profile")
+    for name, application in jobs.items():
+        recording = stack.workdir / f"{name}.jfr" if jvm_profile.available() else None
+        drained = throughput.drain(stack, exactly_once=True, database="postgresql", backlog=profile["backlog"],
+                                   max_offsets=profile["max_offsets"], total=total, application=application,
+                                   java_options=jvm_profile.recording_option(recording) if recording else "")
+        found[name] = {"msgs_s": drained["msgs_s"], "breakdown_s": drained["breakdown_s"]}
+        if recording is not None:
+            stacks = jvm_profile.task_samples(recording)
+            found[name].update(jvm_task_shares=jvm_profile.shares(stacks), jvm_task_samples=len(stacks))
+            say(f"  JVM task threads, {len(stacks)} samples: " +
+                ", ".join(f"{what} {share:.0%}" for what, share in found[name]["jvm_task_shares"].items()))
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

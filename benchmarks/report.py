@@ -88,9 +88,10 @@ RSS_LIMIT_MB = 1200
 BUDGET_MINUTES = 30
 SECTIONS = ("cold", "mttr", "baseline", "upgrade", "throughput", "rss", "batch", "history", "partitions")
 #: Run only when named (``--only``): ``standby`` (about 15 minutes: ten standbys warm up and wait one after the other;
-#: name ``cold`` with it for its ratio) would take the default profile past its budget, ``mttr_real_airflow``
-#: takes about an hour, most of it waiting for the 5-minute polling DAG.
-OPTIONAL_SECTIONS = ("standby", "mttr_real_airflow")
+#: name ``cold`` with it for its ratio) would take the default profile past its budget; ``profile`` (about 3
+#: minutes) records a drain with Java Flight Recorder, which slows it, so it stays apart from ``throughput``;
+#: ``mttr_real_airflow`` takes about an hour, most of it waiting for the 5-minute polling DAG.
+OPTIONAL_SECTIONS = ("standby", "profile", "mttr_real_airflow")
 REAL_AIRFLOW_VARIANTS = ("watcher", "polling", "spark_submit")
 
 
@@ -232,6 +233,36 @@ def _breakdown_lines(found: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
+def _profile_lines(found: dict[str, Any]) -> list[str]:
+    """The ``profile`` section: the example job against the minimal parse, and the JVM task threads' split."""
+    if not found:
+        return []
+    example, minimal = found["example"], found["minimal_parse"]
+    lines = ["## Where reading and parsing goes (`profile`)", "",
+             "| exactly-once on PostgreSQL | msgs/s | read_parse s per batch |", "|---|---:|---:|"]
+    for name, drained in (("the example job", example), ("the minimal parse (`benchmarks/jobs/events_minimal_parse.py`)",
+                                                          minimal)):
+        steady = drained["breakdown_s"]
+        per_batch = steady.get("sink_read_parse", 0) / max(steady.get("batches", 0), 1)
+        lines.append(f"| {name} | {_fmt(drained['msgs_s'])} | {_fmt(per_batch)} |")
+    lines += ["", f"The minimal parse runs at {_fmt(ratio(minimal['msgs_s'], example['msgs_s']))} of the example "
+              "job's rate: that is what the example job's validation costs.", ""]
+    if example.get("jvm_task_shares"):
+        names = list(example["jvm_task_shares"]) + [n for n in minimal.get("jvm_task_shares", {})
+                                                    if n not in example["jvm_task_shares"]]
+        lines += [f"Both drains recorded by Java Flight Recorder: what their JVM task threads were evaluating "
+                  f"({example['jvm_task_samples']} and {minimal.get('jvm_task_samples', 0)} samples; Python time is "
+                  "not sampled):", "", "| evaluating | example job | minimal parse |", "|---|---:|---:|"]
+        lines += [f"| {name} | {_share(example['jvm_task_shares'].get(name))} | "
+                  f"{_share(minimal.get('jvm_task_shares', {}).get(name))} |" for name in names]
+        lines.append("")
+    return lines
+
+
+def _share(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0%}"
+
+
 def _upgrade_lines(found: dict[str, Any], cold_s: float | None) -> list[str]:
     if not found:
         return []
@@ -316,6 +347,7 @@ def markdown(r: dict[str, Any]) -> str:
     lines += ["", f"Runs: {', '.join(f'{k} {v}' for k, v in runs.items() if '/' in k or k.startswith('raw'))}.", ""]
     lines += _startup_lines(r["scaling"].get("startup_s") or {})
     lines += _breakdown_lines(r["scaling"].get("breakdown_s") or {})
+    lines += _profile_lines(r["scaling"].get("profile") or {})
     scaling = r["scaling"]
     for name, axis in (("history", "batches"), ("partitions", "partitions")):
         series = scaling.get(name)

@@ -104,9 +104,11 @@ START_WORKERS_REAPED_S = 75
 
 
 def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_offsets: int,
-          total: Audit, reader: str = "kafka-python", burst_after: float | None = None) -> dict:
+          total: Audit, reader: str = "kafka-python", burst_after: float | None = None,
+          application: str | None = None, java_options: str = "") -> dict:
     """One driver drains a backlog of ``backlog`` events; returns its rate and peak memory.  ``reader``:
-    the Python source's read-task client (``kafka.reader``).
+    the Python source's read-task client (``kafka.reader``); ``application``: an exactly-once job other
+    than the example job; ``java_options``: added to the driver's.
 
     With ``burst_after``, the backlog is a burst that a running job receives: the driver starts on an empty
     topic, runs that long, and is paused (SIGSTOP to its whole tree) while the burst is produced, so it
@@ -114,6 +116,7 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
     from the burst on."""
     sink = "eos" if exactly_once else "alo"
     kind = sink if reader == "kafka-python" else f"{sink} ({reader} reader)"
+    kind += "" if application is None else f" ({Path(application).stem})"
     kind += "" if burst_after is None else f" (a burst {burst_after:.0f} s into a run)"
     job = stack.new_job(f"{sink}-{database}", database=database, max_offsets=max_offsets)
     producer = stack.producer(job)
@@ -122,8 +125,12 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
     spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url, stack.workdir / "checkpoints",
                      trigger_interval="100 milliseconds", max_offsets_per_trigger=max_offsets)
     spec = dataclasses.replace(spec, kafka=dataclasses.replace(spec.kafka, reader=reader))
+    conf = dict(stack.spark_conf)
+    if java_options:
+        key = "spark.driver.extraJavaOptions"
+        conf[key] = f"{conf.get(key, '')} {java_options}".strip()
     runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id,
-                       application=EVENTS_JOB if exactly_once else AT_LEAST_ONCE_JOB, conf=stack.spark_conf)
+                       application=(application or EVENTS_JOB) if exactly_once else AT_LEAST_ONCE_JOB, conf=conf)
     driver = runner.start()
     if burst_after is not None:
         spawned = time.monotonic()

@@ -157,3 +157,34 @@ def test_the_memory_ceiling_is_judged_on_every_drain_and_on_a_running_jobs_burst
     assert targets["peak driver RSS <= 1200 MB, a running job's burst"]["met"] is True
     assert targets["peak driver RSS flat across batch sizes (largest / smallest)"]["met"] is True
     assert "| 2, a burst 75 s into a run | 1,120 | 560 | 560 | 990 |" in report.markdown({**r, "meta": {}})
+
+
+def test_the_profile_section_compares_the_parses_and_splits_the_jvm_task_time():
+    profile = {"example": {"msgs_s": 30_000.0, "breakdown_s": {"batches": 3, "sink_read_parse": 6.0},
+                           "jvm_task_shares": {"variant_get: a typed value out of the parsed JSON": 0.26, "other": 0.74},
+                           "jvm_task_samples": 255},
+               "minimal_parse": {"msgs_s": 39_000.0, "breakdown_s": {"batches": 3, "sink_read_parse": 4.5},
+                                 "jvm_task_shares": {"from_json / get_json_object": 0.2, "other": 0.8},
+                                 "jvm_task_samples": 200}}
+    text = report.markdown(report.summarise({**SAMPLES, "scaling": {"profile": profile}}, {}))
+    assert "| the example job | 30,000 | 2.00 |" in text
+    assert "The minimal parse runs at 1.30 of the example job's rate" in text
+    assert "(255 and 200 samples; Python time is not sampled)" in text
+    assert "| variant_get: a typed value out of the parsed JSON | 26% | – |" in text
+    assert "| from_json / get_json_object | – | 20% |" in text
+
+
+def test_jvm_samples_go_to_the_expression_on_their_stack_before_the_cache_around_it():
+    from benchmarks import jvm_profile
+
+    cache = "org.apache.spark.sql.execution.columnar.compression.DictionaryEncoding$Encoder.gatherCompressibilityStats"
+    cast = ["org.apache.spark.sql.catalyst.expressions.Literal$.validateLiteralValue",
+            "org.apache.spark.sql.catalyst.expressions.variant.VariantGet$.cast",
+            "org.apache.spark.sql.catalyst.expressions.GeneratedClass$GeneratedIteratorForCodegenStage1.processNext",
+            "org.apache.spark.sql.execution.columnar.DefaultCachedBatchSerializer$$anon$1.next"]
+    assert jvm_profile.category(cast).startswith("variant_get")
+    assert jvm_profile.category([cache, *cast[2:]]).startswith("the batch's cache")
+    assert jvm_profile.category(cast[2:3]).startswith("other generated code")
+    assert jvm_profile.category(["java.lang.Thread.run"]) == "other"
+    assert jvm_profile.shares([cast, cast, ["java.lang.Thread.run"]]) == {
+        "variant_get: a typed value out of the parsed JSON": 0.667, "other": 0.333}
