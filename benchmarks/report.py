@@ -121,7 +121,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     if r["eos_vs_raw"] is not None:
         found.append(check("eos_vs_raw >= 0.5 (PostgreSQL)", r["eos_vs_raw"], 0.5, r["eos_vs_raw"] >= 0.5))
     if r["eos_vs_alo"] is not None:
-        found.append(check("eos_vs_alo >= 0.85 (PostgreSQL)", r["eos_vs_alo"], 0.85, r["eos_vs_alo"] >= 0.85))
+        found.append(check("eos_vs_alo >= 0.9 (PostgreSQL)", r["eos_vs_alo"], 0.9, r["eos_vs_alo"] >= 0.9))
     for column in ("recovery_s", "reset_s"):
         values = r["scaling"].get("history", {}).get(column) or []
         if len(values) >= 2:

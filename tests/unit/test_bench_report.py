@@ -44,7 +44,7 @@ def test_targets_say_which_are_met():
     assert verdicts["mttr_kill9_s <= cold_start_s + 10"] is True  # 22 <= 23
     assert verdicts["mttr_kill9_s < baseline_mttr_kill9_s"] is True
     assert verdicts["eos_vs_raw >= 0.5 (PostgreSQL)"] is False
-    assert verdicts["eos_vs_alo >= 0.85 (PostgreSQL)"] is True
+    assert verdicts["eos_vs_alo >= 0.9 (PostgreSQL)"] is True
     assert verdicts["recovery_s flat across checkpoint history (largest / smallest)"] is False  # 35 / 20
     assert verdicts["reset_s flat across checkpoint history (largest / smallest)"] is True
     assert verdicts["peak driver RSS flat across backlog sizes (largest / smallest)"] is True
