@@ -171,10 +171,11 @@ def _profile(stack: Stack, profile: dict, total: Audit) -> dict:
     JDK's ``jfr`` is here), so its overhead is on both sides of the ratio."""
     found: dict = {}
     jobs = {"example": None, "minimal_parse": str(REPO / "benchmarks" / "jobs" / "events_minimal_parse.py")}
-    if not jvm_profile.available():
+    recorded = jvm_profile.available()
+    if not recorded:
         say("  no jfr (the JDK's tool) here: the drains run without a JVM profile")
     for name, application in jobs.items():
-        recording = stack.workdir / f"{name}.jfr" if jvm_profile.available() else None
+        recording = stack.workdir / f"{name}.jfr" if recorded else None
         drained = throughput.drain(stack, exactly_once=True, database="postgresql", backlog=profile["backlog"],
                                    max_offsets=profile["max_offsets"], total=total, application=application,
                                    java_options=jvm_profile.recording_option(recording) if recording else "")
