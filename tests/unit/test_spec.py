@@ -63,6 +63,7 @@ def test_local_checkpoints_get_the_forkless_checkpoint_manager(root, local):
     assert (conf.get(CHECKPOINT_MANAGER_CONF) == LOCAL_CHECKPOINT_MANAGER) is local
     assert conf["spark.sql.session.timeZone"] == "UTC"
     assert conf["spark.sql.streaming.minBatchesToRetain"] == "100"
+    assert conf["spark.sql.inMemoryColumnarStorage.compressed"] == "false"  # a batch's cache lives one batch
 
 
 def test_the_jobs_own_spark_conf_wins_over_the_defaults():
