@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from benchmarks import report
-from benchmarks.throughput import steady_rate
+from benchmarks.throughput import WARM_UP_BATCHES, steady_rate, warm_rate
 
 SAMPLES = {
     "cold_start_s": [12.0, 14.0, 13.0],
@@ -64,6 +64,27 @@ def test_missing_sections_give_no_number_and_no_verdict():
 def test_steady_rate_leaves_out_the_first_batch():
     assert steady_rate([(500, 10.0), (1000, 11.0), (1000, 12.0)]) == 1000.0
     assert steady_rate([(500, 10.0)]) is None
+
+
+def test_the_warm_rate_leaves_out_the_jit_warm_up_batches():
+    batches = [(10_000, 10.0), (100_000, 15.0), (100_000, 18.0), (100_000, 20.0), (100_000, 22.0)]
+    assert WARM_UP_BATCHES == 3
+    assert warm_rate(batches) == 50_000.0  # timed from the third batch's commit: 200,000 records in 4 s
+    assert steady_rate(batches) == 400_000 / 12.0
+    assert warm_rate(batches[:3]) is None  # a drain too short to get past the warm-up gives no warm rate
+
+
+def test_the_longer_drain_reports_its_warm_rate_and_counts_in_the_memory_targets():
+    warm = {"backlog": 1_000_000, "msgs_s": 20_000.0, "warm_up_batches": 3, "peak_rss_mb": 1_300.0,
+            "peak_rss_jvm_mb": 600.0, "peak_rss_python_mb": 700.0, "peak_pss_mb": 1_100.0}
+    samples = {**SAMPLES, "eos_warm_msgs_s": [27_000.0], "scaling": {**SAMPLES["scaling"], "warm": warm}}
+    r = report.summarise(samples, {})
+    assert r["eos_warm_vs_raw"] == round(27_000 / 45_000, 3)
+    text = report.markdown({**r, "meta": {}})
+    assert "a 1,000,000-event drain runs at 20,000 msgs/s from its first batch and 27,000 msgs/s" in text
+    verdicts = {t["target"]: (t["value"], t["met"]) for t in r["targets"]}
+    assert verdicts["peak driver RSS <= 1200 MB, a driver started on a backlog"] == (1_300.0, False)
+    assert verdicts["peak driver RSS flat across backlog sizes (largest / smallest)"][0] == round(1_300 / 900, 3)
 
 
 def test_rss_table_splits_jvm_and_python_when_measured():
