@@ -31,7 +31,7 @@ PROFILES = {
                 "max_offsets": 100_000, "raw_repeats": 3, "rss_backlogs": [30_000, 150_000, 300_000],
                 "history": [10, 100, 1000], "partitions": [1, 8, 32], "real_airflow_kills": 10,
                 "batch_sizes": [10_000, 30_000, 100_000], "batch_backlog": 300_000, "standby_kills": 10,
-                "warm_backlog": 1_000_000},
+                "warm_backlog": 600_000},
     "quick": {"cold": 1, "mttr": 1, "baseline": 1, "upgrade": 1, "throughput_repeats": 1, "eos_repeats": 1,
               "backlog": 6_000,
               "max_offsets": 2_000, "raw_repeats": 1, "rss_backlogs": [4_000, 6_000],
