@@ -117,7 +117,7 @@ class StreamJobSpec:
             "spark.sql.shuffle.partitions": "4",
             "spark.sql.streaming.minBatchesToRetain": str(self.min_batches_to_retain),
             # The sink caches each batch for that batch only.  Compressing the cache gathers dictionary
-            # and run-length statistics over every column value to save a few MB for a second: draining
+            # and run-length statistics over every column value to save a few MB for one batch: draining
             # 100,000-record batches, read_parse took 0.79 of the time without it, same peak RSS.
             "spark.sql.inMemoryColumnarStorage.compressed": "false",
         }

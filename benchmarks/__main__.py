@@ -100,7 +100,7 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
         samples.setdefault("eos_confluent_msgs_s", []).append(drained["msgs_s"])
         # what a running job sustains: a longer drain, timed once the JVM compiled the per-record code
         drained = throughput.drain(stack, exactly_once=True, database="postgresql", backlog=profile["warm_backlog"],
-                                   max_offsets=profile["max_offsets"], total=total)
+                                   max_offsets=profile["max_offsets"], total=total, warm=True)
         samples["eos_warm_msgs_s"] = [drained["warm_msgs_s"]] if drained["warm_msgs_s"] else []
         samples["scaling"]["warm"] = {"backlog": profile["warm_backlog"], "msgs_s": drained["msgs_s"],
                                       "warm_up_batches": throughput.WARM_UP_BATCHES,

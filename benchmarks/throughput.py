@@ -118,10 +118,11 @@ START_WORKERS_REAPED_S = 75
 
 def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_offsets: int,
           total: Audit, reader: str = "kafka-python", burst_after: float | None = None,
-          application: str | None = None, java_options: str = "") -> dict:
+          application: str | None = None, java_options: str = "", warm: bool = False) -> dict:
     """One driver drains a backlog of ``backlog`` events; returns its rate and peak memory.  ``reader``:
     the Python source's read-task client (``kafka.reader``); ``application``: an exactly-once job other
-    than the example job; ``java_options``: added to the driver's.
+    than the example job; ``java_options``: added to the driver's; ``warm``: also the rate and breakdown
+    over the batches after ``WARM_UP_BATCHES`` (a drain long enough to leave several).
 
     With ``burst_after``, the backlog is a burst that a running job receives: the driver starts on an empty
     topic, runs that long, and is paused (SIGSTOP to its whole tree) while the burst is produced, so it
@@ -177,15 +178,15 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
     runner.store.dispose()
     phases = breakdown(driver.log_path)
     say_breakdown(f"{kind} on {database}", phases)
-    warm = warm_rate(batches)
+    warm_msgs_s = warm_rate(batches) if warm else None
     result = {"msgs_s": steady_rate(batches), "batches": len(batches), "peak_rss_mb": memory.peak / 2**20,
-              "breakdown_s": phases, "warm_msgs_s": warm,
-              "warm_breakdown_s": breakdown(driver.log_path, skip=WARM_UP_BATCHES) if warm else None,
+              "breakdown_s": phases, "warm_msgs_s": warm_msgs_s,
+              "warm_breakdown_s": breakdown(driver.log_path, skip=WARM_UP_BATCHES) if warm_msgs_s else None,
               "peak_rss_jvm_mb": memory.peak_parts["jvm"] / 2**20,
               "peak_rss_python_mb": memory.peak_parts["python"] / 2**20, "peak_pss_mb": memory.peak_pss / 2**20,
               "topic": job.topic}
-    if warm:
-        say(f"  {kind} on {database}: {warm:.0f} msgs/s over the batches after the first {WARM_UP_BATCHES}")
+    if warm_msgs_s:
+        say(f"  {kind} on {database}: {warm_msgs_s:.0f} msgs/s over the batches after the first {WARM_UP_BATCHES}")
     say(f"  {kind} on {database}: {backlog} events in {len(batches)} batches, {result['msgs_s']:.0f} msgs/s, "
         f"peak driver RSS {result['peak_rss_mb']:.0f} MB (JVM {result['peak_rss_jvm_mb']:.0f}, Python "
         f"{result['peak_rss_python_mb']:.0f}); peak PSS {result['peak_pss_mb']:.0f} MB")
