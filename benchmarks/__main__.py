@@ -11,6 +11,7 @@ default profile takes about 28 minutes on a 2-core machine; ``quick`` checks the
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import shutil
 import sys
@@ -109,9 +110,15 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
         if drained["warm_breakdown_s"]:
             samples["scaling"].setdefault("breakdown_s", {})["eos/postgresql, warm"] = drained["warm_breakdown_s"]
         samples["raw_consume_msgs_s"] = []
+        raw_cpu: dict[str, float] = {}
         for _ in range(profile["raw_repeats"]):
-            samples["raw_consume_msgs_s"].append(throughput.raw_consume(stack, topic, profile["backlog"]))
+            samples["raw_consume_msgs_s"].append(throughput.raw_consume(stack, topic, profile["backlog"], raw_cpu))
             say(f"  raw kafka-python: {samples['raw_consume_msgs_s'][-1]:.0f} msgs/s")
+        throughput.say_cpu("raw kafka-python (the last read)", raw_cpu)
+        if drained["warm_cpu_s"]:  # where the 2 cores go, per record, in the running job and in raw
+            samples["scaling"]["cpu_per_100k"] = {"cores": len(os.sched_getaffinity(0)),
+                                                  "eos/postgresql, warm": drained["warm_cpu_s"],
+                                                  "raw kafka-python": raw_cpu}
     if section("rss", f"peak driver RSS for backlogs {profile['rss_backlogs']} (batches up to {profile['max_offsets']:,})"):
         rss = {"backlog": [], "peak_rss_mb": [], "jvm_mb": [], "python_mb": [], "pss_mb": [], "msgs_s": [],
                "max_offsets_per_trigger": profile["max_offsets"]}

@@ -230,6 +230,37 @@ def _warm_lines(r: dict[str, Any], warm: dict[str, Any]) -> list[str]:
             f"{_fmt(warm['peak_pss_mb'])}). The shorter drains above are mostly the JVM's warm-up."]
 
 
+#: Who spends CPU (``benchmarks.stack.tree_cpu`` and the raw consumer), in the table's order.
+CPU_KINDS = ("jvm", "python_driver", "python_workers", "postgresql", "consumer", "broker")
+
+
+def _cpu_lines(r: dict[str, Any], found: dict[str, Any]) -> list[str]:
+    """CPU seconds per 100,000 records, the running job's against raw kafka-python's, and the rate the
+    running job's CPU per record allows on this machine's cores."""
+    eos, raw = found.get("eos/postgresql, warm"), found.get("raw kafka-python")
+    if not eos or not raw:
+        return []
+    cores = found["cores"]
+    lines = ["", "## Where the cores go (CPU seconds per 100,000 records)", "",
+             "| who | exactly-once, a running job (PostgreSQL) | raw kafka-python |", "|---|---:|---:|"]
+    for kind in CPU_KINDS:
+        if kind in eos or kind in raw:
+            lines.append(f"| {kind} | {_fmt(eos.get(kind))} | {_fmt(raw.get(kind))} |")
+    spent = {name: sum(v for k, v in d.items() if k != "wall") for name, d in (("eos", eos), ("raw", raw))}
+    lines += [f"| **all** | {_fmt(spent['eos'])} | {_fmt(spent['raw'])} |",
+              f"| wall seconds | {_fmt(eos['wall'])} | {_fmt(raw['wall'])} |",
+              f"| cores busy | {_fmt(spent['eos'] / eos['wall'])} | {_fmt(spent['raw'] / raw['wall'])} |"]
+    raw_rate = r.get("raw_consume_msgs_s")
+    ceiling = cores * 100_000 / spent["eos"]
+    lines += ["", f"Over the running job's warm batches (the rate above) and one raw read. At this CPU per record "
+              f"the job cannot pass {_fmt(ceiling)} msgs/s on {cores} cores with every core busy"
+              + (f", {_fmt(ceiling / raw_rate)} of raw kafka-python; `eos_vs_raw` 0.5 asks for at most "
+                 f"{_fmt(cores * 100_000 / (0.5 * raw_rate))} CPU s per 100,000 records" if raw_rate else "")
+              + ". The raw consumer decodes in one Python thread and the broker serves it; the job reads, "
+              "parses, aggregates and commits, and its database and broker share the same cores."]
+    return lines
+
+
 def _breakdown_lines(found: dict[str, dict[str, float]]) -> list[str]:
     """Seconds per steady batch and phase, per drain: Spark's phases, the sink's, and the rest."""
     if not found:
@@ -362,6 +393,7 @@ def markdown(r: dict[str, Any]) -> str:
         lines += ["", f"With the optional confluent-kafka reader (`kafka.reader`), exactly-once on PostgreSQL: "
                   f"{_fmt(r['eos_confluent_msgs_s'])} msgs/s, {_fmt(r['eos_confluent_vs_raw'])} of raw kafka-python."]
     lines += _warm_lines(r, r["scaling"].get("warm") or {})
+    lines += _cpu_lines(r, r["scaling"].get("cpu_per_100k") or {})
     lines += ["", f"Runs: {', '.join(f'{k} {v}' for k, v in runs.items() if '/' in k or k.startswith('raw'))}.", ""]
     lines += _startup_lines(r["scaling"].get("startup_s") or {})
     lines += _breakdown_lines(r["scaling"].get("breakdown_s") or {})

@@ -75,6 +75,45 @@ def tree_rss(pid: int) -> dict[str, int]:
     return parts
 
 
+def cpu_seconds(process: psutil.Process) -> float:
+    """User and system CPU seconds of a process and of its children it has reaped: summed at two moments
+    over the processes alive at each, a child's time is counted once whether it is still running or gone."""
+    times = process.cpu_times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def tree_cpu(pid: int, broker_pid: int | None) -> dict[str, float]:
+    """Cumulative CPU seconds by who spends them: the driver's JVM, its Python driver, Spark's Python
+    workers (read tasks, the source's runner, planning), the PostgreSQL server (every ``postgres``
+    process: nothing else uses it while a benchmark drains) and the broker."""
+    parts = {"jvm": 0.0, "python_driver": 0.0, "python_workers": 0.0, "postgresql": 0.0, "broker": 0.0}
+    try:
+        driver = psutil.Process(pid)
+        parent = driver.parent()
+        root = parent if parent is not None and "java" in (parent.name() or "") else driver
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                if "java" in (process.name() or ""):
+                    kind = "jvm"
+                else:
+                    worker = any(arg.startswith("pyspark.") for arg in process.cmdline())  # -m pyspark.daemon
+                    kind = "python_workers" if worker else "python_driver"
+                parts[kind] += cpu_seconds(process)
+            except psutil.NoSuchProcess:
+                pass
+    except psutil.NoSuchProcess:
+        pass
+    for process in psutil.process_iter(["name"]):
+        try:
+            if process.info["name"] == "postgres":
+                parts["postgresql"] += cpu_seconds(process)
+            elif process.pid == broker_pid:
+                parts["broker"] += cpu_seconds(process)
+        except psutil.NoSuchProcess:
+            pass
+    return parts
+
+
 @dataclass
 class Job:
     """One stream job of a benchmark: its topic, database, spec and state hook."""

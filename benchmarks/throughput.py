@@ -18,21 +18,35 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 from sqlalchemy import func, inspect, select, text
 
 from benchmarks.audit import Audit, audit
-from benchmarks.stack import AT_LEAST_ONCE_JOB, EVENTS_JOB, Job, Stack, say, signal_driver_tree, tree_rss
+from benchmarks.stack import (
+    AT_LEAST_ONCE_JOB,
+    EVENTS_JOB,
+    Job,
+    Stack,
+    cpu_seconds,
+    say,
+    signal_driver_tree,
+    tree_cpu,
+    tree_rss,
+)
 from stack.jobs import JobRunner, make_spec
 
 
 class PeakRss(threading.Thread):
-    """Samples the driver's process tree every 0.25 s."""
+    """Samples the driver's process tree every 0.25 s; with ``broker_pid``, also the CPU time spent by it,
+    the PostgreSQL server and the broker (``cpu``: epoch time and cumulative seconds by kind)."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, broker_pid: int | None = None):
         super().__init__(daemon=True)
         self.pid, self.peak, self.done = pid, 0, threading.Event()
         self.peak_parts = {"jvm": 0, "python": 0}  # at the peak of the total
         self.peak_pss = 0
+        self.broker_pid = broker_pid
+        self.cpu: list[tuple[float, dict[str, float]]] = []
 
     def run(self) -> None:
         while not self.done.is_set():
@@ -40,7 +54,28 @@ class PeakRss(threading.Thread):
             self.peak_pss = max(self.peak_pss, parts.pop("pss"))
             if sum(parts.values()) > self.peak:
                 self.peak, self.peak_parts = sum(parts.values()), parts
+            if self.broker_pid is not None:
+                self.cpu.append((time.time(), tree_cpu(self.pid, self.broker_pid)))
             self.done.wait(0.25)
+
+
+def cpu_per_records(samples: list[tuple[float, dict[str, float]]], batches: list[tuple[int, float]],
+                    per: int = 100_000) -> dict[str, float] | None:
+    """CPU seconds by kind per ``per`` records over the warm batches (the window ``warm_rate`` times),
+    from the samples nearest its ends; ``wall`` is the window's length per ``per`` records."""
+    window = batches[WARM_UP_BATCHES - 1:]
+    if len(window) < 2 or len(samples) < 2:
+        return None
+    start, end = window[0][1], window[-1][1]
+    first = min(samples, key=lambda sample: abs(sample[0] - start))
+    last = min(samples, key=lambda sample: abs(sample[0] - end))
+    records = sum(n for n, _ in window[1:])
+    if last[0] <= first[0] or not records:
+        return None
+    scale = per / records
+    found = {kind: max(0.0, last[1][kind] - first[1][kind]) * scale for kind in last[1]}
+    found["wall"] = (last[0] - first[0]) * scale
+    return found
 
 
 def _batches(job: Job, exactly_once: bool) -> list[tuple[int, float]]:
@@ -155,7 +190,7 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
             producer.send(backlog)
         finally:
             signal_driver_tree(driver.pid, signal.SIGCONT)
-    memory = PeakRss(driver.pid)
+    memory = PeakRss(driver.pid, stack.broker.process.pid if warm else None)
     memory.start()
     try:
         deadline = time.monotonic() + 600
@@ -182,19 +217,31 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
     result = {"msgs_s": steady_rate(batches), "batches": len(batches), "peak_rss_mb": memory.peak / 2**20,
               "breakdown_s": phases, "warm_msgs_s": warm_msgs_s,
               "warm_breakdown_s": breakdown(driver.log_path, skip=WARM_UP_BATCHES) if warm_msgs_s else None,
+              "warm_cpu_s": cpu_per_records(memory.cpu, batches) if warm_msgs_s else None,
               "peak_rss_jvm_mb": memory.peak_parts["jvm"] / 2**20,
               "peak_rss_python_mb": memory.peak_parts["python"] / 2**20, "peak_pss_mb": memory.peak_pss / 2**20,
               "topic": job.topic}
     if warm_msgs_s:
         say(f"  {kind} on {database}: {warm_msgs_s:.0f} msgs/s over the batches after the first {WARM_UP_BATCHES}")
+    if result["warm_cpu_s"]:
+        say_cpu(f"{kind} on {database}, warm", result["warm_cpu_s"])
     say(f"  {kind} on {database}: {backlog} events in {len(batches)} batches, {result['msgs_s']:.0f} msgs/s, "
         f"peak driver RSS {result['peak_rss_mb']:.0f} MB (JVM {result['peak_rss_jvm_mb']:.0f}, Python "
         f"{result['peak_rss_python_mb']:.0f}); peak PSS {result['peak_pss_mb']:.0f} MB")
     return result
 
 
-def raw_consume(stack: Stack, topic: str, expected: int) -> float:
-    """kafka-python alone reading the whole topic: the ceiling for a Python source."""
+def say_cpu(kind: str, found: dict[str, float]) -> None:
+    spent = sum(v for k, v in found.items() if k != "wall")
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in found.items() if k != "wall")
+    say(f"  {kind}: CPU s per 100,000 records {spent:.2f} ({parts}) in {found['wall']:.2f} s: "
+        f"{spent / found['wall']:.2f} cores busy")
+
+
+def raw_consume(stack: Stack, topic: str, expected: int, cpu: dict[str, float] | None = None) -> float:
+    """kafka-python alone reading the whole topic: the ceiling for a Python source.  With ``cpu``, fills it
+    with the CPU seconds per 100,000 records of the consumer (this process: nothing else runs in it
+    meanwhile) and of the broker, and the wall seconds."""
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(bootstrap_servers=stack.broker.bootstrap, enable_auto_commit=False)
@@ -205,12 +252,17 @@ def raw_consume(stack: Stack, topic: str, expected: int) -> float:
         end = consumer.end_offsets(partitions)
         position = {tp: 0 for tp in partitions}
         read = 0
-        started = time.monotonic()
+        broker = psutil.Process(stack.broker.process.pid)
+        started, cpu_started, broker_started = time.monotonic(), time.process_time(), cpu_seconds(broker)
         while any(position[tp] < end[tp] for tp in partitions):
             for tp, records in consumer.poll(timeout_ms=500, max_records=10_000).items():
                 read += len(records)
                 position[tp] = records[-1].offset + 1
         seconds = time.monotonic() - started
+        if cpu is not None and read:
+            scale = 100_000 / read
+            cpu.update(consumer=(time.process_time() - cpu_started) * scale,
+                       broker=(cpu_seconds(broker) - broker_started) * scale, wall=seconds * scale)
     finally:
         consumer.close()
     if read < expected:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import report
-from benchmarks.throughput import WARM_UP_BATCHES, steady_rate, warm_rate
+from benchmarks.throughput import WARM_UP_BATCHES, cpu_per_records, steady_rate, warm_rate
 
 SAMPLES = {
     "cold_start_s": [12.0, 14.0, 13.0],
@@ -85,6 +87,28 @@ def test_the_longer_drain_reports_its_warm_rate_and_counts_in_the_memory_targets
     verdicts = {t["target"]: (t["value"], t["met"]) for t in r["targets"]}
     assert verdicts["peak driver RSS <= 1200 MB, a driver started on a backlog"] == (1_300.0, False)
     assert verdicts["peak driver RSS flat across backlog sizes (largest / smallest)"][0] == round(1_300 / 900, 3)
+
+
+def test_cpu_per_record_is_taken_over_the_warm_rates_window():
+    batches = [(10_000, 10.0), (100_000, 15.0), (100_000, 18.0), (100_000, 20.0), (100_000, 22.0)]
+    samples = [(t, {"jvm": 2.0 * t, "postgresql": 0.5 * t}) for t in (9.9, 14.0, 18.1, 19.0, 21.9, 23.0)]
+    found = cpu_per_records(samples, batches)
+    # samples nearest the window's ends: 18.1 and 21.9 (3.8 s); 200,000 records after the third batch
+    assert found == pytest.approx({"jvm": 2.0 * 3.8 / 2, "postgresql": 0.5 * 3.8 / 2, "wall": 3.8 / 2})
+    assert cpu_per_records(samples, batches[:3]) is None
+    assert cpu_per_records(samples[:1], batches) is None
+
+
+def test_the_cpu_table_sets_the_running_job_beside_raw_and_gives_the_ceiling_it_allows():
+    cpu = {"cores": 2, "eos/postgresql, warm": {"jvm": 4.0, "python_workers": 2.0, "postgresql": 1.0, "wall": 4.0},
+           "raw kafka-python": {"consumer": 1.8, "broker": 0.4, "wall": 2.0}}
+    samples = {**SAMPLES, "scaling": {**SAMPLES["scaling"], "cpu_per_100k": cpu}}
+    text = report.markdown({**report.summarise(samples, {}), "meta": {}})
+    assert "| jvm | 4.00 | – |" in text and "| consumer | – | 1.80 |" in text
+    assert "| **all** | 7.00 | 2.20 |" in text and "| cores busy | 1.75 | 1.10 |" in text
+    # 2 cores / 7 CPU s per 100,000 records: 28,571 msgs/s at most, 0.63 of raw's median 45,000;
+    # half of raw (22,500 msgs/s) on 2 cores leaves 8.89 CPU s per 100,000 records
+    assert "cannot pass 28,571 msgs/s on 2 cores" in text and "0.63 of raw" in text and "at most 8.89 CPU s" in text
 
 
 def test_rss_table_splits_jvm_and_python_when_measured():
