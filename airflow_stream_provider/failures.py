@@ -470,6 +470,8 @@ SIGNATURES: tuple[Signature, ...] = (
             ),
             r"(?i)OperationalError\b.*database is locked",
             r"\bpsycopg2?\.errors\.(?:AdminShutdown|CannotConnectNow|SerializationFailure|DeadlockDetected)\b",
+            # the server ended a session frozen inside its transaction (``dialect.IDLE_IN_TRANSACTION_TIMEOUT_S``)
+            r"\bpsycopg2?\.errors\.IdleInTransactionSessionTimeout\b",
         ),
         advice="The sink/state database was unreachable or busy: check it; a restart with backoff replays "
         "the uncommitted batch and the sink skips what it already has.",

@@ -4,7 +4,8 @@ Everything else in ``state`` is dialect-neutral SQLAlchemy Core; what is not liv
 
 * the engine: SQLite runs in WAL mode with ``BEGIN IMMEDIATE`` write transactions, so the driver's
   heartbeats and the sink's commits serialise instead of failing with "database is locked" halfway
-  through; PostgreSQL gets a small pre-pinged pool;
+  through; PostgreSQL gets a small pre-pinged pool whose sessions end a transaction left idle for
+  ``IDLE_IN_TRANSACTION_TIMEOUT_S``;
 * the upsert: both dialects spell ``INSERT ... ON CONFLICT`` through their own ``insert`` construct (how
   many rows reach it at once is ``bulk``'s business);
 * a connection timeout for a quick reachability check (PostgreSQL's default waits minutes);
@@ -23,6 +24,13 @@ from sqlalchemy.engine import URL
 #: The dialects the state database supports (``Engine.dialect.name``).
 SUPPORTED = ("sqlite", "postgresql")
 
+#: PostgreSQL ends a session that holds a transaction open this long without sending a statement.  Every
+#: transaction here is database work only (rows are collected before it begins), so only a frozen process
+#: (SIGSTOP, a suspended VM) waits that long inside one; meanwhile it holds the job's row, and a standby's
+#: takeover would wait for it.  The default heartbeat timeout: such a takeover waits about as long as the
+#: heartbeat takes to go stale.  A URL's own ``options`` may set another value.
+IDLE_IN_TRANSACTION_TIMEOUT_S = 30
+
 
 def engine_for(url: URL) -> Engine:
     """An engine for ``url`` (password already set), with the dialect's settings."""
@@ -30,7 +38,15 @@ def engine_for(url: URL) -> Engine:
         engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
         _sqlite_immediate_transactions(engine)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=2, max_overflow=2)
+    return create_engine(url, pool_pre_ping=True, pool_size=2, max_overflow=2,
+                         connect_args={"options": _postgres_options(url.query.get("options"))})
+
+
+def _postgres_options(given: str | tuple[str, ...] | None) -> str:
+    """The libpq ``options`` of a state connection: the URL's own, after the idle-in-transaction timeout."""
+    given = " ".join(given) if isinstance(given, tuple) else (given or "")
+    ours = f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_TIMEOUT_S * 1000}"
+    return f"{ours} {given}".strip()  # a later -c of the same setting wins
 
 
 def _sqlite_immediate_transactions(engine: Engine) -> None:

@@ -416,6 +416,12 @@ PYTHON_PROXY = (
             "database-unreachable",
         ),
         ("sqlite3.OperationalError: database is locked", FailureKind.TRANSIENT, "database-unreachable"),
+        (
+            "sqlalchemy.exc.InternalError: (psycopg.errors.IdleInTransactionSessionTimeout) terminating "
+            "connection due to idle-in-transaction timeout",
+            FailureKind.TRANSIENT,
+            "database-unreachable",
+        ),
         ("kafka.errors.NoBrokersAvailable: NoBrokersAvailable", FailureKind.TRANSIENT, "kafka-unreachable"),
         (
             "airflow_stream_provider.kafka_client.KafkaReadError: timed out reading events-2 [0, 40): stopped "

@@ -199,3 +199,60 @@ def test_a_large_postgresql_write_goes_through_copy_with_the_same_upsert_and_err
     with store.engine.connect() as conn:
         staged = conn.exec_driver_sql("SELECT count(*) FROM pg_class WHERE relname LIKE 'stream_stage_%%'").scalar()
     assert staged == 0 and len(_totals(store, results_table)) == n
+
+
+def test_a_driver_frozen_inside_its_commit_loses_the_job_row_to_a_takeover_on_postgresql(
+    postgres_url, monkeypatch
+):
+    """A driver frozen (SIGSTOP, a suspended VM) inside its commit holds the job's row, which a takeover
+    must update.  PostgreSQL ends the frozen session after the idle-in-transaction timeout (1 s here, 30 s
+    by default), the takeover proceeds, and the frozen driver, woken, fails having written nothing."""
+    import threading
+
+    from sqlalchemy import exc as sql_errors
+
+    from airflow_stream_provider.state import dialect
+    from airflow_stream_provider.state.store import StateStore
+
+    monkeypatch.setattr(dialect, "IDLE_IN_TRANSACTION_TIMEOUT_S", 1)
+    frozen_store = StateStore.from_url(postgres_url)
+    frozen_store.ensure_schema()
+    table = Table("totals", MetaData(), Column("k", Text, primary_key=True), Column("n", BigInteger))
+    table.create(frozen_store.engine)
+    zombie = _run(frozen_store)
+    batch_plan = plan(frozen_store, "job", _batch(0, 0, 2))
+    frozen, wake, failed = threading.Event(), threading.Event(), []
+
+    class FreezingRows(list):
+        def __iter__(self):  # the rows are read inside the transaction, after the epoch check took the row
+            frozen.set()
+            wake.wait(30)
+            return super().__iter__()
+
+    def commit_and_freeze():
+        try:
+            commit(frozen_store, zombie, batch_plan, read={(T, 0): 2}, dead_letters=[],
+                   writes=[Write(table, FreezingRows([{"k": "z", "n": 1}] * 300), ("k",), ("n",))])
+        except Exception as error:
+            failed.append(error)
+
+    driver = threading.Thread(target=commit_and_freeze, daemon=True)
+    driver.start()
+    assert frozen.wait(30)
+    # the taking-over side gives up on the row after 10 s instead of waiting forever (its URL's own options)
+    takeover = StateStore.from_url(f"{postgres_url}?options=-c%20lock_timeout%3D10000")
+    try:
+        newer = takeover.begin_run("job", 1, "1.0")
+        assert newer.epoch == zombie.epoch + 1
+        with takeover.engine.connect() as conn:
+            assert conn.exec_driver_sql("SHOW lock_timeout").scalar() == "10s"
+            assert conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar() == "1s"
+    finally:
+        wake.set()
+        driver.join(30)
+        takeover.dispose()
+    # SQLSTATE 25P03: the transaction's fault, not a refused value, so no poison isolation starts on it
+    assert len(failed) == 1 and "idle-in-transaction timeout" in str(failed[0]), failed
+    assert isinstance(failed[0], sql_errors.DBAPIError) and not dialect.is_data_error(failed[0])
+    assert _totals(frozen_store, table) == {} and frozen_store.stored_offsets("job") == {}
+    frozen_store.dispose()
