@@ -37,15 +37,21 @@ def kill_driver_tree(pid: int) -> None:
     psutil.wait_procs(signal_driver_tree(pid, signal.SIGKILL), timeout=10)
 
 
-def signal_driver_tree(pid: int, sig: int) -> list[psutil.Process]:
-    """Send ``sig`` to the driver's whole tree (its JVM, the Python driver, every worker); return the tree."""
+def driver_tree(pid: int) -> list[psutil.Process]:
+    """The driver's processes: the spark-submit JVM it runs under (when it does), the Python driver and
+    every worker; empty once the driver is gone."""
     try:
         driver = psutil.Process(pid)
+        parent = driver.parent()
+        root = parent if parent is not None and "java" in (parent.name() or "") else driver
+        return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
-    parent = driver.parent()
-    root = parent if parent is not None and "java" in (parent.name() or "") else driver
-    tree = [root, *root.children(recursive=True)]
+
+
+def signal_driver_tree(pid: int, sig: int) -> list[psutil.Process]:
+    """Send ``sig`` to the driver's whole tree (its JVM, the Python driver, every worker); return the tree."""
+    tree = driver_tree(pid)
     for process in tree:
         try:
             process.send_signal(sig)
@@ -60,18 +66,12 @@ def tree_rss(pid: int) -> dict[str, int]:
     Spark's forked Python workers share with their daemon once per process; PSS splits each shared page
     among its sharers, so it is what the tree really holds."""
     parts = {"jvm": 0, "python": 0, "pss": 0}
-    try:
-        driver = psutil.Process(pid)
-        parent = driver.parent()
-        root = parent if parent is not None and "java" in (parent.name() or "") else driver
-        for process in [root, *root.children(recursive=True)]:
-            try:
-                parts["jvm" if "java" in (process.name() or "") else "python"] += process.memory_info().rss
-                parts["pss"] += process.memory_full_info().pss
-            except psutil.NoSuchProcess:
-                pass
-    except psutil.NoSuchProcess:
-        pass
+    for process in driver_tree(pid):
+        try:
+            parts["jvm" if "java" in (process.name() or "") else "python"] += process.memory_info().rss
+            parts["pss"] += process.memory_full_info().pss
+        except psutil.NoSuchProcess:
+            pass
     return parts
 
 
@@ -87,22 +87,16 @@ def tree_cpu(pid: int, broker_pid: int | None) -> dict[str, float]:
     workers (read tasks, the source's runner, planning), the PostgreSQL server (every ``postgres``
     process: nothing else uses it while a benchmark drains) and the broker."""
     parts = {"jvm": 0.0, "python_driver": 0.0, "python_workers": 0.0, "postgresql": 0.0, "broker": 0.0}
-    try:
-        driver = psutil.Process(pid)
-        parent = driver.parent()
-        root = parent if parent is not None and "java" in (parent.name() or "") else driver
-        for process in [root, *root.children(recursive=True)]:
-            try:
-                if "java" in (process.name() or ""):
-                    kind = "jvm"
-                else:
-                    worker = any(arg.startswith("pyspark.") for arg in process.cmdline())  # -m pyspark.daemon
-                    kind = "python_workers" if worker else "python_driver"
-                parts[kind] += cpu_seconds(process)
-            except psutil.NoSuchProcess:
-                pass
-    except psutil.NoSuchProcess:
-        pass
+    for process in driver_tree(pid):
+        try:
+            if "java" in (process.name() or ""):
+                kind = "jvm"
+            else:
+                worker = any(arg.startswith("pyspark.") for arg in process.cmdline())  # -m pyspark.daemon
+                kind = "python_workers" if worker else "python_driver"
+            parts[kind] += cpu_seconds(process)
+        except psutil.NoSuchProcess:
+            pass
     for process in psutil.process_iter(["name"]):
         try:
             if process.info["name"] == "postgres":
