@@ -57,7 +57,9 @@ def _processing_after(runner, run_id: str, after: float, timeout: float = 120) -
 
 
 def _stopped(pgid: int) -> bool:
-    """Every process of the group has stopped (SIGSTOP is delivered asynchronously)."""
+    """Every process of the group has stopped (SIGSTOP is delivered asynchronously).  The group, not the
+    driver's process tree: Spark's Python worker daemon moves into a group of its own (``os.setpgid``),
+    so ``killpg`` never stops it and it holds no state-database connection."""
     states = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
