@@ -48,8 +48,9 @@ lint: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/python -m demo $(DEMO_ARGS)
 
-# Recovery time, throughput and scaling against the baseline; writes benchmarks/results/ (about 28 min on
-# 2 cores; BENCH_ARGS="--profile quick" checks the whole path in a few minutes).  Recovery under a real
+# Recovery time, throughput and scaling against the baseline; writes benchmarks/results/ (about 25 min on
+# 2 cores; BENCH_ARGS="--profile quick" checks the whole path in a few minutes).  What each cut of the cold
+# start saves runs only when named (about 5 minutes): BENCH_ARGS="--only cold_cuts --update".  Recovery under a real
 # Airflow, against the former polling DAG and SparkSubmitOperator, runs only when named (about an hour):
 # BENCH_ARGS="--only cold mttr_real_airflow --update"; so does the warm standby's takeover over ten kills
 # (about 15 minutes): BENCH_ARGS="--only cold standby --update".

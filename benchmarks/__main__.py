@@ -5,7 +5,7 @@
 
 Sections run one after the other on one stack (Tansu, PostgreSQL, local Spark, Airflow with the example
 DAGs), print what they are doing, and end in ``<out>/latest.json``, ``latest.md`` and PNG plots.  The
-default profile takes about 28 minutes on a 2-core machine; ``quick`` checks the whole path in a few.
+default profile takes about 25 minutes on a 2-core machine; ``quick`` checks the whole path in a few.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from benchmarks.audit import Audit
 from benchmarks.report import OPTIONAL_SECTIONS, SECTIONS
 from benchmarks.stack import REPO, Stack, say
 
-#: The default profile takes about 28 minutes on a 2-core machine (budget: 30): about 40 driver starts
-#: (20-28 s each) and the 1000-batch checkpoint history (about 0.4 s a micro-batch of this job here,
+#: The default profile takes about 25 minutes on a 2-core machine (budget: 30): about 30 driver starts
+#: (10-25 s each) and the 1000-batch checkpoint history (about 0.4 s a micro-batch of this job here,
 #: whatever its size: Spark planning and scheduling its small jobs, and writing two checkpoint logs).
 PROFILES = {
     "default": {"cold": 3, "mttr": 3, "baseline": 3, "upgrade": 2, "throughput_repeats": 1, "eos_repeats": 3,
@@ -61,9 +61,15 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
             current.append((name, time.monotonic()))
         return name in sections
 
-    if section("cold", f"driver spawn -> first committed batch, {profile['cold']} runs of each kind of driver"):
-        found = cold_start.measure(stack, profile["cold"], total)
+    if section("cold", f"driver spawn -> first committed batch, as shipped and the code before, {profile['cold']} "
+                       "runs of each"):
+        found = cold_start.measure(stack, profile["cold"], total, cold_start.TARGET_KINDS)
         samples["scaling"]["startup_s"] = found.pop("startup_s")
+        samples.update(found)
+    if section("cold_cuts", f"what each cut of the cold start saves: {', '.join(cold_start.VARIANTS)}, "
+                            f"{profile['cold']} runs of each"):
+        found = cold_start.measure(stack, profile["cold"], total)
+        samples["scaling"]["startup_cuts_s"] = found.pop("startup_s")
         samples.update(found)
     if section("mttr", f"kill -9 under the polling health DAG + recover (dag.test), {profile['mttr']} runs"):
         samples["detect_kill9_s"], samples["mttr_kill9_s"] = recovery.mttr_provider(stack, profile["mttr"], total)

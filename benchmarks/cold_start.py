@@ -1,7 +1,8 @@
 """The floor of every restart: a driver spawned on an existing checkpoint with records waiting, to its first
 committed batch; and what each of the start's cuts saves.
 
-Five kinds of driver take turns (the machine's noise hits each alike):
+Up to five kinds of driver take turns (the machine's noise hits each alike); the default profile's ``cold``
+section starts the two the target compares (``TARGET_KINDS``), the ``cold_cuts`` section all five:
 
 * ``shipped``: as the provider launches it: the JVM maps the installation's class archive (``jvm_archive``),
   C2 takes only really hot code (``jvm_jit``) and Spark's Python zips are compiled (``make install`` runs
@@ -33,14 +34,17 @@ from benchmarks.load import BacklogProducer
 from benchmarks.stack import REPO, Stack, say
 
 VARIANTS = ("shipped", "default_jit", "no_archive", "uncut", "before")
+#: The kinds that ``cold_start_s <= cold_start_before_s / 2`` compares.
+TARGET_KINDS = ("shipped", "before")
 #: The sample key of each kind's seconds (``cold_start_s`` is the shipped one).
 KEYS = {"shipped": "cold_start_s", "default_jit": "cold_start_default_jit_s", "no_archive": "cold_start_no_archive_s",
         "uncut": "cold_start_uncut_s", "before": "cold_start_before_s"}
 ARCHIVE_WAIT_S = 300
 
 
-def measure(stack: Stack, repeats: int, total: Audit) -> dict:
-    """Seconds per kind (under ``KEYS``) and ``startup_s``: each kind's median seconds per startup phase."""
+def measure(stack: Stack, repeats: int, total: Audit, kinds: tuple[str, ...] = VARIANTS) -> dict:
+    """Seconds per kind of ``kinds`` (under ``KEYS``) and ``startup_s``: each kind's median seconds per
+    startup phase."""
     from stack.jobs import JobRunner, make_spec
 
     job = stack.new_job("cold-start")
@@ -59,11 +63,11 @@ def measure(stack: Stack, repeats: int, total: Audit) -> dict:
                "no_archive": (JobRunner(spec, logs, conf=plain), {}),
                "uncut": (JobRunner(spec, logs, conf=plain), spark_home)}
     old_code = _OldCode.ready(stack, plain, spark_home)
-    seconds: dict[str, list[float]] = {kind: [] for kind in VARIANTS}
-    phases: dict[str, list[dict]] = {kind: [] for kind in VARIANTS if kind != "before"}
+    seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
+    phases: dict[str, list[dict]] = {kind: [] for kind in kinds if kind != "before"}
     try:
         for attempt in range(repeats):
-            for kind in VARIANTS:
+            for kind in kinds:
                 if kind == "before":
                     seconds[kind].append(old_code.cold_start())
                     say(f"  cold start {attempt + 1}/{repeats} before ({cold_before.BEFORE}): "

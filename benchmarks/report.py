@@ -90,11 +90,12 @@ RSS_LIMIT_MB = 1200
 #: (``SECTIONS``, in the order they run).
 BUDGET_MINUTES = 30
 SECTIONS = ("cold", "mttr", "baseline", "upgrade", "throughput", "rss", "batch", "history", "partitions")
-#: Run only when named (``--only``): ``standby`` (about 15 minutes: ten standbys warm up and wait one after the other;
+#: Run only when named (``--only``): ``cold_cuts`` (about 5 minutes) starts every kind of driver of the cold
+#: start's cuts in turn, where ``cold`` starts the two its target compares; ``standby`` (about 15 minutes: ten standbys warm up and wait one after the other;
 #: name ``cold`` with it for its ratio) would take the default profile past its budget; ``profile`` (about a
 #: minute) records a drain with Java Flight Recorder, which slows it, so it stays apart from ``throughput``;
 #: ``mttr_real_airflow`` takes about an hour, most of it waiting for the 5-minute polling DAG.
-OPTIONAL_SECTIONS = ("standby", "profile", "mttr_real_airflow")
+OPTIONAL_SECTIONS = ("cold_cuts", "standby", "profile", "mttr_real_airflow")
 REAL_AIRFLOW_VARIANTS = ("watcher", "polling", "spark_submit")
 
 
@@ -215,7 +216,8 @@ def _startup_lines(found: dict[str, dict[str, float]]) -> list[str]:
                     "spark_session, source (the generation's start, the source, the job's transform), query_start, "
                     "first_batch.  `shipped`: the class archive mapped, C2 kept to hot code, Spark's Python zips "
                     "compiled; `default_jit`: HotSpot's JIT thresholds; `no_archive`: without the archive; `uncut`: "
-                    "without the archive and the compiled zips.  The code of `cold_start_before_s` logs no phases.", ""]
+                    "without the archive and the compiled zips (these three from the optional `cold_cuts` section, "
+                    "`--only cold_cuts`).  The code of `cold_start_before_s` logs no phases.", ""]
 
 
 def _warm_lines(r: dict[str, Any], warm: dict[str, Any]) -> list[str]:
@@ -395,7 +397,7 @@ def markdown(r: dict[str, Any]) -> str:
     lines += _warm_lines(r, r["scaling"].get("warm") or {})
     lines += _cpu_lines(r, r["scaling"].get("cpu_per_100k") or {})
     lines += ["", f"Runs: {', '.join(f'{k} {v}' for k, v in runs.items() if '/' in k or k.startswith('raw'))}.", ""]
-    lines += _startup_lines(r["scaling"].get("startup_s") or {})
+    lines += _startup_lines({**(r["scaling"].get("startup_cuts_s") or {}), **(r["scaling"].get("startup_s") or {})})
     lines += _breakdown_lines(r["scaling"].get("breakdown_s") or {})
     lines += _profile_lines(r["scaling"].get("profile") or {})
     scaling = r["scaling"]

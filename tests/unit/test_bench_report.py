@@ -168,6 +168,21 @@ def test_the_time_budget_is_judged_on_a_whole_default_run_only():
     assert verdict({"profile": "quick", "sections": every, "minutes": 4.0}) == "absent"
 
 
+def test_optional_sections_are_outside_the_budget():
+    meta = {"profile": "default", "sections": list(report.SECTIONS) + ["cold_cuts"], "minutes": 33.0,
+            "section_minutes": {"cold": 2.0, "cold_cuts": 5.0}}
+    budget = next(t for t in report.summarise(SAMPLES, meta)["targets"] if t["target"].startswith("whole default"))
+    assert (budget["value"], budget["met"]) == (28.0, True)
+
+
+def test_the_startup_table_takes_the_cuts_from_their_section_and_shipped_from_the_latest_cold_run():
+    cuts = {kind: {"launch": 1.0, "total": 12.0} for kind in ("shipped", "default_jit", "no_archive", "uncut")}
+    scaling = {"startup_cuts_s": cuts, "startup_s": {"shipped": {"launch": 0.9, "total": 9.5}}}
+    text = report.markdown(report.summarise({**SAMPLES, "scaling": scaling}, {}))
+    assert "| phase | `shipped` | `default_jit` | `no_archive` | `uncut` |" in text
+    assert "| total | 9.50 | 12.00 | 12.00 | 12.00 |" in text
+
+
 def test_minutes_per_section_are_reported():
     meta = {"profile": "default", "minutes": 3.5,
             "section_minutes": {"stack": 0.4, "cold": 1.25, "history": 1.85}}
