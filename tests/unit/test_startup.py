@@ -1,0 +1,29 @@
+"""The startup line's process start times: the Linux kernel's, to the clock tick, in time.time()'s terms.
+A real child process; nothing mocked."""
+
+import subprocess
+import sys
+import time
+
+import psutil
+
+from airflow_stream_provider.runtime import startup
+
+
+def test_a_process_start_is_read_to_the_clock_tick_not_to_the_boot_times_second():
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        after = time.time()
+        began = startup.started(psutil.Process(child.pid))
+        # psutil's create_time adds /proc/stat's boot time, whole seconds: up to a second early
+        assert before - 0.05 <= began <= after + 0.05
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_clock_reports_this_process_and_no_jvm_under_plain_python():
+    clock = startup.StartupClock()
+    assert clock.jvm_started is None
+    assert clock.python_started is not None and clock.python_started <= time.time()
