@@ -24,8 +24,8 @@ from benchmarks.report import OPTIONAL_SECTIONS, SECTIONS
 from benchmarks.stack import REPO, Stack, say
 
 #: The default profile takes about 25 minutes on a 2-core machine (budget: 30): about 30 driver starts
-#: (10-25 s each) and the 1000-batch checkpoint history (about 0.4 s a micro-batch of this job here,
-#: whatever its size: Spark planning and scheduling its small jobs, and writing two checkpoint logs).
+#: (10-25 s each) and the 1000-batch checkpoint history (about 0.3 s a micro-batch of this job here,
+#: whatever its size: Spark planning and scheduling its two small jobs, and writing two checkpoint logs).
 PROFILES = {
     "default": {"cold": 3, "mttr": 3, "baseline": 3, "upgrade": 2, "throughput_repeats": 1, "eos_repeats": 3,
                 "backlog": 300_000,
