@@ -94,7 +94,8 @@ SECTIONS = ("cold", "mttr", "baseline", "upgrade", "throughput", "rss", "batch",
 #: start's cuts in turn, where ``cold`` starts the two its target compares; ``standby`` (about 15 minutes:
 #: ten standbys warm up and wait one after the other; name ``cold`` with it for its ratio) would take the
 #: default profile past its budget; ``profile`` (about a minute) records a drain with Java Flight Recorder,
-#: which slows it, so it stays apart from ``throughput``; ``mttr_real_airflow`` takes about an hour, most of it waiting for the 5-minute polling DAG.
+#: which slows it, so it stays apart from ``throughput``; ``mttr_real_airflow`` takes about an hour, most of
+#: it waiting for the 5-minute polling DAG.
 OPTIONAL_SECTIONS = ("cold_cuts", "standby", "profile", "mttr_real_airflow")
 REAL_AIRFLOW_VARIANTS = ("watcher", "polling", "spark_submit")
 
