@@ -25,6 +25,8 @@ import time
 
 import psutil
 
+from airflow_stream_provider.local_driver import process_started
+
 log = logging.getLogger("airflow_stream_provider.harness")
 
 PHASES = ("launch", "python", "state_database", "spark_session", "source", "query_start", "first_batch")
@@ -36,24 +38,10 @@ def _process_starts() -> tuple[float | None, float | None]:
     try:
         me = psutil.Process(os.getpid())
         parent = me.parent()
-        jvm = started(parent) if parent is not None and "java" in (parent.name() or "") else None
-        return jvm, started(me)
+        jvm = process_started(parent) if parent is not None and "java" in (parent.name() or "") else None
+        return jvm, process_started(me)
     except psutil.Error:
         return None, None
-
-
-def started(process: psutil.Process) -> float:
-    """When ``process`` started, in ``time.time()``'s terms, to the clock tick.  Linux gives a process's
-    start in ticks since boot; psutil's ``create_time`` adds the boot time that /proc/stat gives in whole
-    seconds, which puts every start up to a second early, by an amount that differs from boot to boot (it
-    was 0.95 s on one machine): the python phase would carry it."""
-    try:
-        with open(f"/proc/{process.pid}/stat") as stat:
-            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
-        return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError, AttributeError):  # not Linux: psutil's, to the second
-        return process.create_time()
 
 
 class StartupClock:

@@ -10,13 +10,13 @@ import time
 
 import psutil
 
-from airflow_stream_provider.local_driver import process_alive
+from airflow_stream_provider.local_driver import process_alive, process_started
 
 
 def test_a_pid_reused_by_a_newer_process_is_not_the_driver():
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        created = psutil.Process(process.pid).create_time()
+        created = process_started(psutil.Process(process.pid))
         assert process_alive(process.pid)
         assert process_alive(process.pid, registered_at=created + 1)  # registered once it ran: the driver
         # The run registered a minute before this process existed: its driver had this pid, and is gone.

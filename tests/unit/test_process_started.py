@@ -1,5 +1,5 @@
-"""The startup line's process start times: the Linux kernel's, to the clock tick, in time.time()'s terms.
-A real child process; nothing mocked."""
+"""Process start times (``local_driver.process_started``, read by the startup line and the pid-reuse check):
+the Linux kernel's, to the clock tick, in time.time()'s terms.  A real child process; nothing mocked."""
 
 import subprocess
 import sys
@@ -7,6 +7,7 @@ import time
 
 import psutil
 
+from airflow_stream_provider.local_driver import process_started
 from airflow_stream_provider.runtime import startup
 
 
@@ -15,7 +16,7 @@ def test_a_process_start_is_read_to_the_clock_tick_not_to_the_boot_times_second(
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         after = time.time()
-        began = startup.started(psutil.Process(child.pid))
+        began = process_started(psutil.Process(child.pid))
         # psutil's create_time adds /proc/stat's boot time, whole seconds: up to a second early
         assert before - 0.05 <= began <= after + 0.05
     finally:
