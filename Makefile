@@ -50,10 +50,10 @@ demo: install
 
 # Recovery time, throughput and scaling against the baseline; writes benchmarks/results/ (about 25 min on
 # 2 cores; BENCH_ARGS="--profile quick" checks the whole path in a few minutes).  What each cut of the cold
-# start saves runs only when named (about 4 minutes): BENCH_ARGS="--only cold_cuts --update".  Recovery under a real
-# Airflow, against the former polling DAG and SparkSubmitOperator, runs only when named (about an hour):
-# BENCH_ARGS="--only cold mttr_real_airflow --update"; so does the warm standby's takeover over ten kills
-# (about 15 minutes): BENCH_ARGS="--only cold standby --update".
+# start saves runs only when named (about 4 minutes): BENCH_ARGS="--only cold_cuts --update".  Recovery
+# under a real Airflow, against the former polling DAG and SparkSubmitOperator, runs only when named (about
+# an hour): BENCH_ARGS="--only cold mttr_real_airflow --update"; so does the warm standby's takeover over ten
+# kills (about 15 minutes): BENCH_ARGS="--only cold standby --update".
 bench: install $(VENV)/.bench-installed
 	$(VENV)/bin/python -m benchmarks $(BENCH_ARGS)
 
