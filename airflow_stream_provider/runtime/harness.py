@@ -33,7 +33,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 from airflow_stream_provider import confluent_reader, failures, faults, kafka_client, kafka_offsets
-from airflow_stream_provider.runtime import kafka_source
+from airflow_stream_provider.runtime import kafka_source, planner_workers
 from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
 from airflow_stream_provider.runtime.listener import StateListener
 from airflow_stream_provider.runtime.poison import POISON_POLICIES, keeps_state
@@ -113,6 +113,7 @@ class StreamHarness:
         #: A dry run (upgrade preflight) stops by itself once one batch ran through the sink.
         self._preflight_done = False
         self._rerun_of_batch_0 = False
+        self._planners_released = False
         #: a standby registers now and takes an epoch only when it takes over (see ``runtime.standby``)
         self.standby: Standby | None = None
         #: set while this thread builds a standby's warm-up query (a standby re-runs it in the background)
@@ -567,9 +568,18 @@ class StreamHarness:
             records.writeStream.queryName(f"{spec.job_id}-gen{spec.generation}")
             .option("checkpointLocation", checkpoint)
             .trigger(processingTime=spec.trigger_interval)
-            .foreachBatch(self.sink)
+            .foreachBatch(self._batch)
             .start()
         )
+
+    def _batch(self, records: DataFrame, batch_id: int) -> None:
+        """Spark's ``foreachBatch`` call.  The query is planned when its first batch gets here: the Python
+        processes that planned it stay idle from then on (``planner_workers``), unless a standby's warm-up
+        query still plans in the background (then at a later batch)."""
+        if not self._planners_released and not (self.standby is not None and self.standby.rewarming()):
+            self._planners_released = True
+            planner_workers.release_idle()
+        self.sink(records, batch_id)
 
     def _new_sink(self, run: transaction.RunContext, offset_log: OffsetLog, results: ResultsFn):
         """The ``foreachBatch`` function.  Always the transactional sink; the benchmarks override this to

@@ -111,6 +111,10 @@ class Standby:
                                             daemon=True)
             self._rewarm.start()
 
+    def rewarming(self) -> bool:
+        """A warm-up query started while waiting is still running (a takeover does not wait for it)."""
+        return self._rewarm is not None and self._rewarm.is_alive()
+
     def _run(self, query: Callable[[str], object]) -> float:
         self._warmed_at = time.monotonic()
         return run_warm_up(query, self.spec.job_id)

@@ -18,6 +18,7 @@ import pytest
 
 from airflow_stream_provider import failures, kafka_offsets
 from airflow_stream_provider.runtime.harness import ARROW_POOL_ENV
+from airflow_stream_provider.runtime.planner_workers import PLANNER_MODULES
 from stack.events import BackgroundProducer, EventProducer
 from stack.jobs import check_exactly_once, wait_until
 
@@ -38,6 +39,19 @@ def _worker_arrow_pools(pid: int) -> list[str | None]:
     return pools
 
 
+def _planner_workers(pid: int) -> dict[str, int]:
+    """Workers forked by each of the driver's planner daemons (data source lookup, creation, read planning)."""
+    found = {}
+    for process in psutil.Process(pid).children(recursive=True):
+        try:
+            command = process.cmdline()  # a daemon's forks keep its command line: count what each forked
+            if command[1:3] == ["-m", "pyspark.daemon"] and command[3] in PLANNER_MODULES:
+                found[command[3]] = found.get(command[3], 0) + len(process.children())
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
 def test_graceful_stop_and_restart(broker, topic, runner, figures):
     producer = EventProducer(broker, topic)
     producer.send(3000)
@@ -47,6 +61,9 @@ def test_graceful_stop_and_restart(broker, topic, runner, figures):
     # Spark's Python workers (reading, planning) hand freed Arrow buffers back: the system allocator
     pools = _worker_arrow_pools(driver.pid)
     assert pools and set(pools) == {"system"}, pools
+    # the query's start planned the source in Python; those workers are gone once it ran a batch, the
+    # daemons that forked them stay for Spark to fork from again
+    assert _planner_workers(driver.pid) == dict.fromkeys(PLANNER_MODULES, 0)
     producer.send(1000)
     runner.wait_caught_up(_end(producer), driver)
     asked = time.monotonic()
