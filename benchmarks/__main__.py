@@ -141,8 +141,7 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
             rss["python_mb"].append(round(drained["peak_rss_python_mb"], 1))
             rss["pss_mb"].append(round(drained["peak_pss_mb"], 1))
             rss["msgs_s"].append(drained["msgs_s"])
-        # the largest backlog again as a burst that a running job receives, once Spark reaped the Python
-        # processes of its start (which a restart on a backlog still has)
+        # the largest backlog again as a burst that a running job receives, long after its start
         burst = throughput.drain(stack, exactly_once=True, database="sqlite", backlog=profile["rss_backlogs"][-1],
                                  max_offsets=profile["max_offsets"], total=total,
                                  burst_after=throughput.START_WORKERS_REAPED_S)

@@ -431,11 +431,11 @@ def markdown(r: dict[str, Any]) -> str:
             lines += [f"| {burst['backlog']:,}, a burst {burst['after_s']} s into a run | {_fmt(burst['peak_rss_mb'])} "
                       f"| {_fmt(burst['jvm_mb'])} | {_fmt(burst['python_mb'])} | {_fmt(burst['pss_mb'])} "
                       f"| {_fmt(burst['msgs_s'])} |",
-                      "", "A driver started on a backlog drains it within the first minute of its run, while Spark "
-                      "still keeps the idle Python processes that looked up, created and planned the Python source "
-                      "(it reaps a worker kind's idle workers a minute after its last use). The burst row is a "
-                      "running job: the driver starts on an empty topic and, once they are gone, is paused while "
-                      "the burst is produced, so it reads it in the same batches."]
+                      "", "A driver started on a backlog drains it with a JVM that is still compiling the per-record "
+                      "code; the Python workers that looked up, created and planned the source are gone once its "
+                      "first batch starts (`runtime.planner_workers`). The burst row is a running job: the driver "
+                      "starts on an empty topic and is paused while the burst is produced, so it reads it in the "
+                      "same batches."]
         lines += ["", "The Python share is the driver's interpreter and Spark's Python workers (one per running "
                   "task, reused); the JVM's heap is capped by spark.driver.memory. RSS is summed over the "
                   "processes, so the pages Spark's forked Python workers share with their daemon count once "

@@ -146,8 +146,8 @@ def warm_rate(batches: list[tuple[int, float]]) -> float | None:
     return steady_rate(batches[WARM_UP_BATCHES - 1:])
 
 
-#: Spark reaps a Python worker kind's idle workers a minute after the kind was last used, checking every 10 s:
-#: the processes that looked up, created and planned the Python source are gone this long after a start.
+#: How long after its start a running job receives the burst: past the minute after which Spark reaps a Python
+#: worker kind's idle workers, so the row is a running job's whatever the harness let go of itself.
 START_WORKERS_REAPED_S = 75
 
 
