@@ -1,4 +1,4 @@
-"""Let go of the Python processes Spark used to start the query, once its first batch committed.
+"""Let go of the Python processes Spark used to start the query, once its first batch reaches ``foreachBatch``.
 
 Starting a query on the Python Kafka source runs three planner steps in Python: looking up data
 sources, creating the source, planning its read.  Spark forks one worker for each from a daemon per
