@@ -18,16 +18,21 @@ import os
 import signal
 
 ENV = "STREAM_FAULT"
-DRIVER_POINTS = ("batch_start", "before_db_commit", "after_db_commit", "during_stop")
+DRIVER_POINTS = ("batch_start", "before_db_commit", "after_db_commit", "write_behind", "during_stop")
 TASK_POINTS = ("reset_after_archive",)
 
 
-def maybe_crash(point: str, batch_id: int | None = None) -> None:
+def armed(point: str, batch_id: int | None = None) -> bool:
+    """Is the process set to die at this point (for a point that must first wait for its moment)?"""
     wanted = os.environ.get(ENV)
     if not wanted:
-        return
+        return False
     name, _, batch = wanted.partition(":")
-    if name != point or batch not in ("", "*", str(batch_id)):
+    return name == point and batch in ("", "*", str(batch_id))
+
+
+def maybe_crash(point: str, batch_id: int | None = None) -> None:
+    if not armed(point, batch_id):
         return
     if point in TASK_POINTS:
         os.kill(os.getpid(), signal.SIGKILL)

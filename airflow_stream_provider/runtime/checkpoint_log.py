@@ -1,4 +1,5 @@
-"""Reads Spark's offsets log (the write-ahead log of a checkpoint) through Hadoop's FileSystem API.
+"""Reads Spark's offsets log (the write-ahead log of a checkpoint) through Hadoop's FileSystem API, and
+keeps the sink's write-behind marks beside it.
 
 The sink needs batch N's exact range: ``offsets/N`` holds its end, ``offsets/N-1`` its start.  Going
 through the JVM's FileSystem means local paths, ``hdfs://`` and object stores read alike.
@@ -12,20 +13,30 @@ from airflow_stream_provider import kafka_offsets
 from airflow_stream_provider.kafka_offsets import Offsets
 
 
-class OffsetLog:
-    def __init__(self, spark: SparkSession, checkpoint_path: str):
+class _CheckpointDir:
+    """One directory of the checkpoint, on whatever file system the checkpoint lives."""
+
+    def __init__(self, spark: SparkSession, checkpoint_path: str, name: str):
         jvm = spark._jvm
         self._jvm = jvm
-        #: the log's directory, for messages
-        self.path = f"{checkpoint_path.rstrip('/')}/offsets"
+        #: the directory, for messages
+        self.path = f"{checkpoint_path.rstrip('/')}/{name}"
         self._dir = jvm.org.apache.hadoop.fs.Path(self.path)
         self._fs = self._dir.getFileSystem(spark._jsc.hadoopConfiguration())
+
+    def _file(self, batch_id: int):
+        return self._jvm.org.apache.hadoop.fs.Path(self._dir, str(batch_id))
+
+
+class OffsetLog(_CheckpointDir):
+    def __init__(self, spark: SparkSession, checkpoint_path: str):
+        super().__init__(spark, checkpoint_path, "offsets")
 
     def source_offsets(self, batch_id: int) -> Offsets | None:
         """The Kafka position at the end of ``batch_id``, or None if that entry does not exist."""
         if batch_id < 0:
             return None
-        path = self._jvm.org.apache.hadoop.fs.Path(self._dir, str(batch_id))
+        path = self._file(batch_id)
         if not self._fs.exists(path):
             return None
         stream = self._fs.open(path)
@@ -34,6 +45,28 @@ class OffsetLog:
         finally:
             stream.close()
         return parse_entry(text)
+
+
+class WriteBehindMarks(_CheckpointDir):
+    """``write-behind/N``: batch N's results were handed to the sink's writer, so Spark may log the batch
+    as done (``commits/N``) before the database holds it.  A mark outlives a killed driver; the next run
+    finds the batch's range in the offsets log and applies it from Kafka if the stored offsets still
+    stop at its start.  Spark ignores the directory."""
+
+    def __init__(self, spark: SparkSession, checkpoint_path: str):
+        super().__init__(spark, checkpoint_path, "write-behind")
+
+    def mark(self, batch_id: int) -> None:
+        self._fs.create(self._file(batch_id), True).close()  # empty: the batch id is the name
+
+    def clear(self, batch_id: int) -> None:
+        self._fs.delete(self._file(batch_id), False)
+
+    def marked(self) -> list[int]:
+        if not self._fs.exists(self._dir):
+            return []
+        names = (status.getPath().getName() for status in self._fs.listStatus(self._dir))
+        return sorted(int(name) for name in names if name.isdigit())
 
 
 def parse_entry(text: str) -> Offsets:
