@@ -34,12 +34,13 @@ from pyspark.sql.streaming import StreamingQuery
 
 from airflow_stream_provider import confluent_reader, failures, faults, kafka_client, kafka_offsets
 from airflow_stream_provider.runtime import kafka_source, planner_workers
-from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
+from airflow_stream_provider.runtime.checkpoint_log import OffsetLog, WriteBehindMarks
 from airflow_stream_provider.runtime.listener import StateListener
 from airflow_stream_provider.runtime.poison import POISON_POLICIES, keeps_state
 from airflow_stream_provider.runtime.sink import DEAD_LETTER_COLUMNS, ResultsFn, TransactionalSink
 from airflow_stream_provider.runtime.standby import Standby, Takeover, run_warm_up
 from airflow_stream_provider.runtime.startup import StartupClock
+from airflow_stream_provider.runtime.write_behind import WriteBehind
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state import store as state
 from airflow_stream_provider.state import transaction
@@ -141,6 +142,9 @@ class StreamHarness:
         self.on_poison = "dead_letter"
         self._transform: Callable[[DataFrame], DataFrame] | None = None
         self._stateful = True
+        #: the exactly-once sink, whatever wraps it: a batch it handed to its writer must land before the run
+        #: ends (``_finish``), and one a killed run left must land before the query starts
+        self._transactional: TransactionalSink | None = None
 
     def _begin(self, ticket: state.RunTicket) -> None:
         spec = self.spec
@@ -563,6 +567,8 @@ class StreamHarness:
         self.sink = self._new_sink(run, offset_log, results)
         self.listener.sink_phases = lambda batch_id: (clock.phases if (clock := self.sink.clocks.get(batch_id))
                                                       else None)
+        if self._transactional is not None:
+            self._transactional.catch_up()
         signal.signal(signal.SIGTERM, self._on_sigterm)
         return (
             records.writeStream.queryName(f"{spec.job_id}-gen{spec.generation}")
@@ -584,7 +590,7 @@ class StreamHarness:
     def _new_sink(self, run: transaction.RunContext, offset_log: OffsetLog, results: ResultsFn):
         """The ``foreachBatch`` function.  Always the transactional sink; the benchmarks override this to
         measure what exactly-once costs against a plain append sink on the same pipeline."""
-        return TransactionalSink(
+        self._transactional = TransactionalSink(
             store=self.store,
             run=run,
             offset_log=offset_log,
@@ -596,7 +602,9 @@ class StreamHarness:
             transform=self._transform,
             read_raw=self._read_raw,
             stateful=self._stateful,
+            behind=WriteBehind(WriteBehindMarks(self.spark, self.spec.checkpoint_path)),
         )
+        return self._transactional
 
     def _read_raw(self, topic: str, partition: int, start: int, end: int) -> list[tuple]:
         """Records [start, end) of one partition with the source's columns, read on the driver: the sink
@@ -651,6 +659,10 @@ class StreamHarness:
                 stop, epoch = self._stop_signalled, None
             if epoch is not None and epoch != self.ticket.epoch:
                 return self._fenced(query, epoch)
+            failed = self._transactional.write_failure() if self._transactional is not None else None
+            if failed is not None:  # a batch's commit failed in the writer while no next batch came
+                query.stop()
+                return self._failed(failed)
             if stop or self._preflight_done:
                 return self._stop_gracefully(query)
 
@@ -712,6 +724,9 @@ class StreamHarness:
         error_class: str | None,
         message: str,
     ) -> int:
+        landed = self._flush_writes()
+        if landed is not None and status == state.STOPPED:  # a clean stop leaves every batch in the database
+            return self._failed(landed)
         # A TRANSIENT end is often the state database itself going away: keep trying for a while, so the
         # provider reads "transient, restart when it is back" instead of a driver that vanished.
         deadline = time.monotonic() + (FINISH_RETRY_S if kind == failures.FailureKind.TRANSIENT else 0)
@@ -737,6 +752,19 @@ class StreamHarness:
                 "run %s ended: exit %s (%s) %s", self.run_id, exit_code, kind and kind.value, message[:2000]
             )
         return exit_code
+
+
+    def _flush_writes(self) -> Exception | None:
+        """The query has stopped: wait for the batch handed to the sink's writer; what kept it from landing,
+        if anything (its write-behind mark stays, and the next run applies it)."""
+        if self._transactional is None:
+            return None
+        try:
+            self._transactional.flush()
+        except Exception as err:
+            log.error("the batch handed to the writer did not land (%r); the next run applies it from Kafka", err)
+            return err
+        return None
 
 
 def _newest_checkpoint_position(spark: SparkSession, checkpoint: str) -> kafka_offsets.Offsets | None:

@@ -8,6 +8,12 @@ replayed records, computes the results with Spark, and commits results + dead le
 ledger in one database transaction (see ``state.transaction``).  A batch that read nothing is no replay: a
 stateful query's no-data batch emits what its state releases, and that is committed once too.
 
+Write-behind (``write_behind``).  For a query that keeps no state, a batch of at least
+``write_behind.MIN_RECORDS`` fresh records hands its transaction to a writer thread once its results are
+computed, and the next batch reads and parses its records while that commit runs; it waits for the commit
+before it plans.  A killed run can leave Spark's commit log ahead of the database by that batch: its mark
+in the checkpoint makes the next run apply it from Kafka (``catch_up``) before the query starts.
+
 Poison records.  A record the job's own code cannot handle (a UDF raises on it, an ANSI cast
 overflows, the database refuses the row its results make) would otherwise fail the batch on every
 restart.  When computing or committing a batch fails with such an error, the sink isolates the records
@@ -43,7 +49,7 @@ from functools import reduce
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.util import inheritable_thread_target
@@ -63,6 +69,7 @@ from sqlalchemy import Column as SqlColumn
 
 from airflow_stream_provider import faults
 from airflow_stream_provider.kafka_offsets import Offsets
+from airflow_stream_provider.runtime import write_behind
 from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
 from airflow_stream_provider.runtime.poison import (
     MAX_POISON_PER_BATCH,
@@ -79,6 +86,7 @@ from airflow_stream_provider.runtime.poison import (
     positions,
     reason,
 )
+from airflow_stream_provider.runtime.write_behind import WriteBehind
 from airflow_stream_provider.state import schema, transaction
 from airflow_stream_provider.state.dialect import is_data_error
 from airflow_stream_provider.state.store import StateStore, plain_text
@@ -160,6 +168,8 @@ class TransactionalSink:
     :param read_raw: reads a partition's offset range from Kafka again (see ``transform``).
     :param stateful: whether the query keeps state; then a batch cannot be completed without one of its
         records, and a poison record stops the job.
+    :param behind: commits a query's large batches while Spark reads the next one (``write_behind``); used
+        for a query without state that gives ``transform`` and ``read_raw``.
     """
 
     def __init__(
@@ -176,6 +186,7 @@ class TransactionalSink:
         transform: Callable[[DataFrame], DataFrame] | None = None,
         read_raw: RawReader | None = None,
         stateful: bool = True,
+        behind: WriteBehind | None = None,
     ):
         if on_poison not in POISON_POLICIES:
             raise ValueError(f"on_poison={on_poison!r} is not one of {', '.join(POISON_POLICIES)}")
@@ -190,9 +201,12 @@ class TransactionalSink:
         self.transform = transform
         self.read_raw = read_raw
         self.stateful = stateful
+        #: the writer that commits large batches while the next one is read: for a query without state only,
+        #: which ``catch_up`` can apply again from Kafka
+        self.behind = behind if (not stateful and not dry_run and transform is not None and read_raw is not None) \
+            else None
         self._tables: dict[str, Table] = {}
         self._metadata = MetaData()
-        self._batch_started: float | None = None
         self._outputs: list[str] = []
         #: where the recent batches' time went, by batch id (the listener adds it to the progress record)
         self.clocks: dict[int, BatchClock] = {}
@@ -202,28 +216,90 @@ class TransactionalSink:
         clock = self.clocks[batch_id] = BatchClock()
         while len(self.clocks) > KEEP_CLOCKS:  # the listener reads a batch's clock just after it ends
             del self.clocks[next(iter(self.clocks))]
-        self._batch_started = clock.started
         batch = self._batch_range(batch_id)
-        if self.dry_run:  # a preflight replays a committed batch on purpose: run all of it, write nothing
-            plan = transaction.whole_batch(batch)
-        else:
-            plan = transaction.plan(self.store, self.run.job_id, batch)
-            clock.lap("plan")
-            # A batch that read nothing is no replay: a stateful query's no-data batch (run to move the
-            # watermark) emits what its state releases (outer-join rows, closed windows, timers).
-            if plan.is_replay and not batch.is_empty:
-                self._evaluate_replay(records, plan)
-                clock.lap("replay")
-                log.info("batch %s is a replay of committed offsets: skipped", batch_id)
-                return
         handed = records.persist()
         try:
-            outcome = self._apply(handed, plan, clock)
+            read_ahead = None
+            if self.behind is not None:
+                self.behind.next_batch_started()
+                if self.behind.in_flight is not None:  # read and parse while the previous batch commits
+                    read_ahead = self._read_ahead(handed)
+                    clock.lap("read_parse")
+                self._settle()
+                clock.lap("wait_write")
+            if self.dry_run:  # a preflight replays a committed batch on purpose: run all of it, write nothing
+                plan = transaction.whole_batch(batch)
+            else:
+                plan = transaction.plan(self.store, self.run.job_id, batch)
+                clock.lap("plan")
+                # A batch that read nothing is no replay: a stateful query's no-data batch (run to move the
+                # watermark) emits what its state releases (outer-join rows, closed windows, timers).
+                if plan.is_replay and not batch.is_empty:
+                    self._evaluate_replay(handed, plan)
+                    clock.lap("replay")
+                    log.info("batch %s is a replay of committed offsets: skipped", batch_id)
+                    return
+            outcome = self._apply(handed, plan, clock, read_ahead=read_ahead)
         finally:
             handed.unpersist()
             clock.lap("release")
         if outcome is not None and self.after_commit is not None:
             self.after_commit(outcome)
+
+    # -- write-behind (see ``write_behind``) -----------------------------------------------------------
+    def catch_up(self) -> None:
+        """Before the query starts: apply the batches a killed driver handed to its writer and Spark may
+        have logged as done, from Kafka, if the stored offsets still stop at their start.  A marked batch
+        that landed, or that Spark has not logged (it runs it again), is skipped as a replay."""
+        if self.behind is None:
+            return
+        for batch_id in self.behind.marks.marked():
+            log.warning("batch %s was handed to the writer of a run that ended before its commit was known; "
+                        "applying it again from Kafka if the database does not hold it", batch_id)
+            self._redo(batch_id)
+            self.behind.clear(batch_id)
+
+    def flush(self) -> None:
+        """Wait for the batch in flight (after the query stopped): its results are in the database when
+        this returns, or it raises why not (the mark stays for the next run)."""
+        if self.behind is not None:
+            self._settle()
+
+    def write_failure(self) -> BaseException | None:
+        """Why the batch in flight could not commit, once it failed (the run then fails as a synchronous
+        commit's failure would fail it; the mark stays for the next run)."""
+        return self.behind.failure() if self.behind is not None else None
+
+    def _settle(self) -> None:
+        settled = self.behind.settle()
+        if settled is not None and settled[1] is not None:
+            raise settled[1]
+
+    def _redo(self, batch_id: int) -> transaction.BatchOutcome | None:
+        """Apply a batch whose frame is gone, synchronously: its range from the offsets log, its records
+        from Kafka, the job's transform and results as in the stream."""
+        batch = self._batch_range(batch_id)
+        plan = transaction.plan(self.store, self.run.job_id, batch)
+        if plan.is_replay:
+            return None
+        handed = self.transform(self._raw_frame(plan)).persist()
+        try:
+            outcome = self._apply(handed, plan, BatchClock(), behind=False)
+        finally:
+            handed.unpersist()
+        if outcome is not None and self.after_commit is not None:
+            self.after_commit(outcome)
+        return outcome
+
+    def _read_ahead(self, handed: DataFrame) -> pa.Table | None:
+        """The batch's positions (``_tally``'s Spark job), taken while the previous batch commits.  None
+        when the job's code fails on a record: the batch then goes the usual way, isolation included."""
+        try:
+            return _positions(handed)
+        except Exception as err:
+            if not may_be_record_error(err):
+                raise
+            return None
 
     def _evaluate_replay(self, records: DataFrame, plan: transaction.BatchPlan) -> None:
         """Nothing to apply, but a stateful query's state stores commit only when every partition of the
@@ -265,17 +341,25 @@ class TransactionalSink:
 
     # -- one batch: compute, commit, isolate poison records when either fails on a record ---------------
     def _apply(
-        self, handed: DataFrame, plan: transaction.BatchPlan, clock: BatchClock
+        self,
+        handed: DataFrame,
+        plan: transaction.BatchPlan,
+        clock: BatchClock,
+        *,
+        read_ahead: pa.Table | None = None,
+        behind: bool = True,
     ) -> transaction.BatchOutcome | None:
         """``handed`` is persisted: its first evaluation runs the job's transform on the batch (inside the
-        stream: Spark hands ``foreachBatch`` the stream's output) and keeps the result."""
+        stream: Spark hands ``foreachBatch`` the stream's output) and keeps the result.  ``read_ahead``:
+        its positions, taken already; ``behind``: the commit may go to the writer (then None is returned,
+        and the writer reports the outcome)."""
         batch_id = plan.range.batch_id
         bounds = _Bounds(plan, self.stateful)
         poison: list[Poison] = []
         fresh = bounds.select(handed)
         source: Source = Source(fresh.where)
         try:
-            tally = _tally(handed, bounds)
+            tally = _tally(handed, bounds, read_ahead)
         except Exception as err:  # the job's transform failed inside the stream
             if not may_be_record_error(err):
                 raise
@@ -310,8 +394,12 @@ class TransactionalSink:
         letters = self._poison_letters(source, poison)
         clock.lap("isolate")  # nothing unless a record failed the job's code
         faults.maybe_crash("before_db_commit", batch_id)
+        if behind and self._goes_behind(plan, computed):
+            phases, started = dict(clock.phases), clock.started  # the clock stays with this thread
+            self.behind.hand_over(batch_id, lambda: self._land(plan, computed, letters, poison, phases, started))
+            return None
         try:
-            outcome = self._commit(plan, computed, letters)
+            outcome = self._commit(plan, computed, letters, clock.started)
         except Exception as err:
             if not is_data_error(err):
                 raise
@@ -329,7 +417,7 @@ class TransactionalSink:
             poison += more
             letters += self._poison_letters(source, more)
             try:
-                outcome = self._commit(plan, computed, letters)
+                outcome = self._commit(plan, computed, letters, clock.started)
             except Exception as again:
                 if poison and is_data_error(again):
                     raise poison_error(poison, f"its dead letter could not be written: {reason(again)}") \
@@ -338,18 +426,35 @@ class TransactionalSink:
         clock.lap("commit")
         clock.split("commit", "write", outcome.write_s)
         faults.maybe_crash("after_db_commit", batch_id)
-        if outcome.skipped_replay:  # a batch that read nothing, run again after it was committed
-            log.info("batch %s read nothing and was committed already: skipped", batch_id)
-            return outcome
-        log.info(
-            "batch %s committed: read %s, dead %s%s, offsets %s; seconds %s",
-            batch_id,
-            sum(outcome.read.values()),
-            sum(outcome.dead.values()),
-            f" (poison {', '.join(p.position for p in poison)})" if poison else "",
-            outcome.committed_offsets,
-            clock.phases,
-        )
+        _log_committed(outcome, poison, clock.phases)
+        return outcome
+
+    def _goes_behind(self, plan: transaction.BatchPlan, computed: _Computed) -> bool:
+        """Large fresh batches of a query without state; not a batch that moves a stored offset back."""
+        return (self.behind is not None and not plan.restarted
+                and sum(computed.read.values()) >= write_behind.MIN_RECORDS)
+
+    def _land(self, plan: transaction.BatchPlan, computed: _Computed, letters: list[dict], poison: list[Poison],
+              phases: dict[str, float], started: float) -> transaction.BatchOutcome | None:
+        """The writer thread's commit of a batch handed over.  The batch's clock belongs to the stream thread
+        and the listener: the commit's seconds go to the log line only."""
+        began = time.perf_counter()
+        try:
+            outcome = self._commit(plan, computed, letters, started)
+        except Exception as err:
+            if not is_data_error(err):
+                raise
+            # the database refuses a record's results: isolate it as a synchronous commit would, on the
+            # batch's records read again (its frame is gone); the next batch waits for this
+            log.warning("batch %s: the database refused its commit (%s); applying it again from Kafka, "
+                        "isolating the record(s) it refuses", plan.range.batch_id, reason(err))
+            return self._redo(plan.range.batch_id)
+        faults.maybe_crash("after_db_commit", plan.range.batch_id)
+        commit_s = time.perf_counter() - began
+        _log_committed(outcome, poison, {**phases, "write_behind": round(outcome.write_s, 4),
+                                         "commit_behind": round(commit_s - outcome.write_s, 4)})
+        if self.after_commit is not None:
+            self.after_commit(outcome)
         return outcome
 
     def _compute(self, frame: DataFrame, bounds: _Bounds, tally: _Tally | None = None) -> _Computed:
@@ -359,17 +464,17 @@ class TransactionalSink:
         return _Computed(tally.read, tally.dead, self._writes(self.results(good)))
 
     def _commit(
-        self, plan: transaction.BatchPlan, computed: _Computed, letters: list[dict]
+        self, plan: transaction.BatchPlan, computed: _Computed, letters: list[dict], started_at: float
     ) -> transaction.BatchOutcome:
         """Commit the batch; ``letters`` are the dead letters of isolated poison records, which the
-        computation left out: they count as read."""
+        computation left out: they count as read.  ``started_at``: when the driver began the batch."""
         read = dict(computed.read)
         for row in letters:
             tp = (row["topic"], row["partition"])
             read[tp] = read.get(tp, 0) + 1
         return transaction.commit(
             self.store, self.run, plan, read=read, dead_letters=computed.dead + letters, writes=computed.writes,
-            started_at=self._batch_started,
+            started_at=started_at,
         )
 
     def _trial_write(self, plan: transaction.BatchPlan, computed: _Computed) -> Exception | None:
@@ -391,14 +496,21 @@ class TransactionalSink:
         batch before ``foreachBatch`` sees it."""
         if self.transform is None or self.read_raw is None:
             raise failure
-        rows = [
+        rows = self._raw_rows(plan)
+        raw = fresh.sparkSession.createDataFrame(rows, RAW_SCHEMA)
+        return Source(lambda condition: self.transform(raw.where(condition)),
+                       {(r[0], r[1], r[2]): (r[3], r[4]) for r in rows})
+
+    def _raw_rows(self, plan: transaction.BatchPlan) -> list[tuple]:
+        return [
             row
             for topic, partition, first, end in PositionSpace(plan).ranges
             for row in self.read_raw(topic, partition, first, end)
         ]
-        raw = fresh.sparkSession.createDataFrame(rows, RAW_SCHEMA)
-        return Source(lambda condition: self.transform(raw.where(condition)),
-                       {(r[0], r[1], r[2]): (r[3], r[4]) for r in rows})
+
+    def _raw_frame(self, plan: transaction.BatchPlan) -> DataFrame:
+        """The batch's fresh records read from Kafka again, with the source's columns."""
+        return SparkSession.active().createDataFrame(self._raw_rows(plan), RAW_SCHEMA)
 
     def _isolate(
         self,
@@ -715,20 +827,41 @@ class _Tally:
     span: dict[TopicPartition, tuple[int, int]]
 
 
-def _tally(frame: DataFrame, bounds: _Bounds) -> _Tally:
-    """Records per partition, the dead letters and each partition's offset span, in one Spark job without
-    a shuffle: each record's position comes back, its raw key and value only when it is malformed.
-    Evaluating it runs the job's transform on every record of the batch, so a transform that fails on a
-    record fails here.  Counts and dead letters cover the rows the sink applies (``bounds``)."""
-    bad = F.col("error").isNotNull()
-    raw = (F.when(bad, F.col(c)).alias(c) for c in ("key", "value"))
-    table = _arrow(frame.select(*PROVENANCE, *raw, "error"))
+def _tally(frame: DataFrame, bounds: _Bounds, table: pa.Table | None = None) -> _Tally:
+    """Records per partition, the dead letters and each partition's offset span, from the frame's
+    ``_positions`` (``table``, when taken already).  Counts and dead letters cover the rows the sink
+    applies (``bounds``)."""
+    table = _positions(frame) if table is None else table
     stats = _stats(table, "count", "min", "max")
     kept = table.filter(bounds.mask(table)) if bounds.needs_filter else table
     counts = _stats(kept, "count") if bounds.needs_filter else stats
     read = {tp: row["offset_count"] for tp, row in counts.items()}
     dead = kept.filter(pc.is_valid(kept["error"])).to_pylist()
     return _Tally(read, [_dead_letter(row) for row in dead], _span(table, stats))
+
+
+def _positions(frame: DataFrame) -> pa.Table:
+    """Each record's position, its raw key and value only when it is malformed, and its error: one Spark
+    job without a shuffle.  Evaluating it runs the job's transform on every record of the batch, so a
+    transform that fails on a record fails here."""
+    bad = F.col("error").isNotNull()
+    raw = (F.when(bad, F.col(c)).alias(c) for c in ("key", "value"))
+    return _arrow(frame.select(*PROVENANCE, *raw, "error"))
+
+
+def _log_committed(outcome: transaction.BatchOutcome, poison: Sequence[Poison], phases: dict[str, float]) -> None:
+    if outcome.skipped_replay:  # a batch that read nothing, run again after it was committed
+        log.info("batch %s read nothing and was committed already: skipped", outcome.batch_id)
+        return
+    log.info(
+        "batch %s committed: read %s, dead %s%s, offsets %s; seconds %s",
+        outcome.batch_id,
+        sum(outcome.read.values()),
+        sum(outcome.dead.values()),
+        f" (poison {', '.join(p.position for p in poison)})" if poison else "",
+        outcome.committed_offsets,
+        phases,
+    )
 
 
 def _stats(table: pa.Table, *aggregates: str) -> dict[TopicPartition, dict]:

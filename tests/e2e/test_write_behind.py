@@ -1,0 +1,106 @@
+"""Write-behind end to end: a large batch commits while Spark reads the next one, and exactly-once holds at
+the moments that opens: a driver killed after Spark logged a batch as done but before its commit landed,
+a commit the database refuses, a graceful stop with a commit in flight.
+
+Batches of 25,000 records (the ceiling; a run's first batch reads 10,000), so every batch after the first
+goes behind (``write_behind.MIN_RECORDS``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select, text
+
+from airflow_stream_provider import failures
+from airflow_stream_provider.runtime.write_behind import MIN_RECORDS
+from airflow_stream_provider.state import schema
+from stack.events import EventProducer
+from stack.jobs import check_exactly_once, wait_until
+
+CEILING = 25_000
+assert CEILING >= MIN_RECORDS
+
+
+@pytest.fixture
+def big_batches(runner):
+    runner.spec = dataclasses.replace(runner.spec, kafka=dataclasses.replace(runner.spec.kafka,
+                                                                             max_offsets_per_trigger=CEILING))
+    return runner
+
+
+def _end(producer) -> dict[int, int]:
+    return dict(producer.produced.end_offsets)
+
+
+def _ledger(store, job_id: str) -> set[int]:
+    with store.engine.connect() as conn:
+        return set(conn.execute(select(schema.batches.c.batch_id).where(schema.batches.c.job_id == job_id)).scalars())
+
+
+def _marks(checkpoint: Path) -> list[str]:
+    folder = checkpoint / "write-behind"
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) if folder.is_dir() else []
+
+
+def test_kill9_with_spark_ahead_of_the_database(broker, topic, big_batches, figures):
+    """Killed while batch 1's commit waits in the writer and batch 2 already runs: Spark's commit log holds
+    batch 1, the database does not.  The next run applies batch 1 from Kafka before its query starts."""
+    runner = big_batches
+    checkpoint = Path(runner.spec.checkpoint_path)
+    producer = EventProducer(broker, topic, malformed_ratio=0.01)
+    producer.send(80_000)
+    driver = runner.start(env={"STREAM_FAULT": "write_behind:1"})
+    wait_until(lambda: not driver.alive(), 240, "the driver to die with batch 1 in its writer",
+               on_timeout=lambda: runner.log_tail(driver))
+    assert (checkpoint / "commits" / "1").exists() and (checkpoint / "offsets" / "2").exists()
+    assert _ledger(runner.store, runner.spec.job_id) == {0}, "batch 1 is not in the database"
+    assert _marks(checkpoint) == ["1"]
+
+    producer.send(20_000)
+    driver = runner.start()
+    runner.wait_caught_up(_end(producer), driver, timeout=400)
+    log = Path(driver.log_path).read_text(errors="replace")
+    assert "batch 1 was handed to the writer of a run that ended" in log
+    assert "'write_behind':" in log, "later batches committed behind"
+    assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED, runner.log_tail(driver)
+    assert _marks(checkpoint) == [], "a clean stop leaves every batch in the database"
+    counts = check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
+    assert counts["read"] == 100_000
+    figures.record(f"write-behind kill -9 [{runner.store.dialect}]", **counts)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_commit_the_database_refuses_is_isolated_behind(broker, topic, big_batches, figures):
+    """The results table refuses one event of a batch that commits behind: the writer applies the batch
+    again from Kafka, isolates the record, dead-letters it with the refusal, and the stream goes on.
+    SQLite: a trigger is the simplest refusal to set up (the same path serves PostgreSQL's errors)."""
+    runner = big_batches
+    producer = EventProducer(broker, topic, malformed_ratio=0.0)
+    producer.send(1_000)
+    driver = runner.start()
+    runner.wait_caught_up(_end(producer), driver)
+    refused = "e-31000"
+    with runner.store.engine.begin() as conn:
+        conn.execute(text(f"CREATE TRIGGER refuse_event BEFORE INSERT ON events WHEN NEW.event_id = '{refused}' "
+                          "BEGIN SELECT RAISE(ABORT, 'this event is refused by the results table'); END"))
+    assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED, runner.log_tail(driver)
+    producer.send(60_000)  # a backlog: the next run reads it in batches of the ceiling
+    driver = runner.start()
+    runner.wait_caught_up(_end(producer), driver, timeout=400)
+    log = Path(driver.log_path).read_text(errors="replace")
+    assert "the database refused its commit" in log and "applying it again from Kafka" in log
+    assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED, runner.log_tail(driver)
+
+    with runner.store.engine.connect() as conn:
+        events = conn.execute(text("SELECT count(*) FROM events")).scalar()
+        dead = conn.execute(select(schema.dead_letters.c.value, schema.dead_letters.c.error)
+                            .where(schema.dead_letters.c.job_id == runner.spec.job_id)).all()
+    assert events == 61_000 - 1
+    assert len(dead) == 1 and refused.encode() in bytes(dead[0].value), dead
+    assert dead[0].error.startswith("the database refused this record's results"), dead[0].error
+    stored = {p: o for (_, p), o in runner.store.stored_offsets(runner.spec.job_id).items()}
+    assert stored == _end(producer)
+    figures.record("write-behind commit refused [sqlite]", events=events, dead=len(dead))
