@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Container, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -18,8 +18,6 @@ from airflow_stream_provider import kafka_offsets
 
 DATABASE_PASSWORD_ENV = "STREAM_DATABASE_PASSWORD"
 CHECKPOINT_MANAGER_CONF = "spark.sql.streaming.checkpointFileManagerClass"
-#: Whether Spark may keep cached blocks and execution memory off the JVM heap (the sink caches batches there).
-OFF_HEAP_CONF = "spark.memory.offHeap.enabled"
 #: For a checkpoint on the local file system.  Spark's default manager goes through Hadoop's FileContext,
 #: whose local implementation (without Hadoop's native library, as pip-installed Spark runs) forks a
 #: ``readlink`` for every status it reads and a ``chmod`` for every file it creates: about 15 processes
@@ -112,9 +110,8 @@ class StreamJobSpec:
     def checkpoint_is_local(self) -> bool:
         return urlsplit(self.checkpoint_root).scheme in ("", "file")
 
-    def session_conf(self, submitted: Container[str] = ()) -> dict[str, str]:
-        """The driver's Spark settings: the harness's defaults, except those spark-submit was given
-        (``submitted``), then the job's own ``spark_conf``."""
+    def session_conf(self) -> dict[str, str]:
+        """The driver's Spark SQL settings: the harness's defaults, then the job's own ``spark_conf``."""
         defaults = {
             "spark.sql.session.timeZone": "UTC",
             "spark.sql.shuffle.partitions": "4",
@@ -123,16 +120,10 @@ class StreamJobSpec:
             # and run-length statistics over every column value to save a few MB for one batch: draining
             # 100,000-record batches, read_parse took 0.79 of the time without it, same peak RSS.
             "spark.sql.inMemoryColumnarStorage.compressed": "false",
-            # ... and off the JVM heap (the sink's ``cache_level``): on the heap, each cached batch outlived
-            # young collections into the old generation, which the serial collector grew over a long drain
-            # instead of collecting.  Draining 600,000 events in 100,000-record batches: the JVM's peak RSS
-            # 602-616 MB against 661-699 MB, the same rates.  Beyond the size, a batch's cache goes to disk.
-            OFF_HEAP_CONF: "true",
-            "spark.memory.offHeap.size": "384m",
         }
         if self.checkpoint_is_local:
             defaults[CHECKPOINT_MANAGER_CONF] = LOCAL_CHECKPOINT_MANAGER
-        return {**{k: v for k, v in defaults.items() if k not in submitted}, **self.spark_conf}
+        return {**defaults, **self.spark_conf}
 
     @property
     def trigger_seconds(self) -> float:

@@ -330,7 +330,7 @@ class StreamHarness:
         os.environ.setdefault(ARROW_POOL_ENV, "system")
         if not submitted.contains(f"spark.executorEnv.{ARROW_POOL_ENV}"):
             builder = builder.config(f"spark.executorEnv.{ARROW_POOL_ENV}", os.environ[ARROW_POOL_ENV])
-        for key, value in self.spec.session_conf(submitted=dict(submitted.getAll())).items():
+        for key, value in self.spec.session_conf().items():
             builder = builder.config(key, value)
         self.spark = builder.getOrCreate()
         self.spark.sparkContext.setLogLevel(os.environ.get("STREAM_SPARK_LOG_LEVEL", "WARN"))

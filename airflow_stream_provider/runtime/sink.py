@@ -49,7 +49,6 @@ from functools import reduce
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -88,7 +87,6 @@ from airflow_stream_provider.runtime.poison import (
     reason,
 )
 from airflow_stream_provider.runtime.write_behind import WriteBehind
-from airflow_stream_provider.spec import OFF_HEAP_CONF
 from airflow_stream_provider.state import schema, transaction
 from airflow_stream_provider.state.dialect import is_data_error
 from airflow_stream_provider.state.store import StateStore, plain_text
@@ -219,7 +217,7 @@ class TransactionalSink:
         while len(self.clocks) > KEEP_CLOCKS:  # the listener reads a batch's clock just after it ends
             del self.clocks[next(iter(self.clocks))]
         batch = self._batch_range(batch_id)
-        handed = records.persist(cache_level(records.sparkSession))
+        handed = records.persist()
         try:
             read_ahead = None
             if self.behind is not None:
@@ -284,8 +282,7 @@ class TransactionalSink:
         plan = transaction.plan(self.store, self.run.job_id, batch)
         if plan.is_replay:
             return None
-        raw = self._raw_frame(plan)
-        handed = self.transform(raw).persist(cache_level(raw.sparkSession))
+        handed = self.transform(self._raw_frame(plan)).persist()
         try:
             outcome = self._apply(handed, plan, BatchClock(), behind=False)
         finally:
@@ -552,8 +549,7 @@ class TransactionalSink:
             evaluations += 1
             if found:
                 condition = condition & ~positions([(p.topic, p.partition, p.offset) for p in found])
-            frame = source.select(condition)
-            frame = frame.persist(cache_level(frame.sparkSession))
+            frame = source.select(condition).persist()
             try:
                 if full:
                     computed = self._compute(frame, bounds)
@@ -842,15 +838,6 @@ def _tally(frame: DataFrame, bounds: _Bounds, table: pa.Table | None = None) -> 
     read = {tp: row["offset_count"] for tp, row in counts.items()}
     dead = kept.filter(pc.is_valid(kept["error"])).to_pylist()
     return _Tally(read, [_dead_letter(row) for row in dead], _span(table, stats))
-
-
-def cache_level(spark: SparkSession) -> StorageLevel:
-    """Where a batch is cached for the sink's Spark jobs over it: off the JVM heap when the session allows
-    it (``spec.session_conf``), where unpersisting hands the memory back at once, spilling to disk
-    beyond the off-heap size; else Spark's default for a DataFrame."""
-    if spark.conf.get(OFF_HEAP_CONF, "false").lower() == "true":
-        return StorageLevel.OFF_HEAP
-    return StorageLevel.MEMORY_AND_DISK_DESER
 
 
 def _positions(frame: DataFrame) -> pa.Table:

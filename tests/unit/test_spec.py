@@ -71,13 +71,3 @@ def test_the_jobs_own_spark_conf_wins_over_the_defaults():
     conf = StreamJobSpec.from_dict(_with(spark_conf=own)).session_conf()
     assert conf["spark.sql.shuffle.partitions"] == "64"
     assert conf["spark.sql.streaming.checkpointFileManagerClass"] == "x.Mine"
-
-
-def test_the_defaults_yield_to_what_spark_submit_was_given():
-    from airflow_stream_provider.spec import OFF_HEAP_CONF
-
-    spec = StreamJobSpec.from_dict(_with(spark_conf={"spark.memory.offHeap.size": "1g"}))
-    assert spec.session_conf()[OFF_HEAP_CONF] == "true"  # batches are cached off the heap by default
-    conf = spec.session_conf(submitted={OFF_HEAP_CONF: "false", "spark.memory.offHeap.size": "2g"})
-    assert OFF_HEAP_CONF not in conf, "spark-submit's own setting stays"
-    assert conf["spark.memory.offHeap.size"] == "1g", "the job's spark_conf still wins"
