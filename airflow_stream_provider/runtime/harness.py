@@ -145,6 +145,9 @@ class StreamHarness:
         #: the exactly-once sink, whatever wraps it: a batch it handed to its writer must land before the run
         #: ends (``_finish``), and one a killed run left must land before the query starts
         self._transactional: TransactionalSink | None = None
+        #: the job reads a second stream (``kafka_stream``), which the sink cannot read again from Kafka for
+        #: a batch it must apply without its frame: its batches commit in line (no write-behind)
+        self._second_stream = False
 
     def _begin(self, ticket: state.RunTicket) -> None:
         spec = self.spec
@@ -490,6 +493,7 @@ class StreamHarness:
         if getattr(self._warming, "on", False):  # a standby's warm-up query: nothing about it is recorded
             return self._stream(topics, "latest")
         if set(topics) - set(self.spec.kafka.topics):
+            self._second_stream = True
             start = self._stream_start(topics, starting_offsets, "topics of the job's second stream")
             self._generation_start.update(start)
             starting_offsets = kafka_offsets.to_spark_json(start)
@@ -567,9 +571,9 @@ class StreamHarness:
         self.sink = self._new_sink(run, offset_log, results)
         self.listener.sink_phases = lambda batch_id: (clock.phases if (clock := self.sink.clocks.get(batch_id))
                                                       else None)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         if self._transactional is not None:
             self._transactional.catch_up()
-        signal.signal(signal.SIGTERM, self._on_sigterm)
         return (
             records.writeStream.queryName(f"{spec.job_id}-gen{spec.generation}")
             .option("checkpointLocation", checkpoint)
@@ -602,7 +606,7 @@ class StreamHarness:
             transform=self._transform,
             read_raw=self._read_raw,
             stateful=self._stateful,
-            behind=WriteBehind(WriteBehindMarks(self.spark, self.spec.checkpoint_path)),
+            behind=None if self._second_stream else WriteBehind(WriteBehindMarks(self.spark, self.spec.checkpoint_path)),
         )
         return self._transactional
 
@@ -762,7 +766,8 @@ class StreamHarness:
         try:
             self._transactional.flush()
         except Exception as err:
-            log.error("the batch handed to the writer did not land (%r); the next run applies it from Kafka", err)
+            log.error("the batch handed to the writer did not land (%r); its write-behind mark stays, and the "
+                      "job's next run applies it from Kafka", err)
             return err
         return None
 

@@ -254,6 +254,14 @@ class TransactionalSink:
         if self.behind is None:
             return
         for batch_id in self.behind.marks.marked():
+            if self.offset_log.source_offsets(batch_id) is None or (
+                    batch_id > 0 and self.offset_log.source_offsets(batch_id - 1) is None):
+                # Spark purged the batch's entries (a mark whose removal failed, long ago): it landed, or
+                # the stored offsets lag the checkpoint and the next batch's gap check says so
+                log.warning("write-behind mark of batch %s: the offsets log no longer holds the batch; "
+                            "mark removed", batch_id)
+                self.behind.clear(batch_id)
+                continue
             log.warning("batch %s was handed to the writer of a run that ended before its commit was known; "
                         "applying it again from Kafka if the database does not hold it", batch_id)
             self._redo(batch_id)
@@ -273,6 +281,8 @@ class TransactionalSink:
     def _settle(self) -> None:
         settled = self.behind.settle()
         if settled is not None and settled[1] is not None:
+            log.error("batch %s: its commit in the writer failed (%r); the batch stays marked for the job's "
+                      "next run", *settled)
             raise settled[1]
 
     def _redo(self, batch_id: int) -> transaction.BatchOutcome | None:

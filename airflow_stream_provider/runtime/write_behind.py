@@ -62,9 +62,10 @@ class WriteBehind:
 
     def failure(self) -> BaseException | None:
         """What the batch in flight's commit raised, once it has; None while it runs or after it landed."""
-        if self._in_flight is None or not self._in_flight[1].done():
+        in_flight = self._in_flight  # the stream thread may settle it meanwhile
+        if in_flight is None or not in_flight[1].done():
             return None
-        return self._in_flight[1].exception()
+        return in_flight[1].exception()
 
     def settle(self) -> tuple[int, BaseException | None] | None:
         """Wait for the batch in flight: its id and what its commit raised (None once it landed, when its
