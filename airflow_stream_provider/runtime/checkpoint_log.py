@@ -27,6 +27,13 @@ class _CheckpointDir:
     def _file(self, batch_id: int):
         return self._jvm.org.apache.hadoop.fs.Path(self._dir, str(batch_id))
 
+    def batch_ids(self) -> list[int]:
+        """The batch ids the directory holds a file for, in order (none when it does not exist)."""
+        if not self._fs.exists(self._dir):
+            return []
+        names = (status.getPath().getName() for status in self._fs.listStatus(self._dir))
+        return sorted(int(name) for name in names if name.isdigit())
+
 
 class OffsetLog(_CheckpointDir):
     def __init__(self, spark: SparkSession, checkpoint_path: str):
@@ -46,6 +53,11 @@ class OffsetLog(_CheckpointDir):
             stream.close()
         return parse_entry(text)
 
+    def newest_position(self) -> Offsets | None:
+        """The end of the newest batch in the log; None when it holds no batch."""
+        ids = self.batch_ids()
+        return self.source_offsets(ids[-1]) if ids else None
+
 
 class WriteBehindMarks(_CheckpointDir):
     """``write-behind/N``: batch N's results were handed to the sink's writer, so Spark may log the batch
@@ -63,10 +75,7 @@ class WriteBehindMarks(_CheckpointDir):
         self._fs.delete(self._file(batch_id), False)
 
     def marked(self) -> list[int]:
-        if not self._fs.exists(self._dir):
-            return []
-        names = (status.getPath().getName() for status in self._fs.listStatus(self._dir))
-        return sorted(int(name) for name in names if name.isdigit())
+        return self.batch_ids()
 
 
 def parse_entry(text: str) -> Offsets:

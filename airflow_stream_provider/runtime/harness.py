@@ -444,7 +444,7 @@ class StreamHarness:
         offsets; an older one replays, and the sink skips whatever lies below the stored offsets."""
         spec = self.spec
         try:
-            position = _newest_checkpoint_position(self.spark, spec.checkpoint_path)
+            position = OffsetLog(self.spark, spec.checkpoint_path).newest_position()
         except Exception as err:  # Spark itself reports an unreadable checkpoint, with its own error
             log.warning("could not read the offsets log of %s: %r", spec.checkpoint_path, err)
             return
@@ -757,7 +757,6 @@ class StreamHarness:
             )
         return exit_code
 
-
     def _flush_writes(self) -> Exception | None:
         """The query has stopped: wait for the batch handed to the sink's writer; what kept it from landing,
         if anything (its write-behind mark stays, and the next run applies it)."""
@@ -770,17 +769,6 @@ class StreamHarness:
                       "job's next run applies it from Kafka", err)
             return err
         return None
-
-
-def _newest_checkpoint_position(spark: SparkSession, checkpoint: str) -> kafka_offsets.Offsets | None:
-    """The end of the newest batch in a checkpoint's offsets log; None when it holds no batch."""
-    jvm = spark._jvm
-    directory = jvm.org.apache.hadoop.fs.Path(f"{checkpoint.rstrip('/')}/offsets")
-    fs = directory.getFileSystem(spark._jsc.hadoopConfiguration())
-    if not fs.exists(directory):
-        return None
-    ids = [int(name) for name in (s.getPath().getName() for s in fs.listStatus(directory)) if name.isdigit()]
-    return OffsetLog(spark, checkpoint).source_offsets(max(ids)) if ids else None
 
 
 def _describe(err: BaseException) -> str:
