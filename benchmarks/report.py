@@ -432,8 +432,8 @@ def markdown(r: dict[str, Any]) -> str:
                       f"| {_fmt(burst['jvm_mb'])} | {_fmt(burst['python_mb'])} | {_fmt(burst['pss_mb'])} "
                       f"| {_fmt(burst['msgs_s'])} |",
                       "", "A driver started on a backlog drains it with a JVM that is still compiling the per-record "
-                      "code; the Python workers that looked up, created and planned the source are gone once its "
-                      "first batch starts (`runtime.planner_workers`). The burst row is a running job: the driver "
+                      "code; the Python daemons and workers that looked up, created and planned the source are gone "
+                      "once its first batch starts (`runtime.planner_workers`). The burst row is a running job: the driver "
                       "starts on an empty topic and is paused while the burst is produced, so it reads it in the "
                       "same batches."]
         lines += ["", "The Python share is the driver's interpreter and Spark's Python workers (one per running "

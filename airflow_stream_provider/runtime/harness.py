@@ -588,7 +588,7 @@ class StreamHarness:
         query still plans in the background (then at a later batch)."""
         if not self._planners_released and not (self.standby is not None and self.standby.rewarming()):
             self._planners_released = True
-            planner_workers.release_idle()
+            planner_workers.release(records.sparkSession)
         self.sink(records, batch_id)
 
     def _new_sink(self, run: transaction.RunContext, offset_log: OffsetLog, results: ResultsFn):

@@ -1,27 +1,28 @@
 """Let go of the Python processes Spark used to start the query, once its first batch reaches ``foreachBatch``.
 
 Starting a query on the Python Kafka source runs three planner steps in Python: looking up data
-sources, creating the source, planning its read.  Spark forks one worker for each from a daemon per
-step and, with worker reuse (its default), keeps each worker idle until a minute after its last use:
-about 180 MB of RSS (51 + 51 + 79 MB measured) that a driver started on a backlog carries through the
-batches that drain it, the ones that need the memory most.  The query is planned by then; a later
-batch does not use them.
+sources, creating the source, planning its read.  For each, Spark starts a daemon (``python -m
+pyspark.daemon <module>``, about 37 MB) and forks a worker from it, which it keeps idle until a minute
+after its last use (51 + 51 + 79 MB measured); the daemons stay for the driver's life.  About 0.3 GB of
+RSS that a driver started on a backlog carries through the batches that drain it, the ones that need
+the memory most.  The query is planned by then; a later batch does not use them.
 
-Ending those idle workers is what Spark's own reaper does a minute later.  Spark checks an idle worker
-before handing it out again and discards a dead one ("process from idle queue is dead, discarding"),
-forking a new one from the daemon, so a job that plans a Python data source again later still works.
-The daemons stay: Spark cannot restart a planner daemon that died (its next use fails with "Stream
-closed"), and each holds only the interpreter (about 37 MB).
+Spark keeps one worker factory per Python worker kind (``SparkEnv.pythonWorkers``) and creates one when
+a kind is asked for that it does not hold.  Taking the planner kinds' factories out and stopping them
+(Spark's own ``PythonWorkerFactory.stop``, as when the driver ends) ends each daemon with its workers;
+a job that plans a Python data source again later gets new ones.  Ending only the processes would not
+do: the factory would keep the dead daemon and fail its next use ("Stream closed").
 
-Only the planner workers' forks are ended: the streaming source's runner (offsets, partitions) and the
-workers that read records serve every batch.
+The map is private to Spark, reached by reflection, and is otherwise changed under the SparkEnv's lock
+by tasks and planning asking for workers: this runs on the stream's own thread inside its first
+``foreachBatch``, before the batch's jobs start, when the query plans nothing and no other query runs
+(a standby's warm-up query defers it).  Only the planner kinds go: the streaming source's runner
+(offsets, partitions) and the workers that read records serve every batch.
 """
 
 from __future__ import annotations
 
 import logging
-
-import psutil
 
 log = logging.getLogger(__name__)
 
@@ -33,40 +34,25 @@ PLANNER_MODULES = frozenset({
 })
 
 
-def driver_jvm() -> psutil.Process | None:
-    """The driver's JVM: this process's parent under spark-submit, its child when pyspark launched the
-    JVM itself (a job run by plain Python)."""
-    me = psutil.Process()
-    parent = me.parent()
-    if parent is not None and "java" in parent.name():
-        return parent
-    return next((child for child in me.children() if "java" in child.name()), None)
-
-
-def planner_daemons(jvm: psutil.Process) -> list[psutil.Process]:
-    """The JVM's planner daemons: ``python -m pyspark.daemon <planner module>``."""
-    found = []
-    for child in jvm.children():
-        try:
-            command = child.cmdline()
-        except psutil.Error:  # gone between the listing and the look
-            continue
-        if command[1:3] == ["-m", "pyspark.daemon"] and command[3:4] and command[3] in PLANNER_MODULES:
-            found.append(child)
-    return found
-
-
-def release_idle() -> int:
-    """End the planner daemons' workers; returns how many.  Never raises: a failure costs memory only."""
-    freed = 0
+def release(spark) -> int:
+    """Stop the planner kinds' worker factories (their daemons and idle workers); returns how many.
+    Never raises: a failure costs memory only."""
+    stopped = []
     try:
-        jvm = driver_jvm()
-        for daemon in planner_daemons(jvm) if jvm is not None else []:
-            for worker in daemon.children():
-                worker.kill()  # SIGKILL, as the daemon ends a worker when Spark's reaper asks it to
-                freed += 1
-    except psutil.Error as err:
-        log.warning("could not let go of Spark's idle planner workers (memory only): %r", err)
-    if freed:
-        log.info("let go of %s idle planner worker(s) of the query's start", freed)
-    return freed
+        jvm = spark.sparkContext._jvm
+        # Reflection on the field, not calls on SparkEnv: py4j resolves a call against all of a class's
+        # methods, and SparkEnv's refer to classes this Spark does not ship (the gateway's reply is lost).
+        field = jvm.java.lang.Class.forName("org.apache.spark.SparkEnv").getDeclaredField("pythonWorkers")
+        field.setAccessible(True)
+        factories = field.get(spark.sparkContext._jsc.sc().env())
+        keys = factories.keys().toList().iterator()
+        while keys.hasNext():
+            key = keys.next()
+            if key.workerModule() in PLANNER_MODULES:
+                factories.remove(key).get().stop()
+                stopped.append(key.workerModule())
+    except Exception as err:  # a Spark without the field, a py4j error: memory only
+        log.warning("could not let go of Spark's planner daemons of the query's start (memory only): %r", err)
+    if stopped:
+        log.info("let go of the query start's planner daemons and their idle workers: %s", ", ".join(sorted(stopped)))
+    return len(stopped)

@@ -39,16 +39,17 @@ def _worker_arrow_pools(pid: int) -> list[str | None]:
     return pools
 
 
-def _planner_workers(pid: int) -> dict[str, int]:
-    """Workers forked by each of the driver's planner daemons (data source lookup, creation, read planning)."""
-    found = {}
+def _planner_processes(pid: int) -> list[str]:
+    """The planner kind (data source lookup, creation, read planning) of each of the driver's Python
+    processes that runs one: daemons and the workers they forked, which keep the daemon's command line."""
+    found = []
     for process in psutil.Process(pid).children(recursive=True):
         try:
-            command = process.cmdline()  # a daemon's forks keep its command line: count what each forked
-            if command[1:3] == ["-m", "pyspark.daemon"] and command[3] in PLANNER_MODULES:
-                found[command[3]] = found.get(command[3], 0) + len(process.children())
+            command = process.cmdline()
         except psutil.NoSuchProcess:
-            pass
+            continue
+        if command[1:3] == ["-m", "pyspark.daemon"] and command[3:4] and command[3] in PLANNER_MODULES:
+            found.append(command[3])
     return found
 
 
@@ -61,11 +62,12 @@ def test_graceful_stop_and_restart(broker, topic, runner, figures):
     # Spark's Python workers (reading, planning) hand freed Arrow buffers back: the system allocator
     pools = _worker_arrow_pools(driver.pid)
     assert pools and set(pools) == {"system"}, pools
-    # the query's start planned the source in Python; those workers are gone once it ran a batch, the
-    # daemons that forked them stay for Spark to fork from again
-    assert _planner_workers(driver.pid) == dict.fromkeys(PLANNER_MODULES, 0)
+    # the query's start planned the source in Python; its planner daemons and their workers are gone once
+    # it ran a batch, and the batches after it need none
+    assert _planner_processes(driver.pid) == []
     producer.send(1000)
     runner.wait_caught_up(_end(producer), driver)
+    assert _planner_processes(driver.pid) == []
     asked = time.monotonic()
     assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED
     stop_s = time.monotonic() - asked
