@@ -624,8 +624,7 @@ class StreamHarness:
 
     def _after_commit(self, outcome: transaction.BatchOutcome) -> None:
         self.store.record_progress(self.run_id, outcome.batch_id, None, committed=True)
-        self.startup.done("first_batch")
-        self.startup.report()
+        self.startup.committed()
         if self.spec.dry_run:  # leave no other trace
             # Done once a batch that reads the previous batch's state ran: batch 0 starts from empty
             # state, so a stateful change shows only from batch 1 on.  A re-run of the copy's batch 0

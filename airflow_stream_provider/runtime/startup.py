@@ -12,8 +12,9 @@ and ``make bench`` reads that line to show what a cold start spends its time on.
 * ``state_database``: the spec's checks, the state tables, the run's registration and epoch;
 * ``spark_session``: the SparkSession (SparkContext, its scheduler, the UI);
 * ``source``: the generation's start (checkpoint and Kafka) and the job's transform planned;
-* ``query_start``: the query's start (checkpoint metadata, listener, the source's Python runner);
-* ``first_batch``: from the started query to the first batch's database commit.
+* ``query_start``: the query's start (checkpoint metadata, listener, the source's Python runner, and the
+  batches a killed run left to its writer, applied again first: ``TransactionalSink.catch_up``);
+* ``first_batch``: from the started query to its first batch's database commit.
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ class StartupClock:
     def done(self, phase: str) -> None:
         """``phase`` ended now (the first time only: a phase is not timed twice)."""
         self._ends.setdefault(phase, time.time())
+
+    def committed(self) -> None:
+        """A batch committed: the start ends with the first one the started query commits, which is when
+        the phases are logged.  A commit before the query started (a killed run's write-behind batch,
+        applied again by the catch-up) is part of ``query_start``."""
+        if "query_start" in self._ends:
+            self.done("first_batch")
+            self.report()
 
     def skip(self) -> None:
         """Never report (a standby: its start is its warm-up; what counts is its takeover)."""
