@@ -34,6 +34,13 @@ PLANNER_MODULES = frozenset({
 })
 
 
+def planner_kind(command: list[str]) -> str | None:
+    """The planner kind a Python process of Spark's runs, from its command line (a daemon's workers keep the
+    daemon's), or None: ``python -m pyspark.daemon <module>``."""
+    module = command[3] if command[1:3] == ["-m", "pyspark.daemon"] and command[3:4] else None
+    return module if module in PLANNER_MODULES else None
+
+
 def release(spark) -> int:
     """Stop the planner kinds' worker factories (their daemons and idle workers); returns how many.
     Never raises: a failure costs memory only."""

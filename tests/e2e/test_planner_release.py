@@ -48,9 +48,8 @@ DRIVER = textwrap.dedent("""
                 command = process.cmdline()
             except psutil.NoSuchProcess:
                 continue
-            if command[1:3] == ["-m", "pyspark.daemon"] and command[3:4] and \\
-                    command[3] in planner_workers.PLANNER_MODULES:
-                kinds.append(command[3])
+            if kind := planner_workers.planner_kind(command):
+                kinds.append(kind)
         return sorted(kinds)
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from airflow_stream_provider import failures, kafka_offsets
 from airflow_stream_provider.runtime.harness import ARROW_POOL_ENV
-from airflow_stream_provider.runtime.planner_workers import PLANNER_MODULES
+from airflow_stream_provider.runtime.planner_workers import planner_kind
 from stack.events import BackgroundProducer, EventProducer
 from stack.jobs import check_exactly_once, wait_until
 
@@ -48,8 +48,8 @@ def _planner_processes(pid: int) -> list[str]:
             command = process.cmdline()
         except psutil.NoSuchProcess:
             continue
-        if command[1:3] == ["-m", "pyspark.daemon"] and command[3:4] and command[3] in PLANNER_MODULES:
-            found.append(command[3])
+        if kind := planner_kind(command):
+            found.append(kind)
     return found
 
 
