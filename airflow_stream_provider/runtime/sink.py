@@ -86,7 +86,7 @@ from airflow_stream_provider.runtime.poison import (
     positions,
     reason,
 )
-from airflow_stream_provider.runtime.write_behind import WriteBehind
+from airflow_stream_provider.runtime.write_behind import REDO_DESCRIPTION, WriteBehind
 from airflow_stream_provider.state import schema, transaction
 from airflow_stream_provider.state.dialect import is_data_error
 from airflow_stream_provider.state.store import StateStore, plain_text
@@ -210,6 +210,8 @@ class TransactionalSink:
         self._outputs: list[str] = []
         #: where the recent batches' time went, by batch id (the listener adds it to the progress record)
         self.clocks: dict[int, BatchClock] = {}
+        #: write-behind marks whose batch the offsets log no longer holds (``catch_up``): a gap names them
+        self._unmatched_marks: list[int] = []
 
     def __call__(self, records: DataFrame, batch_id: int) -> None:
         faults.maybe_crash("batch_start", batch_id)
@@ -230,7 +232,7 @@ class TransactionalSink:
             if self.dry_run:  # a preflight replays a committed batch on purpose: run all of it, write nothing
                 plan = transaction.whole_batch(batch)
             else:
-                plan = transaction.plan(self.store, self.run.job_id, batch)
+                plan = self._plan(batch)
                 clock.lap("plan")
                 # A batch that read nothing is no replay: a stateful query's no-data batch (run to move the
                 # watermark) emits what its state releases (outer-join rows, closed windows, timers).
@@ -260,12 +262,28 @@ class TransactionalSink:
                 # the stored offsets lag the checkpoint and the next batch's gap check says so
                 log.warning("write-behind mark of batch %s: the offsets log no longer holds the batch; "
                             "mark removed", batch_id)
+                self._unmatched_marks.append(batch_id)
                 self.behind.clear(batch_id)
                 continue
             log.warning("batch %s was handed to the writer of a run that ended before its commit was known; "
                         "applying it again from Kafka if the database does not hold it", batch_id)
             self._redo(batch_id)
             self.behind.clear(batch_id)
+
+    def _plan(self, batch: transaction.BatchRange) -> transaction.BatchPlan:
+        """The batch's plan against the stored offsets; a gap names the write-behind marks ``catch_up`` could
+        not apply, the likely cause."""
+        try:
+            return transaction.plan(self.store, self.run.job_id, batch)
+        except transaction.OffsetGapError as gap:
+            if not self._unmatched_marks:
+                raise
+            marks = ", ".join(map(str, self._unmatched_marks))
+            raise transaction.OffsetGapError(
+                f"{gap} At its start this run found a write-behind mark of batch(es) {marks} with no range left in "
+                f"the offsets log: a batch handed to a writer whose commit was never confirmed, which can no "
+                f"longer be applied from the checkpoint."
+            ) from gap
 
     def flush(self) -> None:
         """Wait for the batch in flight (after the query stopped): its results are in the database when
@@ -406,7 +424,8 @@ class TransactionalSink:
         faults.maybe_crash("before_db_commit", batch_id)
         if behind and self._goes_behind(plan, computed):
             phases, started = dict(clock.phases), clock.started  # the clock stays with this thread
-            self.behind.hand_over(batch_id, lambda: self._land(plan, computed, letters, poison, phases, started))
+            spark = handed.sparkSession
+            self.behind.hand_over(batch_id, lambda: self._land(plan, computed, letters, poison, phases, started, spark))
             return None
         try:
             outcome = self._commit(plan, computed, letters, clock.started)
@@ -445,7 +464,7 @@ class TransactionalSink:
                 and sum(computed.read.values()) >= write_behind.MIN_RECORDS)
 
     def _land(self, plan: transaction.BatchPlan, computed: _Computed, letters: list[dict], poison: list[Poison],
-              phases: dict[str, float], started: float) -> transaction.BatchOutcome | None:
+              phases: dict[str, float], started: float, spark: SparkSession) -> transaction.BatchOutcome | None:
         """The writer thread's commit of a batch handed over.  The batch's clock belongs to the stream thread
         and the listener: the commit's seconds go to the log line only."""
         began = time.perf_counter()
@@ -458,7 +477,12 @@ class TransactionalSink:
             # batch's records read again (its frame is gone); the next batch waits for this
             log.warning("batch %s: the database refused its commit (%s); applying it again from Kafka, "
                         "isolating the record(s) it refuses", plan.range.batch_id, reason(err))
-            return self._redo(plan.range.batch_id)
+            # described, and outside the query's job group (see REDO_DESCRIPTION)
+            spark.sparkContext.setJobDescription(REDO_DESCRIPTION.format(batch_id=plan.range.batch_id))
+            try:
+                return self._redo(plan.range.batch_id)
+            finally:
+                spark.sparkContext.setLocalProperty("spark.job.description", None)
         faults.maybe_crash("after_db_commit", plan.range.batch_id)
         commit_s = time.perf_counter() - began
         _log_committed(outcome, poison, {**phases, "write_behind": round(outcome.write_s, 4),

@@ -9,13 +9,15 @@ goes behind (``write_behind.MIN_RECORDS``).
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select, text
 
 from airflow_stream_provider import failures
-from airflow_stream_provider.runtime.write_behind import MIN_RECORDS
+from airflow_stream_provider.runtime.write_behind import MIN_RECORDS, REDO_DESCRIPTION
 from airflow_stream_provider.state import schema
 from stack.events import EventProducer
 from stack.jobs import check_exactly_once, wait_until
@@ -73,11 +75,17 @@ def test_kill9_with_spark_ahead_of_the_database(broker, topic, big_batches, figu
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-def test_a_commit_the_database_refuses_is_isolated_behind(broker, topic, big_batches, figures):
+def test_a_commit_the_database_refuses_is_isolated_behind(broker, topic, big_batches, figures, tmp_path):
     """The results table refuses one event of a batch that commits behind: the writer applies the batch
     again from Kafka, isolates the record, dead-letters it with the refusal, and the stream goes on.
-    SQLite: a trigger is the simplest refusal to set up (the same path serves PostgreSQL's errors)."""
+    SQLite: a trigger is the simplest refusal to set up (the same path serves PostgreSQL's errors).
+    Spark's event log shows the redo's jobs described, and outside the query's job group (which a stop
+    cancels)."""
     runner = big_batches
+    spark_events = tmp_path / "spark-events"
+    spark_events.mkdir()
+    runner.conf = {**runner.conf, "spark.eventLog.enabled": "true", "spark.eventLog.dir": spark_events.as_uri(),
+                   "spark.eventLog.compress": "false"}
     producer = EventProducer(broker, topic, malformed_ratio=0.0)
     producer.send(1_000)
     driver = runner.start()
@@ -103,4 +111,57 @@ def test_a_commit_the_database_refuses_is_isolated_behind(broker, topic, big_bat
     assert dead[0].error.startswith("the database refused this record's results"), dead[0].error
     stored = {p: o for (_, p), o in runner.store.stored_offsets(runner.spec.job_id).items()}
     assert stored == _end(producer)
+    redo = REDO_DESCRIPTION.format(batch_id=re.search(r"batch (\d+): the database refused its commit", log)[1])
+    jobs = _job_properties(spark_events)
+    redo_jobs = [job for job in jobs if job.get("spark.job.description") == redo]
+    assert redo_jobs, "the redo's Spark jobs carry their description"
+    assert any(job.get("spark.jobGroup.id") for job in jobs), "the query's own jobs run in its job group"
+    assert all("spark.jobGroup.id" not in job for job in redo_jobs), redo_jobs
     figures.record("write-behind commit refused [sqlite]", events=events, dead=len(dead))
+
+
+def _job_properties(spark_events: Path) -> list[dict[str, str]]:
+    """The local properties of every Spark job the drivers' event logs record."""
+    return [
+        event.get("Properties") or {}
+        for log in spark_events.glob("eventlog_v2_*/events_*")  # Spark 4 rolls each app's log in a folder
+        for event in map(json.loads, log.read_text().splitlines())
+        if event.get("Event") == "SparkListenerJobStart"
+    ]
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_gap_names_the_write_behind_mark_it_could_not_apply(broker, topic, runner):
+    """A run finds a write-behind mark whose batch Spark has purged from the offsets log while the stored
+    offsets stop below the checkpoint: a batch was handed to a writer, its commit never confirmed, and
+    nothing can apply it from the checkpoint any more.  The first batch ends the run as data loss with the
+    gap and the mark named; the database stays as it was.  The state is made by hand: a run always
+    applies a mark before Spark can purge its batch, so only a failed mark removal long ago, or a
+    checkpoint moved between deployments, leaves one."""
+    runner.spec = dataclasses.replace(runner.spec, min_batches_to_retain=2)
+    checkpoint = Path(runner.spec.checkpoint_path)
+    producer = EventProducer(broker, topic, malformed_ratio=0.0)
+    driver = runner.start()
+    for _ in range(5):  # a batch each
+        producer.send(30)
+        runner.wait_caught_up(_end(producer), driver)
+    assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED, runner.log_tail(driver)
+    assert not (checkpoint / "offsets" / "1").exists(), "Spark purged batch 1's entries"
+
+    job_id = runner.spec.job_id
+    with runner.store.engine.begin() as conn:  # the database as if nothing after batch 0 had landed
+        conn.execute(schema.offsets.update().where(schema.offsets.c.job_id == job_id).values(next_offset=0))
+    (checkpoint / "write-behind").mkdir(exist_ok=True)
+    (checkpoint / "write-behind" / "1").touch()
+    ledger = _ledger(runner.store, job_id)
+    producer.send(30)
+
+    driver = runner.start()
+    assert driver.wait(180) == failures.EXIT_DATA_LOSS, runner.log_tail(driver)
+    row = runner.run_row(driver)
+    assert row.failure_kind == "DATA_LOSS" and "STREAM_OFFSET_GAP" in row.error_class, row
+    assert "would be lost" in row.termination_message
+    assert "write-behind mark of batch(es) 1 with no range left in the offsets log" in row.termination_message
+    assert _marks(checkpoint) == []
+    assert _ledger(runner.store, job_id) == ledger
+    assert set(runner.store.stored_offsets(job_id).values()) == {0}
