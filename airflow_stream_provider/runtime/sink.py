@@ -210,7 +210,8 @@ class TransactionalSink:
         self._outputs: list[str] = []
         #: where the recent batches' time went, by batch id (the listener adds it to the progress record)
         self.clocks: dict[int, BatchClock] = {}
-        #: write-behind marks whose batch the offsets log no longer holds (``catch_up``): a gap names them
+        #: write-behind marks whose batch the offsets log no longer holds (``catch_up``): kept, and named by a
+        #: gap, until a batch plans without one, which shows those batches landed
         self._unmatched_marks: list[int] = []
 
     def __call__(self, records: DataFrame, batch_id: int) -> None:
@@ -260,10 +261,10 @@ class TransactionalSink:
                     batch_id > 0 and self.offset_log.source_offsets(batch_id - 1) is None):
                 # Spark purged the batch's entries (a mark whose removal failed, long ago): it landed, or
                 # the stored offsets lag the checkpoint and the next batch's gap check says so
-                log.warning("write-behind mark of batch %s: the offsets log no longer holds the batch; "
-                            "mark removed", batch_id)
+                log.warning("write-behind mark of batch %s: the offsets log no longer holds the batch, which "
+                            "cannot be applied from it; the mark goes once a batch plans without a gap",
+                            batch_id)
                 self._unmatched_marks.append(batch_id)
-                self.behind.clear(batch_id)
                 continue
             log.warning("batch %s was handed to the writer of a run that ended before its commit was known; "
                         "applying it again from Kafka if the database does not hold it", batch_id)
@@ -271,19 +272,23 @@ class TransactionalSink:
             self.behind.clear(batch_id)
 
     def _plan(self, batch: transaction.BatchRange) -> transaction.BatchPlan:
-        """The batch's plan against the stored offsets; a gap names the write-behind marks ``catch_up`` could
-        not apply, the likely cause."""
+        """The batch's plan against the stored offsets.  A gap names the write-behind marks ``catch_up``
+        could not apply, a possible cause; a plan without one shows their batches landed."""
         try:
-            return transaction.plan(self.store, self.run.job_id, batch)
+            plan = transaction.plan(self.store, self.run.job_id, batch)
         except transaction.OffsetGapError as gap:
             if not self._unmatched_marks:
                 raise
             marks = ", ".join(map(str, self._unmatched_marks))
             raise transaction.OffsetGapError(
-                f"{gap} At its start this run found a write-behind mark of batch(es) {marks} with no range left in "
-                f"the offsets log: a batch handed to a writer whose commit was never confirmed, which can no "
-                f"longer be applied from the checkpoint."
+                f"{gap} The checkpoint holds a write-behind mark of batch(es) {marks} whose range the "
+                f"offsets log no longer holds: if that batch never landed, it is the gap (handed to a writer "
+                f"whose commit was never confirmed, it can no longer be applied from the checkpoint)."
             ) from gap
+        for batch_id in self._unmatched_marks:
+            self.behind.clear(batch_id)
+        self._unmatched_marks.clear()
+        return plan
 
     def flush(self) -> None:
         """Wait for the batch in flight (after the query stopped): its results are in the database when
@@ -307,7 +312,7 @@ class TransactionalSink:
         """Apply a batch whose frame is gone, synchronously: its range from the offsets log, its records
         from Kafka, the job's transform and results as in the stream."""
         batch = self._batch_range(batch_id)
-        plan = transaction.plan(self.store, self.run.job_id, batch)
+        plan = self._plan(batch)
         if plan.is_replay:
             return None
         handed = self.transform(self._raw_frame(plan)).persist()
@@ -424,8 +429,7 @@ class TransactionalSink:
         faults.maybe_crash("before_db_commit", batch_id)
         if behind and self._goes_behind(plan, computed):
             phases, started = dict(clock.phases), clock.started  # the clock stays with this thread
-            spark = handed.sparkSession
-            self.behind.hand_over(batch_id, lambda: self._land(plan, computed, letters, poison, phases, started, spark))
+            self.behind.hand_over(batch_id, lambda: self._land(plan, computed, letters, poison, phases, started))
             return None
         try:
             outcome = self._commit(plan, computed, letters, clock.started)
@@ -464,7 +468,7 @@ class TransactionalSink:
                 and sum(computed.read.values()) >= write_behind.MIN_RECORDS)
 
     def _land(self, plan: transaction.BatchPlan, computed: _Computed, letters: list[dict], poison: list[Poison],
-              phases: dict[str, float], started: float, spark: SparkSession) -> transaction.BatchOutcome | None:
+              phases: dict[str, float], started: float) -> transaction.BatchOutcome | None:
         """The writer thread's commit of a batch handed over.  The batch's clock belongs to the stream thread
         and the listener: the commit's seconds go to the log line only."""
         began = time.perf_counter()
@@ -477,12 +481,14 @@ class TransactionalSink:
             # batch's records read again (its frame is gone); the next batch waits for this
             log.warning("batch %s: the database refused its commit (%s); applying it again from Kafka, "
                         "isolating the record(s) it refuses", plan.range.batch_id, reason(err))
-            # described, and outside the query's job group (see REDO_DESCRIPTION)
-            spark.sparkContext.setJobDescription(REDO_DESCRIPTION.format(batch_id=plan.range.batch_id))
+            # This plain thread's own JVM thread (pinned-thread mode) carries no job group, so a stop does
+            # not cancel the redo (see REDO_DESCRIPTION): keep it so, not an InheritableThread.
+            context = SparkSession.active().sparkContext
+            context.setJobDescription(REDO_DESCRIPTION.format(batch_id=plan.range.batch_id))
             try:
                 return self._redo(plan.range.batch_id)
             finally:
-                spark.sparkContext.setLocalProperty("spark.job.description", None)
+                context.setLocalProperty("spark.job.description", None)
         faults.maybe_crash("after_db_commit", plan.range.batch_id)
         commit_s = time.perf_counter() - began
         _log_committed(outcome, poison, {**phases, "write_behind": round(outcome.write_s, 4),

@@ -33,7 +33,8 @@ MIN_RECORDS = 20_000
 #: The Spark jobs of a batch the database refused behind, applied again in the writer thread (Spark UI,
 #: event log).  They run outside the query's job group: a graceful stop cancels that group, and Spark has
 #: logged the batch as done, so the redo must finish.
-REDO_DESCRIPTION = "write-behind: batch {batch_id} applied again from Kafka, isolating the records the database refuses"
+REDO_DESCRIPTION = ("write-behind: batch {batch_id} applied again from Kafka, isolating the records the "
+                    "database refuses")
 
 #: How long the ``write_behind`` fault point waits for the next batch (Spark has then logged this one).
 _FAULT_WAIT_S = 120
