@@ -35,6 +35,27 @@ class _CheckpointDir:
         return sorted(int(name) for name in names if name.isdigit())
 
 
+def remove_unfinished_first_entry(spark: SparkSession, checkpoint_path: str) -> list[str]:
+    """Delete what a driver killed while writing a generation's first log entry left: its temporary
+    files (``.0.<uuid>.tmp``, with their ``.crc``) in ``offsets/`` and ``commits/``, when the offsets log
+    holds no entry.  Spark takes such a checkpoint for a new one and refuses it as not empty
+    ([STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY]).  Only for the run that holds the job's epoch, before
+    its query starts: no other driver writes the checkpoint then.  Returns the paths removed."""
+    removed: list[str] = []
+    if OffsetLog(spark, checkpoint_path).batch_ids():
+        return removed
+    for name in ("offsets", "commits"):
+        folder = _CheckpointDir(spark, checkpoint_path, name)
+        if not folder._fs.exists(folder._dir):
+            continue
+        for status in folder._fs.listStatus(folder._dir):
+            path = status.getPath()
+            if path.getName().startswith(".") and ".tmp" in path.getName():
+                folder._fs.delete(path, False)
+                removed.append(path.toString())
+    return removed
+
+
 class OffsetLog(_CheckpointDir):
     def __init__(self, spark: SparkSession, checkpoint_path: str):
         super().__init__(spark, checkpoint_path, "offsets")

@@ -34,7 +34,11 @@ from pyspark.sql.streaming import StreamingQuery
 
 from airflow_stream_provider import confluent_reader, failures, faults, kafka_client, kafka_offsets
 from airflow_stream_provider.runtime import kafka_source, planner_workers
-from airflow_stream_provider.runtime.checkpoint_log import OffsetLog, WriteBehindMarks
+from airflow_stream_provider.runtime.checkpoint_log import (
+    OffsetLog,
+    WriteBehindMarks,
+    remove_unfinished_first_entry,
+)
 from airflow_stream_provider.runtime.listener import StateListener
 from airflow_stream_provider.runtime.poison import POISON_POLICIES, keeps_state
 from airflow_stream_provider.runtime.sink import DEAD_LETTER_COLUMNS, ResultsFn, TransactionalSink
@@ -564,6 +568,8 @@ class StreamHarness:
         checkpoint = spec.checkpoint_path
         self.listener = StateListener(self.store, self.run_id)
         self.spark.streams.addListener(self.listener)
+        if removed := remove_unfinished_first_entry(self.spark, checkpoint):
+            log.warning("removed what a killed driver left of the generation's first log entry: %s", removed)
         offset_log = OffsetLog(self.spark, checkpoint)
         # A preflight copy that holds batch 0 with its commit dropped re-runs batch 0 on the old code's
         # checkpoint: that batch is the verdict, no later one need wait for new records.

@@ -192,3 +192,21 @@ def test_python_source_skips_lost_ranges_when_loss_is_accepted(broker, topic, ru
     }
     log = Path(driver.log_path).read_text(errors="replace")
     assert "failOnDataLoss=false" in log, runner.log_tail(driver)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_kill_during_the_first_offsets_write_does_not_brick_the_generation(broker, topic, runner):
+    """A driver killed while Spark wrote the generation's first offsets entry leaves only its temporary
+    file (``offsets/.0.<uuid>.tmp``).  Spark takes such a checkpoint for a new one and refuses it as not
+    empty ([STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY]); the next run removes the leftover and processes.
+    The leftover is made by hand: the kill's window is a few milliseconds."""
+    checkpoint = Path(runner.spec.checkpoint_path)
+    (checkpoint / "offsets").mkdir(parents=True)
+    (checkpoint / "offsets" / ".0.4223d3fb-662a-4ca8-a50d-df14327424ce.tmp").write_text("v1\n")
+    producer = EventProducer(broker, topic)
+    producer.send(300)
+    driver = runner.start()
+    runner.wait_caught_up(_end(producer), driver)
+    assert "removed what a killed driver left of the generation's first log entry" in Path(driver.log_path).read_text()
+    assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED, runner.log_tail(driver)
+    check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
