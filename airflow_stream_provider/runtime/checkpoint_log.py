@@ -19,6 +19,7 @@ class _CheckpointDir:
     def __init__(self, spark: SparkSession, checkpoint_path: str, name: str):
         jvm = spark._jvm
         self._jvm = jvm
+        self.checkpoint_path = checkpoint_path
         #: the directory, for messages
         self.path = f"{checkpoint_path.rstrip('/')}/{name}"
         self._dir = jvm.org.apache.hadoop.fs.Path(self.path)
@@ -27,33 +28,37 @@ class _CheckpointDir:
     def _file(self, batch_id: int):
         return self._jvm.org.apache.hadoop.fs.Path(self._dir, str(batch_id))
 
-    def batch_ids(self) -> list[int]:
-        """The batch ids the directory holds a file for, in order (none when it does not exist)."""
+    def _paths(self) -> list:
+        """The directory's files (none when it does not exist)."""
         if not self._fs.exists(self._dir):
             return []
-        names = (status.getPath().getName() for status in self._fs.listStatus(self._dir))
-        return sorted(int(name) for name in names if name.isdigit())
+        return [status.getPath() for status in self._fs.listStatus(self._dir)]
 
+    def batch_ids(self) -> list[int]:
+        """The batch ids the directory holds a file for, in order (none when it does not exist)."""
+        return sorted(int(path.getName()) for path in self._paths() if path.getName().isdigit())
 
-def remove_unfinished_first_entry(spark: SparkSession, checkpoint_path: str) -> list[str]:
-    """Delete what a driver killed while writing a generation's first log entry left: its temporary
-    files (``.0.<uuid>.tmp``, with their ``.crc``) in ``offsets/`` and ``commits/``, when the offsets log
-    holds no entry.  Spark takes such a checkpoint for a new one and refuses it as not empty
-    ([STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY]).  Only for the run that holds the job's epoch, before
-    its query starts: no other driver writes the checkpoint then.  Returns the paths removed."""
-    removed: list[str] = []
-    if OffsetLog(spark, checkpoint_path).batch_ids():
-        return removed
-    for name in ("offsets", "commits"):
-        folder = _CheckpointDir(spark, checkpoint_path, name)
-        if not folder._fs.exists(folder._dir):
-            continue
-        for status in folder._fs.listStatus(folder._dir):
-            path = status.getPath()
+    def remove_unfinished(self) -> list[str]:
+        """Delete the temporary files of entries a killed driver was writing (``.N.<uuid>.tmp`` and their
+        ``.crc``); returns their paths."""
+        removed = []
+        for path in self._paths():
             if path.getName().startswith(".") and ".tmp" in path.getName():
-                folder._fs.delete(path, False)
+                self._fs.delete(path, False)
                 removed.append(path.toString())
-    return removed
+        return removed
+
+
+def remove_unfinished_first_entry(spark: SparkSession, offset_log: OffsetLog) -> list[str]:
+    """Delete what a driver killed while writing a generation's first log entry left: its temporary
+    files in ``offsets/`` and ``commits/``, when the offsets log holds no entry.  Spark takes such a
+    checkpoint for a new one and refuses it as not empty ([STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY]).
+    Only for the run that holds the job's epoch, before its query starts: no other driver writes the
+    checkpoint then.  Returns the paths removed."""
+    if offset_log.batch_ids():
+        return []
+    commits = _CheckpointDir(spark, offset_log.checkpoint_path, "commits")
+    return offset_log.remove_unfinished() + commits.remove_unfinished()
 
 
 class OffsetLog(_CheckpointDir):

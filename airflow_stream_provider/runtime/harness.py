@@ -568,9 +568,9 @@ class StreamHarness:
         checkpoint = spec.checkpoint_path
         self.listener = StateListener(self.store, self.run_id)
         self.spark.streams.addListener(self.listener)
-        if removed := remove_unfinished_first_entry(self.spark, checkpoint):
-            log.warning("removed what a killed driver left of the generation's first log entry: %s", removed)
         offset_log = OffsetLog(self.spark, checkpoint)
+        if removed := remove_unfinished_first_entry(self.spark, offset_log):
+            log.warning("removed what a killed driver left of the generation's first log entry: %s", removed)
         # A preflight copy that holds batch 0 with its commit dropped re-runs batch 0 on the old code's
         # checkpoint: that batch is the verdict, no later one need wait for new records.
         self._rerun_of_batch_0 = spec.dry_run and offset_log.source_offsets(0) is not None

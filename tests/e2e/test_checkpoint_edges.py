@@ -207,6 +207,7 @@ def test_a_kill_during_the_first_offsets_write_does_not_brick_the_generation(bro
     producer.send(300)
     driver = runner.start()
     runner.wait_caught_up(_end(producer), driver)
-    assert "removed what a killed driver left of the generation's first log entry" in Path(driver.log_path).read_text()
+    log = Path(driver.log_path).read_text()
+    assert "removed what a killed driver left of the generation's first log entry" in log
     assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED, runner.log_tail(driver)
     check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
