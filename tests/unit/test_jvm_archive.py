@@ -103,10 +103,11 @@ def test_the_background_wrapper_runs_detached_and_reports(tmp_path):
 
 
 def test_c2_thresholds_are_raised_unless_the_options_shape_the_jit():
-    assert jvm_jit.startup_options("") == " ".join(jvm_jit.LAZY_C2)
-    assert jvm_jit.startup_options("-Xss4m") == f"-Xss4m {' '.join(jvm_jit.LAZY_C2)}"
+    assert jvm_jit.startup_options("") == " ".join(jvm_jit.OPTIONS)
+    assert jvm_jit.startup_options("-Xss4m") == f"-Xss4m {' '.join(jvm_jit.OPTIONS)}"
     for own in ("-XX:TieredStopAtLevel=1", "-XX:-TieredCompilation", "-XX:Tier4InvocationThreshold=1", "-Xint",
-                "-XX:CompileThreshold=100", "-XX:+UseJVMCICompiler"):
+                "-XX:CompileThreshold=100", "-XX:+UseJVMCICompiler",
+                "-XX:+DontCompileHugeMethods"):
         assert jvm_jit.startup_options(f"-Xss4m {own}") == f"-Xss4m {own}"
 
 

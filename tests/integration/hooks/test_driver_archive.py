@@ -33,8 +33,8 @@ def test_an_archive_that_exists_is_mapped_into_the_driver(hook, tmp_path):
     archive = _archive(hook)
     archive.path.parent.mkdir(parents=True)
     archive.path.write_bytes(b"classes")
-    lazy_c2, small_heap = " ".join(jvm_jit.LAZY_C2), " ".join(jvm_heap.SMALL_HEAP)
-    assert (f"spark.driver.extraJavaOptions={lazy_c2} {small_heap} -XX:SharedArchiveFile={archive.path}"
+    jit, small_heap = " ".join(jvm_jit.OPTIONS), " ".join(jvm_heap.SMALL_HEAP)
+    assert (f"spark.driver.extraJavaOptions={jit} {small_heap} -XX:SharedArchiveFile={archive.path}"
             in _command(hook, tmp_path))
 
 
@@ -50,7 +50,7 @@ def test_a_deployments_own_choice_and_cluster_mode_are_left_alone(hook, tmp_path
     archive.path.parent.mkdir(parents=True)
     archive.path.write_bytes(b"classes")
     hook.conf["spark.driver.extraJavaOptions"] = "-Xshare:off"
-    assert (f"spark.driver.extraJavaOptions=-Xshare:off {' '.join(jvm_jit.LAZY_C2)} {' '.join(jvm_heap.SMALL_HEAP)}"
+    assert (f"spark.driver.extraJavaOptions=-Xshare:off {' '.join(jvm_jit.OPTIONS)} {' '.join(jvm_heap.SMALL_HEAP)}"
             in _command(hook, tmp_path))
     assert "SharedArchiveFile" not in _command(hook, tmp_path)
     hook.conf.pop("spark.driver.extraJavaOptions")
@@ -68,15 +68,15 @@ def test_an_unwritable_archive_directory_does_not_keep_a_driver_from_starting(ho
 def test_c2_waits_for_hot_code_unless_the_deployment_shapes_the_jit(hook, tmp_path, monkeypatch):
     """The JIT's startup settings come with every driver, in cluster mode too (nothing about them is
     local); Java options that set the JIT's behaviour themselves keep it."""
-    assert all(flag in _command(hook, tmp_path) for flag in jvm_jit.LAZY_C2)
+    assert all(flag in _command(hook, tmp_path) for flag in jvm_jit.OPTIONS)
     hook.conf["spark.driver.extraJavaOptions"] = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
     command = _command(hook, tmp_path)
     assert "spark.driver.extraJavaOptions=-XX:TieredStopAtLevel=1 -XX:+UseSerialGC" in command
-    assert "Tier4" not in command
+    assert "Tier4" not in command and "HugeMethods" not in command
     hook.conf.pop("spark.driver.extraJavaOptions")
     monkeypatch.setenv(*airflow_stack.connection_env("spark_local", conn_type="spark", host="yarn",
                                                      extra={"deploy-mode": "cluster"}))
-    assert all(flag in _command(hook, tmp_path) for flag in jvm_jit.LAZY_C2)
+    assert all(flag in _command(hook, tmp_path) for flag in jvm_jit.OPTIONS)
 
 
 def test_small_drivers_get_the_serial_collector_unless_the_deployment_chose(hook, tmp_path):
