@@ -5,7 +5,10 @@ writes).  An Arrow table never becomes Python row objects on the way: a batch of
 events spent more time in per-row Python (dicts, bound parameters, ``COPY`` rows) than in its database.
 
 * PostgreSQL through psycopg, from ``COPY_FROM_ROWS`` rows on: ``COPY`` into a temporary table, then one
-  ``INSERT ... SELECT ... ON CONFLICT`` from it.  An Arrow table crosses as CSV that Arrow writes in C++;
+  ``INSERT ... SELECT ... ON CONFLICT`` from it.  A table without increments (per-event rows, whose keys
+  rarely come back) first takes a ``COPY`` straight into itself, under a savepoint: it costs PostgreSQL
+  about half the staged upsert, and a key already stored rolls it back to the staged way
+  (``_copy_direct``).  An Arrow table crosses as CSV that Arrow writes in C++;
 * SQLite: ``executemany`` of the compiled upsert on tuples built column by column, ``SQLITE_CHUNK_ROWS``
   at a time, with timestamps and dates in SQLAlchemy's own text form (a key written either way is the
   same key);
@@ -35,6 +38,13 @@ Rows = Sequence[Mapping[str, Any]]
 COPY_FROM_ROWS = 200
 #: Rows per CSV chunk handed to COPY: bounds the text held at once whatever the batch size.
 COPY_CHUNK_ROWS = 20_000
+#: After a direct COPY met a stored key, that table's next writes are staged: one write after the first
+#: conflict, twice as many after each conflict in a row, at most this many.  A stream that repeats its
+#: keys all the time stops paying for a COPY it rolls back, and one that rarely does goes back to direct.
+STAGED_AFTER_CONFLICT_MAX = 64
+_SAVEPOINT = "stream_direct_copy"
+#: SQLSTATE unique_violation: a row's key is stored already.
+_UNIQUE_VIOLATION = "23505"
 #: Rows per ``executemany`` on SQLite: the Python values of a chunk exist at once (about 0.6 KB a row of the
 #: example job's events), not those of the whole batch.
 SQLITE_CHUNK_ROWS = 10_000
@@ -103,23 +113,56 @@ def one_per_key_table(rows: pa.Table, key: Sequence[str], increments: Sequence[s
 def _copy_upsert(conn: Connection, table: Table, key: Sequence[str], increments: Sequence[str],
                  rows: Rows | pa.Table) -> None:
     quote = conn.dialect.identifier_preparer.quote
-    stage = Table(f"stream_stage_{table.name}", MetaData(), *(Column(c.name, c.type) for c in table.columns))
     names = [c.name for c in table.columns if not is_table(rows) or c.name in rows.column_names]
-    columns = ", ".join(quote(n) for n in names)
+    if not increments and _copy_direct(conn, table, names, rows):
+        return
+    stage = Table(f"stream_stage_{table.name}", MetaData(), *(Column(c.name, c.type) for c in table.columns))
     conn.exec_driver_sql(f"CREATE TEMPORARY TABLE {quote(stage.name)} (LIKE {quote(table.name)}) ON COMMIT DROP")
     with conn.connection.driver_connection.cursor() as cursor:
-        if is_table(rows) and _csv_ready(rows):
-            with cursor.copy(f"COPY {quote(stage.name)} ({columns}) FROM STDIN (FORMAT csv)") as copy:
-                for chunk in _csv_chunks(rows.select(names)):
-                    copy.write(chunk)
-        else:
-            rows = rows.to_pylist() if is_table(rows) else rows
-            with cursor.copy(f"COPY {quote(stage.name)} ({columns}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row([row.get(name) for name in names])
+        _copy(cursor, quote, stage.name, names, rows)
     conn.execute(on_conflict(postgresql.insert(table).from_select(names, select(*(stage.c[n] for n in names))),
                              table, key, increments))
     conn.exec_driver_sql(f"DROP TABLE {quote(stage.name)}")  # a second write to the table in this transaction
+
+
+def _copy_direct(conn: Connection, table: Table, names: Sequence[str], rows: Rows | pa.Table) -> bool:
+    """``COPY`` the rows straight into ``table`` (one row per key already); False, with nothing written, when
+    a key is stored already or the table's writes are staged for now after such a conflict.  Any other
+    refusal (a NULL key, a value out of range) is raised as the staged upsert would raise it."""
+    staged = table.info.get("staged_writes_left", 0)
+    if staged:
+        table.info["staged_writes_left"] = staged - 1
+        return False
+    quote = conn.dialect.identifier_preparer.quote
+    with conn.connection.driver_connection.cursor() as cursor:
+        cursor.execute(f"SAVEPOINT {_SAVEPOINT}")
+        try:
+            _copy(cursor, quote, table.name, names, rows)
+        except Exception as err:
+            cursor.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}")
+            if getattr(err, "sqlstate", None) != _UNIQUE_VIOLATION:
+                raise
+            backoff = min(2 * table.info.get("staged_backoff", 0) or 1, STAGED_AFTER_CONFLICT_MAX)
+            table.info.update(staged_backoff=backoff, staged_writes_left=backoff)
+            return False
+        cursor.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
+    table.info["staged_backoff"] = 0
+    return True
+
+
+def _copy(cursor, quote, target: str, names: Sequence[str], rows: Rows | pa.Table) -> None:
+    """``COPY`` the ``names`` columns of ``rows`` into table ``target``: an Arrow table as Arrow's CSV where
+    it reads back the same, anything else row by row."""
+    columns = f"{quote(target)} ({', '.join(quote(n) for n in names)})"
+    if is_table(rows) and _csv_ready(rows):
+        with cursor.copy(f"COPY {columns} FROM STDIN (FORMAT csv)") as copy:
+            for chunk in _csv_chunks(rows.select(names)):
+                copy.write(chunk)
+    else:
+        rows = rows.to_pylist() if is_table(rows) else rows
+        with cursor.copy(f"COPY {columns} FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row([row.get(name) for name in names])
 
 
 def _csv_ready(rows: pa.Table) -> bool:

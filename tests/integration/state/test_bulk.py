@@ -124,3 +124,40 @@ def test_a_refused_arrow_row_is_a_data_error_and_nothing_stays(store, count):
         _write(store, table, pa.Table.from_pylist(rows, ARROW_SCHEMA))
     assert is_data_error(caught.value), repr(caught.value)
     assert _stored(store, table) == {}
+
+
+def test_a_postgresql_table_without_increments_takes_a_direct_copy_until_a_key_comes_back(store):
+    """Per-event rows COPY straight into their table; a batch holding a key stored already rolls that
+    back to the staged upsert (the latest row wins, as always), and the table's next writes are staged
+    for a while before a direct COPY is tried again."""
+    if store.dialect != "postgresql":
+        pytest.skip("COPY is PostgreSQL's")
+    table = Table("per_event", MetaData(), Column("k", Text, primary_key=True), Column("note", Text))
+    table.create(store.engine)
+    n = bulk.COPY_FROM_ROWS * 2
+
+    def write(first: int, note: str) -> None:
+        rows = pa.Table.from_pylist([{"k": f"e-{i}", "note": note} for i in range(first, first + n)])
+        with store.engine.begin() as conn:
+            bulk.write_rows(conn, table, ("k",), (), rows)
+
+    def stored() -> dict:
+        with store.engine.connect() as conn:
+            return dict(conn.execute(select(table.c.k, table.c.note)).all())
+
+    write(0, "first")
+    assert table.info["staged_backoff"] == 0 and len(stored()) == n  # direct
+    write(n // 2, "second")  # half the keys are stored: rolled back, staged
+    assert table.info == {"staged_backoff": 1, "staged_writes_left": 1}
+    assert stored()["e-0"] == "first" and stored()[f"e-{n // 2}"] == "second" and len(stored()) == n + n // 2
+    write(n, "third")  # staged, as the conflict asked
+    assert table.info["staged_writes_left"] == 0 and stored()[f"e-{n}"] == "third"
+    write(n, "fourth")  # direct again, and still a conflict: staged for twice as long
+    assert table.info == {"staged_backoff": 2, "staged_writes_left": 2} and stored()[f"e-{n}"] == "fourth"
+    write(10 * n, "fifth")
+    write(11 * n, "sixth")
+    write(12 * n, "seventh")  # two staged, then direct without a conflict: the backoff is over
+    assert table.info == {"staged_backoff": 0, "staged_writes_left": 0} and len(stored()) == 5 * n
+    with store.engine.connect() as conn:
+        staged = conn.exec_driver_sql("SELECT count(*) FROM pg_class WHERE relname LIKE 'stream_stage_%%'").scalar()
+    assert staged == 0
