@@ -297,7 +297,10 @@ def _profile_lines(found: dict[str, Any]) -> list[str]:
         per_batch = steady.get("sink_read_parse", 0) / max(steady.get("batches", 0), 1)
         lines.append(f"| {name} | {_fmt(drained['msgs_s'])} | {_fmt(per_batch)} |")
     lines += ["", f"The minimal parse runs at {_fmt(ratio(minimal['msgs_s'], example['msgs_s']))} of the example "
-              "job's rate: that is what the example job's validation costs.", ""]
+              "job's rate, one new driver each: the gap is what the example job's validation costs, within the "
+              "spread of one drain's rate (a new driver's 300,000-event drain varies by a quarter or more between "
+              "runs on a shared 2-core host; the throughput section's three drains show it). The JVM's samples "
+              "below say where the time goes more steadily.", ""]
     if example.get("jvm_task_shares"):
         names = list(example["jvm_task_shares"]) + [n for n in minimal.get("jvm_task_shares", {})
                                                     if n not in example["jvm_task_shares"]]
