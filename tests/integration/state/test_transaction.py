@@ -201,6 +201,34 @@ def test_a_large_postgresql_write_goes_through_copy_with_the_same_upsert_and_err
     assert staged == 0 and len(_totals(store, results_table)) == n
 
 
+def test_per_event_rows_whose_key_comes_back_commit_with_their_offsets_on_postgresql(store):
+    """A table without increments takes a direct COPY inside the batch's transaction; a batch that repeats a
+    stored key rolls only that COPY back (to its savepoint) and upserts instead: the batch's offsets, dead
+    letters and rows commit together, the latest row wins, and the stored offsets move once per batch."""
+    from airflow_stream_provider.state import bulk
+
+    if store.dialect != "postgresql":
+        pytest.skip("COPY is PostgreSQL's")
+    table = Table("per_event", MetaData(), Column("k", Text, primary_key=True), Column("last", Text))
+    table.create(store.engine)
+    n = bulk.COPY_FROM_ROWS * 2
+    run = _run(store)
+    for batch_id, (start, last) in enumerate([(0, "first"), (n // 2, "again")]):
+        rows = [{"k": f"e-{i}", "last": last} for i in range(start, start + n)]
+        first, end = batch_id * (n + 1), (batch_id + 1) * (n + 1)  # n events and a malformed record
+        letter = {"topic": T, "partition": 0, "offset": end - 1, "key": None, "value": b"x", "error": "malformed JSON"}
+        batch = plan(store, "job", _batch(batch_id, first, end))
+        assert not batch.is_replay and not batch.restarted
+        outcome = commit(store, run, batch, read={(T, 0): n + 1}, dead_letters=[letter],
+                         writes=[Write(table, rows, ("k",))])
+        assert outcome.committed_offsets == {(T, 0): end}
+    assert table.info["staged_backoff"] == 1  # the second batch met stored keys
+    with store.engine.connect() as conn:
+        stored = dict(conn.execute(select(table.c.k, table.c.last)).all())
+    assert len(stored) == n + n // 2 and stored["e-0"] == "first" and stored[f"e-{n // 2}"] == "again"
+    assert store.count(schema.dead_letters) == 2
+
+
 def test_a_driver_frozen_inside_its_commit_loses_the_job_row_to_a_takeover_on_postgresql(
     postgres_url, monkeypatch
 ):
