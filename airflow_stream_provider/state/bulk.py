@@ -114,7 +114,7 @@ def _copy_upsert(conn: Connection, table: Table, key: Sequence[str], increments:
                  rows: Rows | pa.Table) -> None:
     quote = conn.dialect.identifier_preparer.quote
     names = [c.name for c in table.columns if not is_table(rows) or c.name in rows.column_names]
-    if not increments and _copy_direct(conn, table, names, rows):
+    if not increments and _copy_direct(conn, quote, table, names, rows):
         return
     stage = Table(f"stream_stage_{table.name}", MetaData(), *(Column(c.name, c.type) for c in table.columns))
     conn.exec_driver_sql(f"CREATE TEMPORARY TABLE {quote(stage.name)} (LIKE {quote(table.name)}) ON COMMIT DROP")
@@ -125,7 +125,7 @@ def _copy_upsert(conn: Connection, table: Table, key: Sequence[str], increments:
     conn.exec_driver_sql(f"DROP TABLE {quote(stage.name)}")  # a second write to the table in this transaction
 
 
-def _copy_direct(conn: Connection, table: Table, names: Sequence[str], rows: Rows | pa.Table) -> bool:
+def _copy_direct(conn: Connection, quote, table: Table, names: Sequence[str], rows: Rows | pa.Table) -> bool:
     """``COPY`` the rows straight into ``table`` (one row per key already); False, with nothing written, when
     a key is stored already or the table's writes are staged for now after such a conflict.  Any other
     refusal (a NULL key, a value out of range) is raised as the staged upsert would raise it."""
@@ -133,7 +133,6 @@ def _copy_direct(conn: Connection, table: Table, names: Sequence[str], rows: Row
     if staged:
         table.info["staged_writes_left"] = staged - 1
         return False
-    quote = conn.dialect.identifier_preparer.quote
     with conn.connection.driver_connection.cursor() as cursor:
         cursor.execute(f"SAVEPOINT {_SAVEPOINT}")
         try:
