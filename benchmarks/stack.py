@@ -171,6 +171,7 @@ class Stack:
         self.jvm = jvm
         self.pg_databases: list[str] = []
         self.jobs: list[Job] = []
+        self.backlogs: dict[tuple[int, int], object] = {}  # (events, partitions) -> stack.events.Produced
 
     # -- life ---------------------------------------------------------------------------------------
     def start(self) -> Stack:
@@ -251,19 +252,22 @@ class Stack:
         return url
 
     def new_job(self, name: str, *, partitions: int = 3, database: str = "sqlite", max_offsets: int = 2000,
-                trigger_interval: str = "1 second", application: str = EVENTS_JOB) -> Job:
-        """A fresh topic and database for ``name``, and the DAGs' connections and Variables set to it."""
+                trigger_interval: str = "1 second", application: str = EVENTS_JOB, topic: str | None = None) -> Job:
+        """A fresh database for ``name``, a fresh topic unless it reads ``topic`` (of ``partitions``), and the
+        DAGs' connections and Variables set to it."""
         from airflow.models.variable import Variable
 
         from airflow_stream_provider.hooks.state import StreamStateHook
 
         job_id = f"{name}-{uuid.uuid4().hex[:6]}"
-        self.broker.create_topic(job_id, partitions)
+        if topic is None:
+            topic = job_id
+            self.broker.create_topic(topic, partitions)
         url = self.database(database)
         self._connection("stream_state_default", conn_type="stream_state", extra={"url": url})
         spec = {"job_id": job_id, "version": "1.0", "checkpoint_root": str(self.workdir / "checkpoints"),
                 "trigger_interval": trigger_interval, "heartbeat_seconds": 1.0,
-                "kafka": {"topics": [job_id], "source": "python", "max_offsets_per_trigger": max_offsets}}
+                "kafka": {"topics": [topic], "source": "python", "max_offsets_per_trigger": max_offsets}}
         variables = {
             "stream_job_spec": spec,
             "stream_job_application": application,
@@ -277,7 +281,7 @@ class Stack:
             Variable.set(key, value, serialize_json=not isinstance(value, str))
         state = StreamStateHook()
         state.store.ensure_schema()
-        job = Job(job_id, job_id, partitions, url, spec, state)
+        job = Job(job_id, topic, partitions, url, spec, state)
         self.jobs.append(job)
         return job
 
@@ -292,6 +296,26 @@ class Stack:
         from benchmarks.load import BacklogProducer
 
         return BacklogProducer(self.broker, job.topic, partitions=job.partitions, **kwargs)
+
+    def backlog(self, events: int, partitions: int = 3):
+        """A topic of ``events`` events (``stack.events.Produced``), produced once per run: every drain of that
+        size reads it from the beginning with a job and database of its own, so the drains compare on the same
+        records and the run does not spend minutes producing the same backlog again."""
+        key = (events, partitions)
+        if key not in self.backlogs:
+            from benchmarks.load import BacklogProducer
+
+            topic = f"backlog-{events}-{uuid.uuid4().hex[:6]}"
+            self.broker.create_topic(topic, partitions)
+            producer = BacklogProducer(self.broker, topic, partitions=partitions)
+            started = time.monotonic()
+            try:
+                producer.send(events)
+            finally:
+                producer.close()
+            say(f"  produced a {events:,}-event backlog on {topic} in {time.monotonic() - started:.1f} s")
+            self.backlogs[key] = producer.produced
+        return self.backlogs[key]
 
     # -- Airflow ------------------------------------------------------------------------------------
     def trigger(self, dag_id: str, **conf) -> dict:

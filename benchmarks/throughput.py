@@ -154,7 +154,8 @@ START_WORKERS_REAPED_S = 75
 def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_offsets: int,
           total: Audit, reader: str = "kafka-python", burst_after: float | None = None,
           application: str | None = None, java_options: str = "", warm: bool = False) -> dict:
-    """One driver drains a backlog of ``backlog`` events; returns its rate and peak memory.  ``reader``:
+    """One driver drains a backlog of ``backlog`` events (the run's shared one of that size, ``Stack.backlog``);
+    returns its rate and peak memory.  ``reader``:
     the Python source's read-task client (``kafka.reader``); ``application``: an exactly-once job other
     than the example job; ``java_options``: added to the driver's; ``warm``: also the rate and breakdown
     over the batches after ``WARM_UP_BATCHES`` (a drain long enough to leave several).
@@ -167,10 +168,13 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
     kind = sink if reader == "kafka-python" else f"{sink} ({reader} reader)"
     kind += "" if application is None else f" ({Path(application).stem})"
     kind += "" if burst_after is None else f" (a burst {burst_after:.0f} s into a run)"
-    job = stack.new_job(f"{sink}-{database}", database=database, max_offsets=max_offsets)
-    producer = stack.producer(job)
-    if burst_after is None:
-        producer.send(backlog)
+    if burst_after is None:  # a backlog waiting before the driver starts: the run's shared one of that size
+        produced, producer = stack.backlog(backlog), None
+        job = stack.new_job(f"{sink}-{database}", database=database, max_offsets=max_offsets, topic=produced.topic)
+    else:  # a burst into this job's own topic while it runs
+        job = stack.new_job(f"{sink}-{database}", database=database, max_offsets=max_offsets)
+        producer = stack.producer(job)
+        produced = producer.produced
     spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url, stack.workdir / "checkpoints",
                      trigger_interval="100 milliseconds", max_offsets_per_trigger=max_offsets)
     spec = dataclasses.replace(spec, kafka=dataclasses.replace(spec.kafka, reader=reader))
@@ -194,7 +198,7 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
     memory.start()
     try:
         deadline = time.monotonic() + 600
-        while sum(n for n, _ in _batches(job, exactly_once)) < producer.produced.total:
+        while sum(n for n, _ in _batches(job, exactly_once)) < produced.total:
             if time.monotonic() > deadline or not driver.alive():
                 raise RuntimeError(f"{kind}/{database} did not drain {backlog} events\n{runner.log_tail(driver)}")
             time.sleep(0.25)
@@ -206,10 +210,11 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
         raise RuntimeError(f"{kind}/{database}: graceful stop ended with {code}\n{runner.log_tail(driver)}")
     batches = _batches(job, exactly_once)
     if exactly_once:
-        found = audit(job.store, job.job_id, producer.produced)
+        found = audit(job.store, job.job_id, produced)
         say(f"  audit: {found.produced} records produced, {found.lost} lost, {found.duplicated} duplicated")
         total += found
-    producer.close()
+    if producer is not None:
+        producer.close()
     runner.store.dispose()
     phases = breakdown(driver.log_path)
     say_breakdown(f"{kind} on {database}", phases)
