@@ -92,16 +92,37 @@ def consumer(
 def new_consumer(
     bootstrap: str, options: Mapping[str, object] | None = None, group_id: str | None = None
 ) -> KafkaConsumer:
+    """A new consumer; the caller closes it.  One that cannot reach its brokers raises and leaves nothing
+    running.
+
+    kafka-python 3 starts a client's network thread before its first bootstrap, and a constructor that
+    then fails (no broker within ``bootstrap_timeout_ms``) returns no object to close: the thread would go
+    on reconnecting and logging for the life of the process.  In a triggerer or API server that checks an
+    unreachable Kafka every poll, that is a thread and a socket per check.  The network clients made here
+    are closed when the constructor fails."""
     from kafka import KafkaConsumer
 
-    return KafkaConsumer(
-        bootstrap_servers=bootstrap.split(","),
-        group_id=group_id,
-        enable_auto_commit=False,
-        auto_offset_reset="none",
-        consumer_timeout_ms=1000,
-        **(options or {}),
-    )
+    made: list = []
+    default_client = KafkaConsumer.DEFAULT_CONFIG["kafka_client"]
+
+    def network_client(**configs):
+        made.append(default_client(**configs))
+        return made[-1]
+
+    try:
+        return KafkaConsumer(
+            bootstrap_servers=bootstrap.split(","),
+            group_id=group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="none",
+            consumer_timeout_ms=1000,
+            kafka_client=network_client,
+            **(options or {}),
+        )
+    except BaseException:
+        for client in made:
+            client.close()
+        raise
 
 
 def partitions(client: KafkaConsumer, topics: Iterable[str]) -> list[TopicPartition]:

@@ -1,10 +1,11 @@
 """The "Test" button of the state and Kafka connections, against real servers and unreachable ones.
 
-A failed test must name what it tried to reach and never show the password.
+A failed test must name what it tried to reach, never show the password, and leave nothing running.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -117,6 +118,7 @@ def test_kafka_on_an_unused_port(monkeypatch):
     port = free_port()
     _set_connection(monkeypatch, "kafka_down", conn_type="stream_kafka",
                     extra={"bootstrap_servers": f"127.0.0.1:{port}", "sasl_plain_password": PASSWORD})
+    running = set(threading.enumerate())
     started = time.monotonic()
     ok, message = KafkaOffsetsHook("kafka_down").test_connection(timeout_s=2)
     elapsed = time.monotonic() - started
@@ -124,6 +126,11 @@ def test_kafka_on_an_unused_port(monkeypatch):
     assert elapsed < 10, f"the test took {elapsed:.1f} s despite a 2 s timeout"
     assert f"127.0.0.1:{port}" in message
     assert PASSWORD not in message
+    # The failed client's network thread must not go on reconnecting for the life of the API server.
+    deadline = time.monotonic() + 5
+    while (left := [t.name for t in set(threading.enumerate()) - running if t.is_alive()]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"threads still running after the failed test: {left}"
 
 
 def test_kafka_without_a_broker(monkeypatch):
