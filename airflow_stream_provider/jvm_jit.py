@@ -20,6 +20,7 @@ in interleaved runs:
 * 600,000 events, where the warm batches weigh more: rate and peak RSS within noise.
 
 HotSpot's own thresholds started slowest of the three and drained no faster than fivefold.
+``-XX:TieredStopAtLevel=1`` (C1 only) starts faster still but leaves a long run without C2.
 
 HotSpot never compiles a method of more than 8,000 bytes of bytecode (``DontCompileHugeMethods``), and the
 code Spark generates for a job's transform passes that once its checks are many (the example job's chain
