@@ -19,7 +19,19 @@ airflow_stack.configure_environment()  # before any test module imports airflow
 def broker(tmp_path_factory):
     instance = Broker(tmp_path_factory.mktemp("broker") / "tansu.log").start()
     yield instance
+    _close_cached_consumers()
     instance.stop()
+
+
+def _close_cached_consumers() -> None:
+    """The Python source's consumers are cached per process, as in a Spark worker, and tests that read
+    through it in this process leave theirs open.  Closed before the broker stops: their network threads
+    would otherwise go on reconnecting until the worker exits, logging into streams pytest has closed."""
+    from airflow_stream_provider import kafka_client
+
+    for consumer in kafka_client._CACHE.values():
+        consumer.close()
+    kafka_client._CACHE.clear()
 
 
 @pytest.fixture(scope="session")
