@@ -1,6 +1,6 @@
 """Write-behind end to end: a large batch commits while Spark reads the next one, and exactly-once holds at
 the moments that opens: a driver killed after Spark logged a batch as done but before its commit landed,
-a commit the database refuses, a graceful stop with a commit in flight.
+a commit the database refuses, results that fail on a record, a graceful stop with a commit in flight.
 
 Batches of 25,000 records (the ceiling; a run's first batch reads 10,000), so every batch after the first
 goes behind (``write_behind.MIN_RECORDS``).
@@ -21,6 +21,7 @@ from airflow_stream_provider.runtime.write_behind import MIN_RECORDS, REDO_DESCR
 from airflow_stream_provider.state import schema
 from stack.events import EventProducer
 from stack.jobs import check_exactly_once, wait_until
+from tests.dagtest.dagruns import FIXTURE_JOBS
 
 CEILING = 25_000
 assert CEILING >= MIN_RECORDS
@@ -119,6 +120,39 @@ def test_a_commit_the_database_refuses_is_isolated_behind(broker, topic, big_bat
     assert any(job.get("spark.jobGroup.id") for job in jobs), "the query's own jobs run in its job group"
     assert all("spark.jobGroup.id" not in job for job in redo_jobs), redo_jobs
     figures.record("write-behind commit refused [sqlite]", events=events, dead=len(dead))
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_record_the_results_fail_on_is_isolated_and_its_batch_commits_behind(broker, topic, big_batches,
+                                                                              figures):
+    """The job's results (not its parse) fail on one record of a large batch: the sink isolates it among
+    the batch's records, and the batch, its dead letter included, still commits behind.  Every other record
+    is applied once."""
+    runner = big_batches
+    runner.application = str(FIXTURE_JOBS / "poison_on_value.py")
+    producer = EventProducer(broker, topic, malformed_ratio=0.0)
+    producer.send(30_000)  # the first batch (10,000) commits in line; the poison lands in a batch behind
+    poison = json.dumps({"event_id": "p-1", "user_id": "u-1", "kind": "POISON-results", "amount": 1.0,
+                         "ts": "2026-11-22T10:00:00Z"}).encode()
+    meta = producer.producer.send(topic, key=b"u-1", value=poison).get(timeout=60)
+    ends = producer.produced.end_offsets
+    ends[meta.partition] = max(ends[meta.partition], meta.offset + 1)
+    producer.produced.malformed[(meta.partition, meta.offset)] = poison
+    producer.send(30_000)
+    driver = runner.start(env={"POISON_IN": "results"})
+    runner.wait_caught_up(_end(producer), driver, timeout=400)
+    log = Path(driver.log_path).read_text(errors="replace")
+    position = f"{topic}/{meta.partition}:{meta.offset}"
+    committed = re.search(rf"batch \d+ committed: .*\(poison {re.escape(position)}\).*", log)
+    assert "failed while computing" in log and committed, runner.log_tail(driver)
+    assert "'write_behind':" in committed[0], committed[0]
+    assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED, runner.log_tail(driver)
+    counts = check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
+    with runner.store.engine.connect() as conn:
+        reasons = conn.execute(select(schema.dead_letters.c.error)
+                               .where(schema.dead_letters.c.job_id == runner.spec.job_id)).scalars().all()
+    assert len(reasons) == 1 and "cannot handle record" in reasons[0], reasons
+    figures.record(f"write-behind batch with a poison record [{runner.store.dialect}]", **counts)
 
 
 def _job_properties(spark_events: Path) -> list[dict[str, str]]:
