@@ -88,9 +88,19 @@ class EventProducer:
                     self.produced.malformed[(meta.partition, meta.offset)] = payload
                 else:
                     self.produced.events[event["event_id"]] = event
-                self.produced.end_offsets[meta.partition] = max(
-                    self.produced.end_offsets[meta.partition], meta.offset + 1
-                )
+                self._advance(meta)
+
+    def send_record(self, value: bytes | None, key: bytes | None = None) -> tuple[int, int]:
+        """One exact record, sent now: its (partition, offset).  Kafka's end offsets move with it; what the
+        record is (an event, a malformed one) is the caller's to record."""
+        meta = self.producer.send(self.produced.topic, key=key, value=value).get(timeout=60)
+        with self.produced.lock:
+            self._advance(meta)
+        return meta.partition, meta.offset
+
+    def _advance(self, meta) -> None:
+        ends = self.produced.end_offsets
+        ends[meta.partition] = max(ends[meta.partition], meta.offset + 1)
 
     def close(self) -> None:
         self.producer.flush()

@@ -83,7 +83,6 @@ class Feed:
     def __init__(self, broker, topic: str):
         self.topic = topic
         self.events = EventProducer(broker, topic, malformed_ratio=0.0)  # keyed good events
-        self.kafka = self.events.producer
         self.bad: dict[tuple[int, int], tuple[bytes | None, bytes | None, str]] = {}
         self.unkeyed: set[str] = set()
 
@@ -92,10 +91,7 @@ class Feed:
         return self.events.produced
 
     def send(self, key: bytes | None, value: bytes | None) -> tuple[int, int]:
-        meta = self.kafka.send(self.topic, key=key, value=value).get(timeout=60)
-        ends = self.produced.end_offsets
-        ends[meta.partition] = max(ends[meta.partition], meta.offset + 1)
-        return meta.partition, meta.offset
+        return self.events.send_record(value, key)
 
     def good(self, event: dict, key: bytes | None = None) -> None:
         self.send(key, json.dumps(event).encode())

@@ -134,15 +134,13 @@ def test_a_record_the_results_fail_on_is_isolated_and_its_batch_commits_behind(b
     producer.send(30_000)  # the first batch (10,000) commits in line; the poison lands in a batch behind
     poison = json.dumps({"event_id": "p-1", "user_id": "u-1", "kind": "POISON-results", "amount": 1.0,
                          "ts": "2026-11-22T10:00:00Z"}).encode()
-    meta = producer.producer.send(topic, key=b"u-1", value=poison).get(timeout=60)
-    ends = producer.produced.end_offsets
-    ends[meta.partition] = max(ends[meta.partition], meta.offset + 1)
-    producer.produced.malformed[(meta.partition, meta.offset)] = poison
+    partition, offset = producer.send_record(poison, key=b"u-1")
+    producer.produced.malformed[(partition, offset)] = poison
     producer.send(30_000)
     driver = runner.start(env={"POISON_IN": "results"})
     runner.wait_caught_up(_end(producer), driver, timeout=400)
     log = Path(driver.log_path).read_text(errors="replace")
-    position = f"{topic}/{meta.partition}:{meta.offset}"
+    position = f"{topic}/{partition}:{offset}"
     committed = re.search(rf"batch \d+ committed: .*\(poison {re.escape(position)}\).*", log)
     assert "failed while computing" in log and committed, runner.log_tail(driver)
     assert "'write_behind':" in committed[0], committed[0]
