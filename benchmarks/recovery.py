@@ -173,6 +173,9 @@ def mttr_baseline(stack: Stack, repeats: int, total: Audit) -> list[float]:
         trickle.background.done.set()
     if failure:
         raise failure[0]
+    if killer.is_alive():  # the DAG run ended with kills still due: nothing below would mean anything
+        raise RuntimeError(f"bench_baseline ended after {len(seconds)} of {repeats} kills: its spark-submit task "
+                           f"succeeded instead of failing and being retried")
     producer.close()
     _audit(job, producer, total)
     return seconds

@@ -34,7 +34,23 @@ def kill_driver_tree(pid: int) -> None:
     """SIGKILL the driver as a dying machine would: the spark-submit JVM it runs under, the Python driver
     and every worker.  Works for the provider's detached drivers and for the baseline's attached ones
     (which share the Airflow worker's process group, so killing the group is not an option)."""
-    psutil.wait_procs(signal_driver_tree(pid, signal.SIGKILL), timeout=10)
+    wait_dead(signal_driver_tree(pid, signal.SIGKILL), timeout=10)
+
+
+def wait_dead(processes: list[psutil.Process], timeout: float) -> None:
+    """Until each process is gone or a zombie, without reaping any.  Not ``psutil.wait_procs``: it reaps
+    the bench's own children, and the baseline's spark-submit is one (``dag.test()`` runs the operator in
+    this process); its ``Popen.wait`` then finds no child and reads the kill as exit 0, a task that
+    succeeded instead of one Airflow retries."""
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        while time.monotonic() < deadline:
+            try:
+                if process.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
 
 
 def driver_tree(pid: int) -> list[psutil.Process]:
