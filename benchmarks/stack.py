@@ -42,15 +42,11 @@ def wait_dead(processes: list[psutil.Process], timeout: float) -> None:
     the bench's own children, and the baseline's spark-submit is one (``dag.test()`` runs the operator in
     this process); its ``Popen.wait`` then finds no child and reads the kill as exit 0, a task that
     succeeded instead of one Airflow retries."""
+    from airflow_stream_provider.local_driver import process_alive
+
     deadline = time.monotonic() + timeout
-    for process in processes:
-        while time.monotonic() < deadline:
-            try:
-                if process.status() == psutil.STATUS_ZOMBIE:
-                    break
-            except psutil.NoSuchProcess:
-                break
-            time.sleep(0.05)
+    while any(process_alive(process.pid) for process in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def driver_tree(pid: int) -> list[psutil.Process]:
