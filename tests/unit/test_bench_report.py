@@ -193,14 +193,17 @@ def test_minutes_per_section_are_reported():
 def test_real_airflow_percentiles_table_and_target():
     watcher = [30.0, 28.0, 31.0, 29.0, 27.0, 33.0, 30.5, 29.5, 28.5, 32.0]
     samples = {**SAMPLES, "mttr_real_airflow/watcher": watcher,
-               "mttr_real_airflow/polling": [40.0, 260.0, 35.0], "mttr_real_airflow/spark_submit": [31.0]}
+               "mttr_real_airflow/polling": [40.0, 260.0, 35.0], "mttr_real_airflow/spark_submit": [31.0],
+               "mttr_real_airflow_measured": {"watcher": "2026-11-27 19:30 UTC"}}
     r = report.summarise(samples, {"profile": "test"})
-    assert r["mttr_real_airflow"]["watcher"] == {"runs": 10, "p50": 29.5, "p95": 33.0, "max": 33.0}
+    assert r["mttr_real_airflow"]["watcher"] == {"runs": 10, "p50": 29.5, "p95": 33.0, "max": 33.0,
+                                                 "measured": "2026-11-27 19:30 UTC"}
     assert r["mttr_real_airflow"]["polling"]["p50"] == 40.0 and r["mttr_real_airflow"]["polling"]["max"] == 260.0
     verdict = {t["target"]: t for t in r["targets"]}["mttr_real_airflow watcher p95 <= cold_start_s + 5"]
     assert verdict["limit"] == 18.0 and verdict["met"] is False  # cold start median 13 s
     text = report.markdown(r)
-    assert "## `mttr_real_airflow`" in text and "| 29.50 | 33.00 | 33.00 | 10 |" in text
+    assert "## `mttr_real_airflow`" in text and "| 29.50 | 33.00 | 33.00 | 10 | 2026-11-27 19:30 UTC |" in text
+    assert "| 40.00 | 260 | 260 | 3 | an earlier run |" in text
     assert "mttr_real_airflow" not in report.markdown(report.summarise(SAMPLES, {"profile": "test"}))
 
 
@@ -248,3 +251,20 @@ def test_jvm_samples_go_to_the_expression_on_their_stack_before_the_cache_around
     assert jvm_profile.category(["java.lang.Thread.run"]) == "other"
     assert jvm_profile.shares([cast, cast, ["java.lang.Thread.run"]]) == {
         "variant_get: a typed value out of the parsed JSON": 0.667, "other": 0.333}
+
+
+def test_an_update_of_some_real_airflow_ways_keeps_the_others_and_when_each_was_measured(tmp_path):
+    from benchmarks.__main__ import _updated
+
+    before = report.summarise({**SAMPLES, "mttr_real_airflow/watcher": [20.0], "mttr_real_airflow/polling": [185.0],
+                               "mttr_real_airflow_measured": {"polling": "2026-11-25 16:37 UTC"}},
+                              {"profile": "default", "minutes": 60.0, "section_minutes": {"mttr_real_airflow": 60.0}})
+    (tmp_path / "latest.json").write_text(json.dumps(before))
+    now = {"scaling": {}, "mttr_real_airflow/watcher": [11.0, 12.0],
+           "mttr_real_airflow_measured": {"watcher": "2026-11-27 19:30 UTC"},
+           "lost": 0, "duplicated": 0, "audited_records": 5}
+    merged, *_ = _updated(tmp_path / "latest.json", now, 15.0, {"mttr_real_airflow": 15.0}, ["mttr_real_airflow"])
+    real = report.summarise(merged, {})["mttr_real_airflow"]
+    assert real["watcher"]["runs"] == 2 and real["watcher"]["measured"] == "2026-11-27 19:30 UTC"
+    assert real["polling"]["p50"] == 185.0 and real["polling"]["measured"] == "2026-11-25 16:37 UTC"
+    assert merged["audited_records"] == before["audited_records"] + 5
