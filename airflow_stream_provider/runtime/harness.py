@@ -33,7 +33,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 from airflow_stream_provider import confluent_reader, failures, faults, kafka_client, kafka_offsets
-from airflow_stream_provider.runtime import kafka_source, planner_workers
+from airflow_stream_provider.runtime import kafka_source, planner_workers, source_lookup
 from airflow_stream_provider.runtime.checkpoint_log import (
     OffsetLog,
     WriteBehindMarks,
@@ -327,6 +327,7 @@ class StreamHarness:
         from pyspark import SparkContext  # the driver's full pyspark; not in pyspark-client installs
 
         SparkContext._ensure_initialized()
+        source_lookup.start(SparkContext._jvm)  # beside the SparkContext's start, not after it
         submitted = SparkConf()
         master = submitted.get("spark.master", "local[2]")
         match = _LOCAL_MASTER.match(master)
