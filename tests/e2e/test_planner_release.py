@@ -48,6 +48,16 @@ PRELUDE = textwrap.dedent("""
             yield from ((n,) for n in range(5))
 
 
+    def children():  # (pid, command line) of this driver's processes, the JVM's and Spark's Python ones
+        found = []
+        for process in psutil.Process().children(recursive=True):
+            try:
+                found.append((process.pid, process.cmdline()))
+            except psutil.NoSuchProcess:  # gone, or a zombie, since the listing
+                continue
+        return found
+
+
     def session():
         return SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false").getOrCreate()
 
@@ -71,15 +81,7 @@ def _run(tmp_path, body: str) -> dict:
 #: Two reads of the source with a release after each.
 RELEASE = """
     def planner_kinds():
-        kinds = []
-        for process in psutil.Process().children(recursive=True):
-            try:
-                command = process.cmdline()
-            except psutil.NoSuchProcess:
-                continue
-            if kind := planner_workers.planner_kind(command):
-                kinds.append(kind)
-        return sorted(kinds)
+        return sorted(kind for _, command in children() if (kind := planner_workers.planner_kind(command)))
 
 
     def settled(expect_none):
@@ -127,8 +129,8 @@ def test_release_outside_a_spark_driver_costs_memory_only(caplog):
 #: Spark's cached lookup read by reflection, before and after the lookup thread; then a read.
 LOOKUP = """
     def lookup_processes():
-        return sorted(p.pid for p in psutil.Process().children(recursive=True)
-                      if p.cmdline()[1:4] == ["-m", "pyspark.daemon", "pyspark.sql.worker.lookup_data_sources"])
+        lookup = ["-m", "pyspark.daemon", "pyspark.sql.worker.lookup_data_sources"]
+        return sorted(pid for pid, command in children() if command[1:4] == lookup)
 
 
     def looked_up(jvm):
