@@ -1,6 +1,6 @@
 """``runtime.source_lookup``'s failure path: a JVM that lacks what it reflects on costs the overlap only.
 
-The path that works needs a real JVM (``tests/e2e/test_source_lookup.py``); here a stand-in for py4j's
+The path that works needs a real JVM (``tests/e2e/test_planner_release.py``); here a stand-in for py4j's
 view of a JVM whose every lookup fails, as a Spark without the class or method would, shows the thread
 ends without raising and says why in the log."""
 
