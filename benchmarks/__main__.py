@@ -20,7 +20,7 @@ from pathlib import Path
 
 from benchmarks import cold_start, jvm_profile, real_airflow, recovery, report, throughput
 from benchmarks.audit import Audit
-from benchmarks.report import OPTIONAL_SECTIONS, SECTIONS
+from benchmarks.report import OPTIONAL_SECTIONS, REAL_AIRFLOW_VARIANTS, SECTIONS
 from benchmarks.stack import REPO, Stack, say
 
 #: The default profile takes about 25 minutes on a 2-core machine (budget: 30): about 30 driver starts
@@ -43,7 +43,7 @@ PROFILES = {
 
 
 def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, float],
-        real_airflow_variants: tuple[str, ...] = real_airflow.VARIANTS) -> dict:
+        real_airflow_variants: tuple[str, ...] = REAL_AIRFLOW_VARIANTS) -> dict:
     """Run ``sections`` in order; ``minutes`` receives how long each took (where the budget goes)."""
     samples: dict = {"scaling": {}}
     total = Audit(0, 0, 0)
@@ -192,11 +192,13 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
         samples["scaling"]["profile"] = _profile(stack, profile, total)
     if section("mttr_real_airflow", f"kill -9 under a real Airflow, {profile['real_airflow_kills']} kills each: "
                                     f"{', '.join(real_airflow_variants)}"):
-        measured = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        for variant, seconds in real_airflow.run(stack, profile["real_airflow_kills"], total,
-                                                 real_airflow_variants).items():
-            samples[f"mttr_real_airflow/{variant}"] = seconds
-            samples.setdefault("mttr_real_airflow_measured", {})[variant] = measured
+        for variant in real_airflow_variants:  # each way's own date and minutes: an update may run some ways only
+            began = time.monotonic()
+            samples.setdefault("mttr_real_airflow_measured", {})[variant] = time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                                          time.gmtime())
+            samples[f"mttr_real_airflow/{variant}"] = real_airflow.measure(stack, variant, profile["real_airflow_kills"],
+                                                                           total)
+            samples.setdefault("mttr_real_airflow_minutes", {})[variant] = round((time.monotonic() - began) / 60, 2)
     close_section()
     samples.update(lost=total.lost, duplicated=total.duplicated, audited_records=total.produced)
     return samples
@@ -237,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jvm", choices=("defaults", "quick"), default="defaults",
                         help="driver JVM flags: the JVM's defaults, as a deployment runs (default), or the tests' "
                              "quick JIT and serial GC")
-    parser.add_argument("--real-airflow-variants", nargs="+", choices=real_airflow.VARIANTS,
-                        default=list(real_airflow.VARIANTS),
+    parser.add_argument("--real-airflow-variants", nargs="+", choices=REAL_AIRFLOW_VARIANTS,
+                        default=list(REAL_AIRFLOW_VARIANTS),
                         help="the ways mttr_real_airflow measures (default all; polling takes most of its hour)")
     parser.add_argument("--update", action="store_true",
                         help="keep the other sections' results in <out>/latest.json and replace these")
@@ -286,10 +288,19 @@ def _updated(previous: Path, samples: dict, minutes: float, section_minutes: dic
               # a run of some of mttr_real_airflow's ways keeps the others' figures and when they were measured
               "mttr_real_airflow_measured": {**{v: x.get("measured") for v, x in before.get("mttr_real_airflow", {}).items()},
                                              **samples.pop("mttr_real_airflow_measured", {})}}
+    ways = {**{v: x.get("minutes") for v, x in before.get("mttr_real_airflow", {}).items()},
+            **samples.pop("mttr_real_airflow_minutes", {})}
+    merged["mttr_real_airflow_minutes"] = ways
+    old_sections = before["meta"].get("section_minutes") or {}
+    if "mttr_real_airflow" in section_minutes:
+        # the section as a whole run would take it: its ways' minutes, this run's and the kept ones'; a kept way
+        # whose minutes an older run did not record leaves the older run's figure for the section
+        section_minutes = {**section_minutes, "mttr_real_airflow": round(sum(ways.values()), 2)
+                           if None not in ways.values() else old_sections.get("mttr_real_airflow",
+                                                                              section_minutes["mttr_real_airflow"])}
     for key in ("lost", "duplicated", "audited_records"):
         samples[key] += before[key]
     merged.update(samples)
-    old_sections = before["meta"].get("section_minutes") or {}
     replaced = sum(old_sections.get(name, 0.0) for name in section_minutes)
     total = before["meta"]["minutes"] - replaced + sum(section_minutes.values()) if old_sections else \
         before["meta"]["minutes"] + minutes

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 from benchmarks.audit import Audit, audit
-from benchmarks.report import REAL_AIRFLOW_VARIANTS as VARIANTS
 from benchmarks.stack import EVENTS_JOB, REPO, Stack, kill_driver_tree, say
 
 #: Kill moments: uniformly random over what decides a variant's wait (the watcher's 2 s poll, a retry's
@@ -96,7 +95,3 @@ def measure(stack: Stack, variant: str, kills: int, total: Audit, seed: int = 14
         deployment.stop()
         shutil.rmtree(folder, ignore_errors=True)
     return seconds
-
-
-def run(stack: Stack, kills: int, total: Audit, variants: tuple[str, ...] = VARIANTS) -> dict[str, list[float]]:
-    return {variant: measure(stack, variant, kills, total) for variant in variants}

@@ -51,7 +51,8 @@ def summarise(samples: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     runs["eos_warm_msgs_s/postgresql"] = len(samples.get("eos_warm_msgs_s", []))
     result["mttr_real_airflow"] = {
         variant: {"runs": len(values), "p50": percentile(values, 50), "p95": percentile(values, 95),
-                  "max": percentile(values, 100), "measured": samples.get("mttr_real_airflow_measured", {}).get(variant)}
+                  "max": percentile(values, 100), "measured": samples.get("mttr_real_airflow_measured", {}).get(variant),
+                  "minutes": samples.get("mttr_real_airflow_minutes", {}).get(variant)}
         for variant in REAL_AIRFLOW_VARIANTS if (values := samples.get(f"mttr_real_airflow/{variant}"))}
     result["standby"] = _standby(samples, result["cold_start_s"])
     result["upgrade_downtime"] = {

@@ -194,10 +194,11 @@ def test_real_airflow_percentiles_table_and_target():
     watcher = [30.0, 28.0, 31.0, 29.0, 27.0, 33.0, 30.5, 29.5, 28.5, 32.0]
     samples = {**SAMPLES, "mttr_real_airflow/watcher": watcher,
                "mttr_real_airflow/polling": [40.0, 260.0, 35.0], "mttr_real_airflow/spark_submit": [31.0],
-               "mttr_real_airflow_measured": {"watcher": "2026-11-27 19:30 UTC"}}
+               "mttr_real_airflow_measured": {"watcher": "2026-11-27 19:30 UTC"},
+               "mttr_real_airflow_minutes": {"watcher": 9.5}}
     r = report.summarise(samples, {"profile": "test"})
     assert r["mttr_real_airflow"]["watcher"] == {"runs": 10, "p50": 29.5, "p95": 33.0, "max": 33.0,
-                                                 "measured": "2026-11-27 19:30 UTC"}
+                                                 "measured": "2026-11-27 19:30 UTC", "minutes": 9.5}
     assert r["mttr_real_airflow"]["polling"]["p50"] == 40.0 and r["mttr_real_airflow"]["polling"]["max"] == 260.0
     verdict = {t["target"]: t for t in r["targets"]}["mttr_real_airflow watcher p95 <= cold_start_s + 5"]
     assert verdict["limit"] == 18.0 and verdict["met"] is False  # cold start median 13 s
@@ -263,8 +264,23 @@ def test_an_update_of_some_real_airflow_ways_keeps_the_others_and_when_each_was_
     now = {"scaling": {}, "mttr_real_airflow/watcher": [11.0, 12.0],
            "mttr_real_airflow_measured": {"watcher": "2026-11-27 19:30 UTC"},
            "lost": 0, "duplicated": 0, "audited_records": 5}
-    merged, *_ = _updated(tmp_path / "latest.json", now, 15.0, {"mttr_real_airflow": 15.0}, ["mttr_real_airflow"])
+    merged, total, sections, _ = _updated(tmp_path / "latest.json", dict(now, scaling={}), 15.0,
+                                          {"mttr_real_airflow": 15.0}, ["mttr_real_airflow"])
     real = report.summarise(merged, {})["mttr_real_airflow"]
     assert real["watcher"]["runs"] == 2 and real["watcher"]["measured"] == "2026-11-27 19:30 UTC"
     assert real["polling"]["p50"] == 185.0 and real["polling"]["measured"] == "2026-11-25 16:37 UTC"
     assert merged["audited_records"] == before["audited_records"] + 5
+    # the kept way's minutes were not recorded: the section keeps the older run's whole figure
+    assert sections["mttr_real_airflow"] == 60.0 and total == 60.0
+
+    # once each way's minutes are known, the section is their sum: the kept way's and this run's
+    before = report.summarise({**SAMPLES, "mttr_real_airflow/watcher": [20.0], "mttr_real_airflow/polling": [185.0],
+                               "mttr_real_airflow_minutes": {"watcher": 9.0, "polling": 41.0}},
+                              {"profile": "default", "minutes": 70.0,
+                               "section_minutes": {"cold": 10.0, "mttr_real_airflow": 60.0}})
+    (tmp_path / "latest.json").write_text(json.dumps(before))
+    merged, total, sections, _ = _updated(tmp_path / "latest.json",
+                                          dict(now, scaling={}, mttr_real_airflow_minutes={"watcher": 7.5}), 7.6,
+                                          {"mttr_real_airflow": 7.6}, ["mttr_real_airflow"])
+    assert report.summarise(merged, {})["mttr_real_airflow"]["polling"]["minutes"] == 41.0
+    assert sections == {"cold": 10.0, "mttr_real_airflow": 48.5} and total == 58.5
