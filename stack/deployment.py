@@ -39,7 +39,7 @@ class StreamDeployment:
     def __init__(self, workdir: Path, broker, job_id: str, topic: str, *, dags_folder: Path = REPO / "dags",
                  dag_ids: tuple[str, ...] = DAG_IDS, spec: dict | None = None, watch: dict | None = None,
                  variables: dict | None = None, spark_conf: dict | None = None,
-                 airflow_env: dict[str, str] | None = None):
+                 airflow_env: dict[str, str] | None = None, driver_env: dict[str, str] | None = None):
         self.workdir = workdir
         self.dag_ids = dag_ids
         self.broker = broker
@@ -54,8 +54,8 @@ class StreamDeployment:
             "stream_job_spec": self.spec,
             "stream_job_application": EVENTS_JOB,
             "stream_spark_conf": spark_conf if spark_conf is not None else TEST_SPARK_CONF,
-            "stream_driver_env": {k: driver[k] for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON",
-                                                         "SPARK_LOCAL_IP")},
+            "stream_driver_env": {**{k: driver[k] for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON",
+                                                            "SPARK_LOCAL_IP")}, **(driver_env or {})},
             "stream_driver_log_dir": str(workdir / "driver-logs"),
             "stream_reset_policy": "after_preflight",
             "stream_watch": {"heartbeat_timeout": 15, "stuck_after": 300, "poll_interval": 2, **(watch or {})},
