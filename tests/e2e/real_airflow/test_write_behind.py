@@ -16,14 +16,13 @@ Batches of 25,000 records (the ceiling; a run's first batch reads 10,000), so ba
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from sqlalchemy import select
 
+from airflow_stream_provider.local_driver import process_alive
 from airflow_stream_provider.runtime.write_behind import MIN_RECORDS
 from airflow_stream_provider.spec import generation_path
 from airflow_stream_provider.state import schema
@@ -60,25 +59,15 @@ def _marks(checkpoint: Path) -> list[int]:
     return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
 
 
-def _group_alive(group: int) -> bool:
-    """Any process of the process group that is not a zombie."""
-    for process in psutil.process_iter():
-        try:
-            if os.getpgid(process.pid) == group and process.status() != psutil.STATUS_ZOMBIE:
-                return True
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            pass
-    return False
-
-
 def test_a_kill_with_a_commit_in_the_writer_is_repaired_by_airflow_exactly_once(deployment, broker, topic,
                                                                                figures):
     producer = EventProducer(broker, topic, seed=13)
     producer.send(BACKLOG)
     deploy = deployment.airflow.trigger_dag("stream_deploy")
     victim = deployment.processing(RECOVERY_TIMEOUT)
-    group = os.getpgid(victim["pid"])
-    wait_until(lambda: not _group_alive(group), 120, "the driver to die with batch 1 in its writer", interval=0.01)
+    # the crash point's SIGKILL reaches the driver's whole process group at once
+    wait_until(lambda: not process_alive(victim["pid"]), 120, "the driver to die with batch 1 in its writer",
+               interval=0.01)
     killed_at = time.time()
     # what the next run finds: Spark's commit log ahead of the database, and the mark that says so
     checkpoint = _checkpoint(deployment)
