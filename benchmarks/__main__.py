@@ -283,14 +283,16 @@ def _updated(previous: Path, samples: dict, minutes: float, section_minutes: dic
     import json
 
     before = json.loads(previous.read_text())
+
+    def per_way(field: str) -> dict:
+        """A run of some of mttr_real_airflow's ways keeps the others' ``field`` (when measured, minutes)."""
+        return {**{v: x.get(field) for v, x in before.get("mttr_real_airflow", {}).items()},
+                **samples.pop(f"mttr_real_airflow_{field}", {})}
+
+    ways = per_way("minutes")
     merged = {**before["samples"], "baseline_upgrade_incompatible": before["baseline_upgrade_incompatible"],
               "scaling": {**before["scaling"], **samples.pop("scaling")},
-              # a run of some of mttr_real_airflow's ways keeps the others' figures and when they were measured
-              "mttr_real_airflow_measured": {**{v: x.get("measured") for v, x in before.get("mttr_real_airflow", {}).items()},
-                                             **samples.pop("mttr_real_airflow_measured", {})}}
-    ways = {**{v: x.get("minutes") for v, x in before.get("mttr_real_airflow", {}).items()},
-            **samples.pop("mttr_real_airflow_minutes", {})}
-    merged["mttr_real_airflow_minutes"] = ways
+              "mttr_real_airflow_measured": per_way("measured"), "mttr_real_airflow_minutes": ways}
     old_sections = before["meta"].get("section_minutes") or {}
     if "mttr_real_airflow" in section_minutes:
         # the section as a whole run would take it: its ways' minutes, this run's and the kept ones'; a kept way
