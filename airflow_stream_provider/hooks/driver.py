@@ -19,14 +19,16 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk import BaseHook
 
 from airflow_stream_provider import jvm_archive, jvm_heap, jvm_jit, local_driver
 from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV, StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
+
+if TYPE_CHECKING:
+    from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 
 _NO_WAIT = {
     "spark.yarn.submit.waitAppCompletion": "false",
@@ -68,6 +70,10 @@ class StreamDriverHook(BaseHook):
         self.archive_dir = archive_dir
 
     def _spark_submit(self, application_args: list[str], conf: dict[str, str], name: str) -> SparkSubmitHook:
+        # Imported here, not with the module: it brings requests and urllib3, about 50 ms that every parse of
+        # a DAG file using these operators would pay, where only a submit needs them.
+        from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+
         return SparkSubmitHook(conn_id=self.spark_conn_id, conf=conf, py_files=self.py_files, name=name,
                                application_args=application_args, env_vars=self.env_vars or None)
 
