@@ -48,14 +48,14 @@ class RealAirflow:
     (e.g. ``AIRFLOW_CONN_*`` as JSON, ``PATH`` additions, ``PYSPARK_*``, any ``AIRFLOW__S__K``)."""
 
     def __init__(self, home: Path, dags_folder: Path, *, env: dict[str, str] | None = None,
-                 parallelism: int = 4, dag_dir_list_interval: int = 5):
+                 parallelism: int = 4, reparse_interval: int = 30):
         self.home, self.dags_folder = Path(home).resolve(), Path(dags_folder).resolve()
         self.log_dir = self.home / "logs"
         self.port = free_port()
         self.processes: dict[str, subprocess.Popen] = {}
         self._token: str | None = None
         self._http = httpx.Client(base_url=self.url, timeout=30, trust_env=False)  # no proxies on loopback
-        self.env = self._environment(env or {}, parallelism, dag_dir_list_interval)
+        self.env = self._environment(env or {}, parallelism, reparse_interval)
 
     @property
     def url(self) -> str:
@@ -84,10 +84,12 @@ class RealAirflow:
             "AIRFLOW__API__WORKERS": "1",
             # Without it task supervisors call the default port 8080: "Connection refused".
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
-            # New files (refresh_interval) and changed files (min_file_process_interval) within seconds;
-            # serialized DAGs may be rewritten (and caches revalidated) every second, not every 30 s.
-            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": str(interval),
+            # Each DAG file is parsed again every ``reparse_interval`` seconds: Airflow's default, 30 s, unless
+            # a test changes files.  A parse costs a fork and the provider's imports; every 5 s the
+            # dag-processor alone used a tenth of a core, beside the drivers that the recovery figures time.
+            # Variables read at parse time are set before the first parse (``start``).
             "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": str(interval),
+            # Serialized DAGs may be rewritten (and caches revalidated) every second, not every 30 s.
             "AIRFLOW__DAG_PROCESSOR__BUNDLE_REFRESH_CHECK_INTERVAL": "1",
             "AIRFLOW__CORE__MIN_SERIALIZED_DAG_UPDATE_INTERVAL": "1",
             "AIRFLOW__DAG_PROCESSOR__PARSING_PROCESSES": "1",
