@@ -23,7 +23,7 @@ from pathlib import Path
 from benchmarks.audit import Audit, audit
 from benchmarks.stack import EVENTS_JOB, REPO, Stack, kill_driver_tree, say
 
-#: Kill moments: uniformly random over what decides a variant's wait (the watcher's 2 s poll, a retry's
+#: Kill moments: uniformly random over what decides a variant's wait (the watcher's 1 s poll, a retry's
 #: 5 s delay; the polling DAG's 5-minute schedule), counted from when the job is processing again.
 KILL_WINDOW_S = {"watcher": 20.0, "polling": 300.0, "spark_submit": 20.0}
 RECOVERY_TIMEOUT_S = 600

@@ -58,7 +58,7 @@ class StreamDeployment:
                                                             "SPARK_LOCAL_IP")}, **(driver_env or {})},
             "stream_driver_log_dir": str(workdir / "driver-logs"),
             "stream_reset_policy": "after_preflight",
-            "stream_watch": {"heartbeat_timeout": 15, "stuck_after": 300, "poll_interval": 2, **(watch or {})},
+            "stream_watch": {"heartbeat_timeout": 15, "stuck_after": 300, **(watch or {})},
             # the watcher alone: an hourly sweep landing in a scenario would repair a kill before the
             # watcher's event, and the scenarios show the watcher's repairs
             "stream_health_sweep": "off",

@@ -39,7 +39,7 @@ def job_id_of(uri: str) -> str:
 def stream_job_asset(job_id: str, *, state_conn_id: str = StreamStateHook.default_conn_name,
                      kafka_conn_id: str = KafkaOffsetsHook.default_conn_name, fire_on: Sequence[str] = FIRE_ON,
                      heartbeat_timeout: float = 30.0, stuck_after: float = 300.0,
-                     poll_interval: float = 2.0) -> Asset:
+                     poll_interval: float = 1.0) -> Asset:
     """The job's asset, watched continuously: schedule a health DAG on it.
 
     :param job_id: the stream job's ``job_id``, as in its spec.
@@ -51,7 +51,8 @@ def stream_job_asset(job_id: str, *, state_conn_id: str = StreamStateHook.defaul
         a process (another host, a cluster) counts as DEAD.
     :param stuck_after: seconds without a committed batch, while Kafka holds unread records, that make a
         running query STUCK.
-    :param poll_interval: seconds between two polls of the state database (one query for all jobs).
+    :param poll_interval: seconds between two polls of the state database (one query for all jobs).  A kill
+        waits half of it on average before anyone knows; the query reads one row per job.
     """
     uri = f"{SCHEME}://{job_id}"
     job_id_of(uri)  # a bad job id fails here, at parse time, with the expected form

@@ -119,7 +119,7 @@ class StreamJobWatchTrigger(BaseEventTrigger):
 
     def __init__(self, *, job_id: str, state_conn_id: str = StreamStateHook.default_conn_name,
                  kafka_conn_id: str = KafkaOffsetsHook.default_conn_name, fire_on: Sequence[str] = FIRE_ON,
-                 heartbeat_timeout: float = 30.0, stuck_after: float = 300.0, poll_interval: float = 2.0):
+                 heartbeat_timeout: float = 30.0, stuck_after: float = 300.0, poll_interval: float = 1.0):
         super().__init__()
         unknown = sorted(set(fire_on) - set(FIRE_ON))
         if unknown:

@@ -17,7 +17,7 @@ from stack.events import EventProducer, Trickle
 from stack.jobs import REPO, check_exactly_once
 from tests.dagtest.dagruns import FIXTURE_JOBS
 
-#: Seconds within which a watched job must process again after a SIGKILL: the watcher's poll (2 s), the
+#: Seconds within which a watched job must process again after a SIGKILL: the watcher's poll (1 s), the
 #: scheduler, a task's start, the recover task and a driver's cold start on 2 shared cores.  Generous:
 #: the figures are reported, the benchmark ``mttr_real_airflow`` measures them.
 RECOVERY_TIMEOUT = 240
