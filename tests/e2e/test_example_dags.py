@@ -40,10 +40,29 @@ def test_every_example_dag_loads_without_import_errors(monkeypatch):
     classpath, kwargs = watcher.trigger.serialize()
     assert classpath == "airflow_stream_provider.triggers.watch.StreamJobWatchTrigger"
     assert (kwargs["job_id"], kwargs["heartbeat_timeout"], kwargs["stuck_after"]) == ("events", 20, 120)
+    assert kwargs["poll_interval"] == 1.0  # the default: a kill waits half a second on average for a poll
     for dag_id in ("stream_deploy", "stream_stop", "stream_upgrade"):
         assert bag.dags[dag_id].schedule is None, f"{dag_id} is triggered by hand"
     upgrade = bag.dags["stream_upgrade"]
     assert {"application", "version", "reset_policy"} <= set(upgrade.params)
+
+
+def test_parsing_the_dags_leaves_the_submit_machinery_unimported():
+    """The dag-processor parses each file every 30 s by default and each task parses its DAG again, so the
+    imports are paid often: the Spark provider's submit hook (with requests and urllib3, about 55 ms) is
+    imported when a driver is submitted, not when a DAG file is parsed.  A fresh interpreter: this
+    process may have imported it already."""
+    code = ("import sys\n"
+            "from airflow.dag_processing.dagbag import DagBag\n"
+            "bag = DagBag(sys.argv[1])\n"
+            "assert not bag.import_errors and len(bag.dag_ids) == 4, (bag.import_errors, bag.dag_ids)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('airflow.providers.apache.spark.hooks')))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DAGS), os.environ.get("PYTHONPATH", "")]),
+           "AIRFLOW_VAR_STREAM_JOB_SPEC": '{"job_id": "events", "kafka": {"topics": ["events"]}}'}
+    result = subprocess.run([sys.executable, "-c", code, str(DAGS)], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
 
 
 def test_without_a_job_spec_the_health_dag_runs_only_the_hourly_sweep(monkeypatch):
