@@ -162,6 +162,12 @@ class StreamDeployment:
                 if r.get("start_date") and epoch(r["start_date"]) >= since]
         return sorted(runs, key=lambda r: r["start_date"])
 
+    def repairs(self, run_id: str, since: float = 0.0) -> list[dict]:
+        """The ``stream_health`` runs since ``since`` whose ``recover`` launched ``run_id``, oldest first."""
+        return [r for r in self.health_runs(since)
+                if (self.tasks("stream_health", r["dag_run_id"]).get("recover", (None, None))[1] or {})
+                .get("run_id") == run_id]
+
 
 def epoch(iso: str) -> float:
     """Unix seconds of a timestamp the REST API returned."""

@@ -62,9 +62,7 @@ def test_every_kill_is_repaired_by_airflow_alone_exactly_once(deployment, broker
         deployment.airflow.start_component("triggerer")
         recovered = deployment.processing(RECOVERY_TIMEOUT, other_than=victim["run_id"], after=killed_at)
         triggerer_gap_s = recovered["committed_at"] - killed_at
-        (repair,) = [r for r in deployment.health_runs(since=killed_at)
-                     if (deployment.tasks("stream_health", r["dag_run_id"]).get("recover", (None, None))[1]
-                         or {}).get("run_id") == recovered["run_id"]]
+        (repair,) = deployment.repairs(recovered["run_id"], since=killed_at)
         assert repair["run_type"] == "asset_triggered", repair
         assert epoch(repair["start_date"]) > restarted_at, "reported by the restarted triggerer, not before"
 

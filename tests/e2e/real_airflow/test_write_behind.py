@@ -85,9 +85,7 @@ def test_a_kill_with_a_commit_in_the_writer_is_repaired_by_airflow_exactly_once(
     assert "'write_behind':" in log, "the recovered run's full batches commit behind"
 
     # the repair came from the watcher's event, not from a person or a schedule
-    repairs = [r for r in deployment.health_runs(since=killed_at)
-               if (deployment.tasks("stream_health", r["dag_run_id"]).get("recover", (None, None))[1]
-                   or {}).get("run_id") == recovered["run_id"]]
+    repairs = deployment.repairs(recovered["run_id"], since=killed_at)
     assert [r["run_type"] for r in repairs] == ["asset_triggered"], repairs
 
     tasks = deployment.trigger("stream_stop")
