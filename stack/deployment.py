@@ -162,11 +162,17 @@ class StreamDeployment:
                 if r.get("start_date") and epoch(r["start_date"]) >= since]
         return sorted(runs, key=lambda r: r["start_date"])
 
-    def repairs(self, run_id: str, since: float = 0.0) -> list[dict]:
-        """The ``stream_health`` runs since ``since`` whose ``recover`` launched ``run_id``, oldest first."""
-        return [r for r in self.health_runs(since)
-                if (self.tasks("stream_health", r["dag_run_id"]).get("recover", (None, None))[1] or {})
-                .get("run_id") == run_id]
+    def repairs(self, run_id: str, since: float = 0.0, timeout: float = 60.0) -> list[dict]:
+        """The ``stream_health`` runs since ``since`` whose ``recover`` launched ``run_id``, oldest first.  A
+        ``recover`` names its run when it ends, after the run's first batch: waits up to ``timeout`` for one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [r for r in self.health_runs(since)
+                     if (self.tasks("stream_health", r["dag_run_id"]).get("recover", (None, None))[1] or {})
+                     .get("run_id") == run_id]
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(1)
 
 
 def epoch(iso: str) -> float:

@@ -36,6 +36,9 @@ class RunWait:
     ``until``: ``ready`` (its query started), ``batch`` (it committed a batch with id >= ``min_batch_id``),
     or ``ended``.  ``idle``: also finish, as ``idle``, once the running query has nothing to read.
     ``pid``/``log_path``: the process started for it, watched before the driver registers its row.
+    ``settle_s``: with ``ready``, once the query runs, wait up to this long more for the run's first batch to
+    be over (committed, the run gone, or nothing to read) before ``ready``: a task resumed on a worker
+    meanwhile would take CPU from the driver's first batch, the last step of a restart.
     """
 
     run_id: str
@@ -47,6 +50,7 @@ class RunWait:
     pid: int | None = None
     started_at: float | None = None
     log_path: str | None = None
+    settle_s: float = 0.0
 
     @classmethod
     def within(cls, timeout: float, **fields: Any) -> RunWait:
@@ -71,6 +75,8 @@ class RunWatch:
         self.wait = wait
         self._get_run, self._driver_alive, self._caught_up = get_run, driver_alive, caught_up
         self._idle_since: float | None = None
+        self._ready_at: float | None = None  # when the query was first seen running
+        self._nothing_to_read = False  # and whether Kafka held nothing for it then
         self._asked_at: float | None = None
         self._gone_polls = 0
         self._secrets = secrets
@@ -81,7 +87,7 @@ class RunWatch:
         wait = self.wait
         run = self.run = self._get_run(wait.run_id)
         if run is not None:
-            if wait.until == "ready" and run.running_query:
+            if wait.until == "ready" and (run.running_query or self._ready_at is not None) and self._settled(run):
                 return "ready"
             if wait.until == "batch" and run.last_batch_id is not None and run.last_batch_id >= wait.min_batch_id:
                 return "batch"
@@ -95,6 +101,18 @@ class RunWatch:
         if time.time() >= wait.deadline:
             return "timeout"
         return None
+
+    def _settled(self, run: RunRecord) -> bool:
+        """The query ran (``ready``) and, with ``settle_s``, its first batch is over, no batch is coming (Kafka
+        held nothing beyond the stored offsets when the query started: asked once), the run is gone, or the
+        time is up (the settling time, or the wait's deadline: the query did start)."""
+        if not self.wait.settle_s:
+            return True
+        now = time.monotonic()
+        if self._ready_at is None:
+            self._ready_at, self._nothing_to_read = now, self._caught_up()
+        return (self._nothing_to_read or run.last_batch_id is not None or now - self._ready_at >= self.wait.settle_s
+                or time.time() >= self.wait.deadline or self._gone(run))
 
     def _gone(self, run: RunRecord | None) -> bool:
         if run is not None and not run.active:

@@ -65,6 +65,10 @@ class StreamJobOperator(BaseOperator):
     :param deferrable: wait in the triggerer (the default) instead of holding a worker slot.
     """
 
+    #: Once a launched query runs, how long the flow may wait for the run's first batch to be over before it
+    #: goes on (``RunWait.settle_s``); 0: it goes on at once.
+    launch_settle_s: float = 0.0
+
     template_fields: Sequence[str] = ("spec", "application", "conf", "env_vars", "py_files", "ready_timeout",
                                       "heartbeat_timeout", "stuck_after", "stop_timeout", "driver_log_dir",
                                       "checkpoint_conn_id")
@@ -187,8 +191,7 @@ class StreamJobOperator(BaseOperator):
             if _still_starting(run, pending["launch"]):
                 self.log.info("Picking up run %s, launched by an earlier try of this task, instead of "
                               "launching another", pending["launch"]["run_id"])
-                wait = self.controller.launch_wait(pending["launch"], "ready", float(self.ready_timeout))
-                return self.wait_then(context, wait, "_launch_waited", **pending)
+                return self.wait_then(context, self._launch_wait(pending["launch"]), "_launch_waited", **pending)
             _set_task_state(context, LAUNCH_KEY, None)
         return self.start(context)
 
@@ -254,8 +257,11 @@ class StreamJobOperator(BaseOperator):
         self._in_flight = launch
         pending = {"launch": launch, "after": after, "carry": carry, "on_fail": on_fail}
         _set_task_state(context, LAUNCH_KEY, pending)
-        wait = self.controller.launch_wait(launch, "ready", float(self.ready_timeout))
-        return self.wait_then(context, wait, "_launch_waited", **pending)
+        return self.wait_then(context, self._launch_wait(launch), "_launch_waited", **pending)
+
+    def _launch_wait(self, launch: dict[str, Any]) -> RunWait:
+        return self.controller.launch_wait(launch, "ready", float(self.ready_timeout),
+                                           settle_s=float(self.launch_settle_s))
 
     def _launch_waited(self, context, event, launch, after, carry, on_fail=None) -> Any:
         self._in_flight = launch

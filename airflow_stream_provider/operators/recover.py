@@ -51,6 +51,9 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         (leave it to a person) when the checkpoint cannot be read by the job's code.
     """
 
+    #: The task resumes on a worker after the restarted run's first batch, not in the middle of it.
+    launch_settle_s = 20.0
+
     template_fields = (*StreamJobOperator.template_fields, "on_incompatible", "max_restarts", "restart_window",
                        "backoff_base")
 
@@ -96,7 +99,8 @@ class RecoverStreamingJobOperator(StreamJobOperator):
                 pending = {"launch": launch, "after": "_standby_took_over", "on_fail": "_standby_failed",
                            "carry": {"decision": {"reason": decision.reason, "backoff_s": decision.backoff_s,
                                                   "action": decision.action.value}, "outcome": outcome}}
-                wait = self.controller.launch_wait(launch, "ready", STANDBY_TAKEOVER_S)
+                wait = self.controller.launch_wait(launch, "ready", STANDBY_TAKEOVER_S,
+                                                   settle_s=self.launch_settle_s)
                 return self.wait_then(context, wait, "_launch_waited", **pending)
         outcome["backoff_s"] = decision.backoff_s
         if decision.backoff_s:

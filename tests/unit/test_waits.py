@@ -30,6 +30,33 @@ def test_ready_once_the_query_runs():
     assert watch.poll() == "ready"
 
 
+def test_a_settling_launch_is_ready_once_its_first_batch_is_over():
+    """A recovery's task resumes after the new run's first batch, not during it (it would take its CPU)."""
+    watch = _watch([STARTING, RUNNING, RUNNING, replace(RUNNING, last_batch_id=7)], settle_s=60.0)
+    assert watch.poll() is None
+    assert watch.poll() is None  # the query runs: its first batch is not over yet
+    assert watch.poll() is None
+    assert watch.poll() == "ready"
+
+
+def test_a_settling_launch_whose_query_ran_is_ready_however_its_first_batch_ends():
+    """The query started, so the launch worked, as without settling: a run that fails its first batch is
+    the next diagnosis's (and counts against the restart budget)."""
+    rows = iter([RUNNING, replace(RUNNING, status=RunStatus.FAILED)])
+    wait = RunWait.within(60, run_id="r1", job_id="j", until="ready", settle_s=60.0)
+    ended = RunWatch(wait, lambda _run_id: next(rows), lambda run: run.status == RunStatus.RUNNING, lambda: False)
+    assert ended.poll() is None and ended.poll() == "ready"
+    assert _watch([RUNNING], settle_s=60.0, caught_up=True).poll() == "ready"  # nothing to read: no batch comes
+    slow = _watch([RUNNING, RUNNING], settle_s=0.05)  # a first batch longer than the settling time
+    assert slow.poll() is None
+    time.sleep(0.06)
+    assert slow.poll() == "ready"
+    late = _watch([RUNNING, RUNNING], settle_s=60.0, timeout=0.05)  # the deadline, with the query running
+    assert late.poll() is None
+    time.sleep(0.06)
+    assert late.poll() == "ready"
+
+
 def test_a_batch_counts_from_min_batch_id():
     watch = _watch([replace(RUNNING, last_batch_id=0), replace(RUNNING, last_batch_id=1)], "batch", min_batch_id=1)
     assert watch.poll() is None
