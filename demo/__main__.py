@@ -116,7 +116,9 @@ class Story:
             recovered = self.deployment.processing(timeout=300, other_than=victim["run_id"], after=killed_at)
         seconds = recovered["committed_at"] - killed_at
         self.kills.append(seconds)
-        runs = [r for r in self.deployment.health_runs(since=killed_at - 5) if r["run_type"] == "asset_triggered"]
+        # recover names the run it started once that run's first batch is over
+        runs = [r for r in self.deployment.repairs(recovered["run_id"], since=killed_at - 5)
+                if r["run_type"] == "asset_triggered"]
         if runs:
             tasks = self.deployment.tasks("stream_health", runs[0]["dag_run_id"])
             found, recover = tasks.get("diagnose", (None, {}))[1] or {}, tasks.get("recover", (None, {}))[1] or {}
