@@ -91,28 +91,29 @@ class RunWatch:
                 return "ready"
             if wait.until == "batch" and run.last_batch_id is not None and run.last_batch_id >= wait.min_batch_id:
                 return "batch"
+        # A settling launch whose query ran worked, however its first batch ends: it is ``ready``.
+        settling = self._ready_at is not None
         if self._gone(run):
             # Once more: let the driver finish writing its termination record before it is read.
             self._gone_polls += 1
             if self._gone_polls > 1 or (run is not None and not run.active):
-                return "ended"
+                return "ready" if settling else "ended"
         elif wait.idle and run is not None and run.running_query and self._idle_confirmed():
             return "idle"
         if time.time() >= wait.deadline:
-            return "timeout"
+            return "ready" if settling else "timeout"
         return None
 
     def _settled(self, run: RunRecord) -> bool:
         """The query ran (``ready``) and, with ``settle_s``, its first batch is over, no batch is coming (Kafka
-        held nothing beyond the stored offsets when the query started: asked once), the run is gone, or the
-        time is up (the settling time, or the wait's deadline: the query did start)."""
+        held nothing beyond the stored offsets when the query started: asked once), or the settling time is
+        up.  A run gone meanwhile, or the wait's deadline, ends it in ``poll``."""
         if not self.wait.settle_s:
             return True
         now = time.monotonic()
         if self._ready_at is None:
             self._ready_at, self._nothing_to_read = now, self._caught_up()
-        return (self._nothing_to_read or run.last_batch_id is not None or now - self._ready_at >= self.wait.settle_s
-                or time.time() >= self.wait.deadline or self._gone(run))
+        return self._nothing_to_read or run.last_batch_id is not None or now - self._ready_at >= self.wait.settle_s
 
     def _gone(self, run: RunRecord | None) -> bool:
         if run is not None and not run.active:
