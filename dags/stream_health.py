@@ -7,10 +7,11 @@ event, as a safety net, and takes the same decision (the Variable ``stream_healt
 expression, or ``off``).
 
 Each run diagnoses the job afresh (the reported event is evidence: a run queued behind another may find
-the job already repaired), then acts as ``stream_job.act_on`` says: recover a dead, stuck or failed job
-within the restart budget; reset an incompatible checkpoint when ``stream_reset_policy`` is ``auto``;
+the job already repaired), and the same task chooses what to do, as ``stream_job.next_step`` says (one task
+run instead of two: about half a second less before a dead job's recovery starts): recover a dead, stuck
+or failed job within the restart budget; reset an incompatible checkpoint when ``stream_reset_policy`` is ``auto``;
 fail loudly with the evidence where a person must decide (data loss, a poison record); nothing for a
-healthy job.
+healthy job.  The diagnosis is the XCom ``diagnosis`` of ``diagnose``.
 
 The watcher needs the job id when this file is parsed, from the Variable ``stream_job_spec``; until it
 is set, only the hourly sweep runs.
@@ -19,11 +20,10 @@ is set, only the hourly sweep runs.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Variable, task
 from airflow.sdk.exceptions import AirflowFailException
-from stream_job import DAG_ARGS, WATCH, act_on, parse_time_variable
+from stream_job import DAG_ARGS, WATCH, next_step, parse_time_variable, steps
 
 from airflow_stream_provider.assets.stream import stream_job_asset
 from airflow_stream_provider.diagnosis import Thresholds
@@ -41,9 +41,9 @@ SCHEDULE = AssetOrTimeSchedule(timetable=SWEEP, assets=WATCHED) if WATCHED and S
 
 with DAG("stream_health", schedule=SCHEDULE, max_active_runs=1, doc_md=__doc__, **DAG_ARGS):
 
-    @task
-    def diagnose(job_id: str, topics: list[str], triggering_asset_events=None) -> dict[str, Any]:
-        """A fresh diagnosis, with the events that woke this run as evidence."""
+    @task.branch
+    def diagnose(job_id: str, topics: list[str], triggering_asset_events=None, ti=None) -> str:
+        """A fresh diagnosis, with the events that woke this run as evidence, and the step it leads to."""
         reported = [event.extra.get("payload", {}) for events in (triggering_asset_events or {}).values()
                     for event in events]
         for payload in reported:
@@ -61,6 +61,8 @@ with DAG("stream_health", schedule=SCHEDULE, max_active_runs=1, doc_md=__doc__, 
         found["reported"] = reported
         log.info("Diagnosis now: job %s: %s %s: %s", job_id, found["health"], found.get("failure_kind") or "",
                  "; ".join(found["evidence"]))
-        return found
+        ti.xcom_push(key="diagnosis", value=found)
+        return next_step(found)
 
-    act_on(diagnose(**WATCH))
+    decided = diagnose(**WATCH)
+    decided >> steps(decided["diagnosis"])

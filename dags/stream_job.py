@@ -61,32 +61,34 @@ def parse_time_variable(key: str):
     return Variable.get(key, default=None, deserialize_json=True)
 
 
-def act_on(diagnosis) -> None:
-    """What a health DAG does with a diagnosis (an XCom of it), in the DAG being defined:
+def next_step(diagnosis: dict) -> str:
+    """The task a diagnosis leads to (the branch's choice), in the DAG being defined:
 
-    * DATA_LOSS, POISON: fail loudly with the lost offset ranges or the record;
-    * CHECKPOINT_INCOMPATIBLE: reset to a new generation from the stored offsets when the Variable
-      ``stream_reset_policy`` is ``auto``, otherwise fail saying how to decide;
+    * DATA_LOSS, POISON: ``needs_a_decision``, which fails loudly with the lost offset ranges or the
+      record;
+    * CHECKPOINT_INCOMPATIBLE: ``reset`` to a new generation from the stored offsets when the Variable
+      ``stream_reset_policy`` is ``auto``, otherwise ``needs_a_decision``, saying how to decide;
     * anything else that needs action (dead driver, stuck query, transient or user-code failure):
-      recover, within the restart budget;
-    * a healthy job that wants a warm standby and has none (a standby took over, or died): recover,
+      ``recover``, within the restart budget;
+    * a healthy job that wants a warm standby and has none (a standby took over, or died): ``recover``,
       which starts one;
-    * a healthy, starting or stopped job: nothing.
+    * a healthy, starting or stopped job: ``healthy``, nothing.
     """
-
-    @task.branch
-    def choose(diagnosis: dict) -> str:
-        kind = diagnosis.get("failure_kind")
-        if diagnosis["health"] == "HEALTHY" and diagnosis.get("standby") == MISSING_STANDBY:
-            return "recover"
-        if diagnosis["health"] in ("HEALTHY", "STARTING", "STOPPED"):
-            return "healthy"
-        if kind in ("DATA_LOSS", "POISON"):
-            return "needs_a_decision"
-        if kind == "CHECKPOINT_INCOMPATIBLE":
-            policy = Variable.get("stream_reset_policy", default="after_preflight")
-            return "reset" if policy == "auto" else "needs_a_decision"
+    kind = diagnosis.get("failure_kind")
+    if diagnosis["health"] == "HEALTHY" and diagnosis.get("standby") == MISSING_STANDBY:
         return "recover"
+    if diagnosis["health"] in ("HEALTHY", "STARTING", "STOPPED"):
+        return "healthy"
+    if kind in ("DATA_LOSS", "POISON"):
+        return "needs_a_decision"
+    if kind == "CHECKPOINT_INCOMPATIBLE":
+        policy = Variable.get("stream_reset_policy", default="after_preflight")
+        return "reset" if policy == "auto" else "needs_a_decision"
+    return "recover"
+
+
+def steps(diagnosis) -> list:
+    """The tasks ``next_step`` chooses among, for a diagnosis (an XCom of it), in the DAG being defined."""
 
     @task
     def needs_a_decision(diagnosis: dict) -> None:
@@ -96,9 +98,20 @@ def act_on(diagnosis) -> None:
             f"({diagnosis.get('error_class')}). Evidence: {'; '.join(diagnosis.get('evidence', []))}. "
             f"What to do: {diagnosis.get('advice')}")
 
-    choose(diagnosis) >> [
+    return [
         EmptyOperator(task_id="healthy"),
         RecoverStreamingJobOperator(task_id="recover", **JOB),
         ResetStreamingJobOperator(task_id="reset", reason="checkpoint incompatible (stream_health)", **JOB),
         needs_a_decision(diagnosis),
     ]
+
+
+def act_on(diagnosis) -> None:
+    """A ``choose`` branch on a diagnosis made by another task (an XCom of it), then ``steps``.  A task that
+    diagnoses can be the branch itself (``stream_health``'s ``diagnose``), one task run fewer."""
+
+    @task.branch
+    def choose(diagnosis: dict) -> str:
+        return next_step(diagnosis)
+
+    choose(diagnosis) >> steps(diagnosis)

@@ -120,8 +120,9 @@ class Story:
         runs = [r for r in self.deployment.repairs(recovered["run_id"], since=killed_at - 5)
                 if r["run_type"] == "asset_triggered"]
         if runs:
-            tasks = self.deployment.tasks("stream_health", runs[0]["dag_run_id"])
-            found, recover = tasks.get("diagnose", (None, {}))[1] or {}, tasks.get("recover", (None, {}))[1] or {}
+            run_id = runs[0]["dag_run_id"]
+            recover = self.deployment.tasks("stream_health", run_id).get("recover", (None, {}))[1] or {}
+            found = self.deployment.airflow.xcom("stream_health", run_id, "diagnose", key="diagnosis") or {}
             say(f"stream_health ran on the watcher's event and saw {found.get('health')}; recover: "
                 f"{recover.get('action')} (run {str(recover.get('run_id'))[:12]}, generation {recover.get('generation')})")
         say(f"processing again {seconds:.1f}s after the kill (run {recovered['run_id'][:12]})")

@@ -41,10 +41,47 @@ def test_every_example_dag_loads_without_import_errors(monkeypatch):
     assert classpath == "airflow_stream_provider.triggers.watch.StreamJobWatchTrigger"
     assert (kwargs["job_id"], kwargs["heartbeat_timeout"], kwargs["stuck_after"]) == ("events", 20, 120)
     assert kwargs["poll_interval"] == 1.0  # the default: a kill waits half a second on average for a poll
+    # One task diagnoses and branches; the diagnosis goes to needs_a_decision as the XCom "diagnosis".
+    diagnose = health.get_task("diagnose")
+    assert diagnose.inherits_from_skipmixin and diagnose.downstream_task_ids == {
+        "healthy", "recover", "reset", "needs_a_decision"}
+    assert set(health.task_ids) == {"diagnose"} | diagnose.downstream_task_ids
+    (evidence,) = [arg for arg in health.get_task("needs_a_decision").op_args]
+    assert (evidence.operator.task_id, evidence.key) == ("diagnose", "diagnosis")
     for dag_id in ("stream_deploy", "stream_stop", "stream_upgrade"):
         assert bag.dags[dag_id].schedule is None, f"{dag_id} is triggered by hand"
     upgrade = bag.dags["stream_upgrade"]
     assert {"application", "version", "reset_policy"} <= set(upgrade.params)
+
+
+@pytest.mark.parametrize(("health", "kind", "standby", "policy", "step"), [
+    ("HEALTHY", None, None, None, "healthy"),
+    ("STARTING", None, None, None, "healthy"),
+    ("STOPPED", None, None, None, "healthy"),
+    ("HEALTHY", None, "missing", None, "recover"),  # a standby took over or died: recover starts one
+    ("DEAD", None, None, None, "recover"),
+    ("STUCK", None, None, None, "recover"),
+    ("FAILED", "TRANSIENT", None, None, "recover"),
+    ("FAILED", "USER_CODE", None, None, "recover"),
+    ("FAILED", "DATA_LOSS", None, "auto", "needs_a_decision"),
+    ("FAILED", "POISON", None, "auto", "needs_a_decision"),
+    ("FAILED", "CHECKPOINT_INCOMPATIBLE", None, "auto", "reset"),
+    ("FAILED", "CHECKPOINT_INCOMPATIBLE", None, "after_preflight", "needs_a_decision"),
+    ("FAILED", "CHECKPOINT_INCOMPATIBLE", None, None, "needs_a_decision"),  # the default: after_preflight
+])
+def test_each_diagnosis_leads_to_one_step(monkeypatch, health, kind, standby, policy, step):
+    """``stream_job.next_step``: the branch both health DAGs take on a diagnosis."""
+    from airflow_stream_provider.diagnosis import MISSING_STANDBY
+
+    monkeypatch.syspath_prepend(str(DAGS))
+    if policy is None:
+        monkeypatch.delenv("AIRFLOW_VAR_STREAM_RESET_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("AIRFLOW_VAR_STREAM_RESET_POLICY", policy)
+    from stream_job import next_step
+
+    diagnosis = {"health": health, "failure_kind": kind, "standby": MISSING_STANDBY if standby else None}
+    assert next_step(diagnosis) == step
 
 
 def test_parsing_the_dags_leaves_the_submit_machinery_unimported():
