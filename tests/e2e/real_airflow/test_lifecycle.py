@@ -7,6 +7,7 @@ The test only kills and observes.  Each case ends with exact counts against Kafk
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -14,7 +15,7 @@ from sqlalchemy import text
 
 from stack.deployment import StreamDeployment, epoch, kill_driver
 from stack.events import EventProducer, Trickle
-from stack.jobs import REPO, check_exactly_once
+from stack.jobs import REPO, check_exactly_once, wait_until
 from tests.dagtest.dagruns import FIXTURE_JOBS
 
 #: Seconds within which a watched job must process again after a SIGKILL: the watcher's poll (1 s), the
@@ -145,3 +146,41 @@ def test_a_crash_loop_ends_in_the_budgets_clear_failure(deployment, broker, topi
     with deployment.store.engine.connect() as conn:
         assert conn.execute(text("SELECT COUNT(*) FROM stream_batches")).scalar() == 0
     assert deployment.store.stored_offsets(deployment.job_id) == {}, "a failed batch applies nothing"
+
+
+def test_a_poison_record_makes_stream_health_fail_with_its_position(deployment, broker, topic):
+    """The job's policy is ``on_poison='fail'``: its driver stops as POISON, naming the record.  The watcher's
+    event runs ``stream_health``, whose ``diagnose`` branches to ``needs_a_decision``: it fails with the
+    record's position and what to do, with the diagnosis as ``diagnose``'s XCom, and nothing restarts the
+    job."""
+    producer = EventProducer(broker, topic, seed=9)
+    producer.send(200)
+    deployment.airflow.set_variable("stream_job_application", str(FIXTURE_JOBS / "poison_on_value.py"))
+    deployment.airflow.set_variable("stream_driver_env", {**deployment.variables["stream_driver_env"],
+                                                          "POISON_POLICY": "fail"})
+    _deploy(deployment, producer)
+    event = {"event_id": "p-1", "user_id": "u-1", "kind": "POISON-1", "amount": 1.0, "ts": "2026-11-22T10:00:00Z"}
+    partition, offset = producer.send_record(json.dumps(event).encode(), b"u-1")
+    position = f"{topic}/{partition}:{offset}"
+
+    def decided() -> list[dict]:
+        return [r for r in deployment.health_runs() if r["state"] == "failed"
+                and deployment.tasks("stream_health", r["dag_run_id"]).get("needs_a_decision", (None,))[0] == "failed"]
+
+    (run,) = wait_until(decided, RECOVERY_TIMEOUT, "a stream_health run that needs a decision", interval=2.0)
+    tasks = deployment.tasks("stream_health", run["dag_run_id"])
+    assert {task: state for task, (state, _) in tasks.items()} == {
+        "diagnose": "success", "healthy": "skipped", "recover": "skipped", "reset": "skipped",
+        "needs_a_decision": "failed"}, tasks
+    found = deployment.airflow.xcom("stream_health", run["dag_run_id"], "diagnose", key="diagnosis")
+    assert (found["health"], found["failure_kind"]) == ("FAILED", "POISON"), found
+    log = deployment.airflow.task_log("stream_health", run["dag_run_id"], "needs_a_decision", 1)
+    assert "FAILED/POISON" in log and position in log and "What to do:" in log, log[-3000:]
+
+    time.sleep(5)  # the persisting failure makes no further event and no restart
+    assert [(r.status, r.failure_kind) for r in deployment.runs()] == [("FAILED", "POISON")]
+    # (a run before the deploy fails in diagnose: the watcher reported the job unknown until then)
+    diagnosed = [r for r in deployment.health_runs()
+                 if deployment.tasks("stream_health", r["dag_run_id"])["diagnose"][0] == "success"]
+    assert [r["dag_run_id"] for r in diagnosed] == [run["dag_run_id"]], diagnosed
+    assert deployment.store.stored_offsets(deployment.job_id).get((topic, partition), 0) <= offset
