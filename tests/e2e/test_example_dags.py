@@ -46,7 +46,7 @@ def test_every_example_dag_loads_without_import_errors(monkeypatch):
     assert diagnose.inherits_from_skipmixin and diagnose.downstream_task_ids == {
         "healthy", "recover", "reset", "needs_a_decision"}
     assert set(health.task_ids) == {"diagnose"} | diagnose.downstream_task_ids
-    (evidence,) = [arg for arg in health.get_task("needs_a_decision").op_args]
+    (evidence,) = health.get_task("needs_a_decision").op_args
     assert (evidence.operator.task_id, evidence.key) == ("diagnose", "diagnosis")
     for dag_id in ("stream_deploy", "stream_stop", "stream_upgrade"):
         assert bag.dags[dag_id].schedule is None, f"{dag_id} is triggered by hand"

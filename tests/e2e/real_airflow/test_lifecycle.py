@@ -51,6 +51,12 @@ def _recover_resumed_after_the_first_batch(deployment: StreamDeployment, recover
     assert epoch(recover["end_date"]) > recovered["committed_at"], (recover, recovered)
 
 
+def _failed_in(deployment: StreamDeployment, task_id: str) -> list[dict]:
+    """The failed ``stream_health`` runs whose ``task_id`` failed."""
+    return [r for r in deployment.health_runs() if r["state"] == "failed"
+            and deployment.tasks("stream_health", r["dag_run_id"]).get(task_id, (None,))[0] == "failed"]
+
+
 def test_every_kill_is_repaired_by_airflow_alone_exactly_once(deployment, broker, topic, figures):
     producer = EventProducer(broker, topic, seed=5)
     producer.send(1500)
@@ -126,12 +132,8 @@ def test_a_crash_loop_ends_in_the_budgets_clear_failure(deployment, broker, topi
 
     # Every restart fails again (USER_CODE); the watcher reports each new failure, stream_health restarts
     # within the budget (3 per 30 minutes) and then fails saying so.
-    def out_of_budget() -> list[dict]:
-        return [r for r in deployment.health_runs() if r["state"] == "failed"
-                and deployment.tasks("stream_health", r["dag_run_id"]).get("recover", (None,))[0] == "failed"]
-
     deadline = time.monotonic() + 600
-    while not (failed := out_of_budget()) and time.monotonic() < deadline:
+    while not (failed := _failed_in(deployment, "recover")) and time.monotonic() < deadline:
         time.sleep(3)
     assert failed, [(r["dag_run_id"], r["state"]) for r in deployment.health_runs()]
     log = deployment.airflow.task_log("stream_health", failed[0]["dag_run_id"], "recover")
@@ -163,11 +165,8 @@ def test_a_poison_record_makes_stream_health_fail_with_its_position(deployment, 
     partition, offset = producer.send_record(json.dumps(event).encode(), b"u-1")
     position = f"{topic}/{partition}:{offset}"
 
-    def decided() -> list[dict]:
-        return [r for r in deployment.health_runs() if r["state"] == "failed"
-                and deployment.tasks("stream_health", r["dag_run_id"]).get("needs_a_decision", (None,))[0] == "failed"]
-
-    (run,) = wait_until(decided, RECOVERY_TIMEOUT, "a stream_health run that needs a decision", interval=2.0)
+    (run,) = wait_until(lambda: _failed_in(deployment, "needs_a_decision"), RECOVERY_TIMEOUT,
+                        "a stream_health run that needs a decision", interval=2.0)
     tasks = deployment.tasks("stream_health", run["dag_run_id"])
     assert {task: state for task, (state, _) in tasks.items()} == {
         "diagnose": "success", "healthy": "skipped", "recover": "skipped", "reset": "skipped",
