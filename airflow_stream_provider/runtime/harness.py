@@ -61,7 +61,25 @@ FINISH_RETRY_S = 30.0
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 #: Which allocator pyarrow uses, in the driver and (as an executor environment variable) in Spark's Python workers.
 ARROW_POOL_ENV = "ARROW_DEFAULT_MEMORY_POOL"
+#: A stream driver runs for days, a few Spark queries every micro-batch; Spark's defaults suit a session
+#: that runs a few hundred.  Its status store keeps the last 1,000 jobs, stages and SQL executions (each
+#: with its plan and metrics): a running job's heap grew by about 40 MB until some 250 batches in.  Adaptive
+#: execution runs each batch query's stages through two thread pools that start a thread per query and
+#: keep it for an idle minute: 250 more JVM threads at a few queries a second, for batches of at most
+#: ``max_offsets_per_trigger`` records whose plans it has nothing to adapt in.  Set unless spark-submit's
+#: conf sets them; the job's ``spark_conf`` wins over both.
+LONG_RUNNING_DRIVER_CONF = {
+    "spark.ui.retainedJobs": "100",
+    "spark.ui.retainedStages": "100",
+    "spark.sql.ui.retainedExecutions": "100",
+    "spark.sql.adaptive.enabled": "false",
+}
 _LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)\])?$")
+
+
+def unless_submitted(defaults: dict[str, str], submitted: SparkConf) -> dict[str, str]:
+    """The harness's defaults that spark-submit's conf leaves unset: a deployment's own settings win."""
+    return {key: value for key, value in defaults.items() if not submitted.contains(key)}
 
 
 class StartupError(Exception):
@@ -336,8 +354,9 @@ class StreamHarness:
         # Arrow's default allocator (jemalloc) keeps the buffers a batch freed: 40 MB in this process and
         # 10 MB in each read worker at a 100,000-record batch.  The system allocator hands them back.
         os.environ.setdefault(ARROW_POOL_ENV, "system")
-        if not submitted.contains(f"spark.executorEnv.{ARROW_POOL_ENV}"):
-            builder = builder.config(f"spark.executorEnv.{ARROW_POOL_ENV}", os.environ[ARROW_POOL_ENV])
+        defaults = {**LONG_RUNNING_DRIVER_CONF, f"spark.executorEnv.{ARROW_POOL_ENV}": os.environ[ARROW_POOL_ENV]}
+        for key, value in unless_submitted(defaults, submitted).items():
+            builder = builder.config(key, value)
         for key, value in self.spec.session_conf().items():
             builder = builder.config(key, value)
         self.spark = builder.getOrCreate()

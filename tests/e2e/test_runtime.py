@@ -53,6 +53,21 @@ def _planner_processes(pid: int) -> list[str]:
     return found
 
 
+def _jvm_thread_names(pid: int) -> list[str]:
+    """The native names of the driver JVM's threads (a Java thread's name, cut to 15 characters)."""
+    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        if "java" in process.name():
+            names = []
+            for task in process.threads():
+                try:
+                    with open(f"/proc/{process.pid}/task/{task.id}/comm") as comm:
+                        names.append(comm.read().strip())
+                except FileNotFoundError:  # a thread that ended between the listing and the look
+                    pass
+            return names
+    raise AssertionError(f"no JVM in the driver's process tree {pid}")
+
+
 def test_graceful_stop_and_restart(broker, topic, runner, figures):
     producer = EventProducer(broker, topic)
     producer.send(3000)
@@ -68,6 +83,10 @@ def test_graceful_stop_and_restart(broker, topic, runner, figures):
     producer.send(1000)
     runner.wait_caught_up(_end(producer), driver)
     assert _planner_processes(driver.pid) == []
+    # no adaptive execution in the batches' queries (``LONG_RUNNING_DRIVER_CONF``): its stage pools would
+    # hold a thread per query for an idle minute
+    threads = _jvm_thread_names(driver.pid)
+    assert not [n for n in threads if n.startswith(("shuffle-exchang", "ResultQueryStag"))], sorted(set(threads))
     asked = time.monotonic()
     assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED
     stop_s = time.monotonic() - asked
