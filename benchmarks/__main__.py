@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import cold_start, jvm_profile, real_airflow, recovery, report, throughput
+from benchmarks import cold_start, jvm_profile, life, real_airflow, recovery, report, throughput
 from benchmarks.audit import Audit
 from benchmarks.report import OPTIONAL_SECTIONS, REAL_AIRFLOW_VARIANTS, SECTIONS
 from benchmarks.stack import REPO, Stack, say
@@ -32,13 +32,13 @@ PROFILES = {
                 "max_offsets": 100_000, "raw_repeats": 3, "rss_backlogs": [30_000, 150_000, 300_000],
                 "history": [10, 100, 1000], "partitions": [1, 8, 32], "real_airflow_kills": 10,
                 "batch_sizes": [10_000, 30_000, 100_000], "batch_backlog": 300_000, "standby_kills": 10,
-                "warm_backlog": 600_000},
+                "warm_backlog": 600_000, "life_minutes": 5},
     "quick": {"cold": 1, "mttr": 1, "baseline": 1, "upgrade": 1, "throughput_repeats": 1, "eos_repeats": 1,
               "backlog": 6_000,
               "max_offsets": 2_000, "raw_repeats": 1, "rss_backlogs": [4_000, 6_000],
               "history": [5, 20], "partitions": [1, 4], "real_airflow_kills": 1,
               "batch_sizes": [1_000, 4_000], "batch_backlog": 12_000, "standby_kills": 2,
-              "warm_backlog": 12_000},
+              "warm_backlog": 12_000, "life_minutes": 1},
 }
 
 
@@ -156,6 +156,8 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
                                 "python_mb": round(burst["peak_rss_python_mb"], 1),
                                 "pss_mb": round(burst["peak_pss_mb"], 1), "msgs_s": burst["msgs_s"]}
         samples["scaling"]["rss_vs_backlog"] = rss
+        say(f"  a running job fed steadily for {profile['life_minutes']} min: its memory minute by minute")
+        samples["scaling"]["rss_over_life"] = life.running_life(stack, minutes=profile["life_minutes"], total=total)
     if section("batch", f"exactly-once on PostgreSQL against the batch size (maxOffsetsPerTrigger "
                         f"{profile['batch_sizes']}), a {profile['batch_backlog']:,}-event backlog"):
         series = {"max_offsets_per_trigger": [], "msgs_s": [], "peak_rss_mb": [], "jvm_mb": [], "python_mb": [],

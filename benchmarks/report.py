@@ -171,6 +171,11 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     if burst:
         found.append(check(f"peak driver RSS <= {RSS_LIMIT_MB} MB, a running job's burst", burst["peak_rss_mb"],
                            RSS_LIMIT_MB, burst["peak_rss_mb"] <= RSS_LIMIT_MB))
+    life = r["scaling"].get("rss_over_life")
+    if life and life["peak_rss_mb"]:
+        peak = max(life["peak_rss_mb"])
+        found.append(check(f"peak driver RSS <= {RSS_LIMIT_MB} MB, a job running {life['minutes'][-1]} min",
+                           peak, RSS_LIMIT_MB, peak <= RSS_LIMIT_MB))
     found.append(check("lost == 0 and duplicated == 0", r["lost"] + r["duplicated"], 0,
                        r["lost"] == 0 and r["duplicated"] == 0))
     meta = r.get("meta") or {}
@@ -444,6 +449,19 @@ def markdown(r: dict[str, Any]) -> str:
                   "task, reused); the JVM's heap is capped by spark.driver.memory. RSS is summed over the "
                   "processes, so the pages Spark's forked Python workers share with their daemon count once "
                   "per process; PSS divides each shared page among its sharers: what the tree really holds.", ""]
+    life = scaling.get("rss_over_life")
+    if life and life["minutes"]:
+        lines += [f"## A running job's memory over {life['minutes'][-1]} minutes of a steady feed", "",
+                  "| minute | peak RSS MB | of which JVM | of which Python | JVM threads | batches committed |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {m} | {_fmt(p)} | {_fmt(j)} | {_fmt(y)} | {t} | {b:,} |"
+                  for m, p, j, y, t, b in zip(life["minutes"], life["peak_rss_mb"], life["jvm_mb"], life["python_mb"],
+                                              life["jvm_threads"], life["batches"], strict=True)]
+        lines += ["", f"Exactly-once on PostgreSQL, {life['events']:,} events sent in chunks of a few hundred while the "
+                  "job runs, so it commits a batch or more a second; then it catches up, stops gracefully and is "
+                  "audited. A drain is a few large batches; what a driver keeps per batch (Spark's records of its "
+                  "jobs, stages and SQL executions, the threads of its query pools, compiled code) shows only "
+                  "here.", ""]
     batch = scaling.get("batch_size")
     if batch:
         lines += [f"## Exactly-once on PostgreSQL against the batch size ({batch['backlog']:,}-event backlog)", "",

@@ -223,6 +223,18 @@ def test_the_memory_ceiling_is_judged_on_every_drain_and_on_a_running_jobs_burst
     assert "| 2, a burst 75 s into a run | 1,120 | 560 | 560 | 990 |" in report.markdown({**r, "meta": {}})
 
 
+def test_a_running_jobs_life_is_judged_on_its_highest_minute_and_tabled_minute_by_minute():
+    life = {"minutes": [1, 2, 3], "peak_rss_mb": [1010.0, 1190.0, 1230.0], "jvm_mb": [600.0, 700.0, 740.0],
+            "python_mb": [410.0, 490.0, 490.0], "jvm_threads": [280, 290, 286], "batches": [90, 250, 1400],
+            "events": 450_000}
+    r = report.summarise({**SAMPLES, "scaling": {"rss_over_life": life}}, {})
+    target = {t["target"]: t for t in r["targets"]}["peak driver RSS <= 1200 MB, a job running 3 min"]
+    assert target["value"] == 1230.0 and target["met"] is False
+    text = report.markdown({**r, "meta": {}})
+    assert "## A running job's memory over 3 minutes of a steady feed" in text
+    assert "| 3 | 1,230 | 740 | 490 | 286 | 1,400 |" in text and "450,000 events" in text
+
+
 def test_the_profile_section_compares_the_parses_and_splits_the_jvm_task_time():
     profile = {"example": {"msgs_s": 30_000.0, "breakdown_s": {"batches": 3, "sink_read_parse": 6.0},
                            "jvm_task_shares": {"variant_get: a typed value out of the parsed JSON": 0.26, "other": 0.74},
