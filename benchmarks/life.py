@@ -14,8 +14,8 @@ import time
 import psutil
 
 from benchmarks.audit import Audit, audit
-from benchmarks.stack import EVENTS_JOB, Stack, driver_tree, say, tree_rss
-from benchmarks.throughput import _batches
+from benchmarks.stack import EVENTS_JOB, Stack, driver_tree, say
+from benchmarks.throughput import PeakRss, _batches
 from stack.events import BackgroundProducer
 from stack.jobs import JobRunner, make_spec
 
@@ -50,16 +50,18 @@ def running_life(stack: Stack, *, minutes: int, total: Audit) -> dict:
     found = {"minutes": [], "peak_rss_mb": [], "jvm_mb": [], "python_mb": [], "jvm_threads": [], "batches": []}
     try:
         for minute in range(1, minutes + 1):
-            peak, parts, ends = 0, {"jvm": 0, "python": 0}, time.monotonic() + 60
-            while time.monotonic() < ends:
-                if not driver.alive() or feed.done.is_set():
-                    raise RuntimeError(f"the running job or its feed ended in minute {minute} "
-                                       f"({feed.error!r})\n{runner.log_tail(driver)}")
-                sample = tree_rss(driver.pid)
-                sample.pop("pss")
-                if sum(sample.values()) > peak:
-                    peak, parts = sum(sample.values()), sample
-                time.sleep(0.25)
+            memory, ends = PeakRss(driver.pid), time.monotonic() + 60
+            memory.start()
+            try:
+                while time.monotonic() < ends:
+                    if not driver.alive() or feed.done.is_set():
+                        raise RuntimeError(f"the running job or its feed ended in minute {minute} "
+                                           f"({feed.error!r})\n{runner.log_tail(driver)}")
+                    time.sleep(0.25)
+            finally:
+                memory.done.set()
+                memory.join(5)
+            peak, parts = memory.peak, memory.peak_parts
             found["minutes"].append(minute)
             found["peak_rss_mb"].append(round(peak / 2**20, 1))
             found["jvm_mb"].append(round(parts["jvm"] / 2**20, 1))
