@@ -107,6 +107,7 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
                                        max_offsets=profile["max_offsets"], total=total)
             samples["eos_msgs_s/postgresql"].append(drained["msgs_s"])
             drained_eos_postgresql.append(drained)
+        median_eos = sorted(drained_eos_postgresql, key=lambda d: d["msgs_s"] or 0)[len(drained_eos_postgresql) // 2]
         # the optional fast reader (kafka.reader: confluent-kafka), exactly-once on PostgreSQL
         drained = throughput.drain(stack, exactly_once=True, database="postgresql", backlog=profile["backlog"],
                                    max_offsets=profile["max_offsets"], total=total, reader="confluent-kafka")
@@ -121,6 +122,10 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
                                                                  "peak_pss_mb")}}
         if drained["warm_breakdown_s"]:
             samples["scaling"].setdefault("breakdown_s", {})["eos/postgresql, warm"] = drained["warm_breakdown_s"]
+        # where a new driver's JVM spends its CPU, start included: the median drain and the longer one
+        samples["scaling"]["jvm_thread_cpu_s"] = {
+            str(profile["backlog"]): median_eos["jvm_thread_cpu_s"],
+            str(profile["warm_backlog"]): drained["jvm_thread_cpu_s"]}
         samples["raw_consume_msgs_s"] = []
         raw_cpu: dict[str, float] = {}
         for _ in range(profile["raw_repeats"]):

@@ -270,6 +270,33 @@ def _cpu_lines(r: dict[str, Any], found: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: A driver JVM's kinds of thread (``benchmarks.stack.JVM_THREAD_KINDS``), in the table's order.
+JVM_THREAD_KINDS = ("jit", "tasks", "python_calls", "stream", "gc", "other")
+
+
+def _jvm_thread_lines(found: dict[str, dict[str, float]]) -> list[str]:
+    """A new driver's JVM CPU by kind of thread over its life, for two drains of different lengths, and what
+    the longer one's extra records cost: how much of a new driver's drain is the JIT's warm-up."""
+    if len(found) < 2:
+        return []
+    (short, low), (long, high) = sorted(((int(k), v) for k, v in found.items()))[:2]
+    lines = ["", "## Where a new driver's JVM spends its CPU (seconds over its life)", "",
+             f"| thread | {short:,} events | {long:,} events | the {long - short:,} more |", "|---|---:|---:|---:|"]
+    for kind in JVM_THREAD_KINDS:
+        lines.append(f"| {kind} | {_fmt(low.get(kind))} | {_fmt(high.get(kind))} | "
+                     f"{_fmt(high.get(kind, 0) - low.get(kind, 0))} |")
+    total = {name: sum(d.values()) for name, d in (("low", low), ("high", high))}
+    lines += [f"| **all** | {_fmt(total['low'])} | {_fmt(total['high'])} | {_fmt(total['high'] - total['low'])} |",
+              "", "Exactly-once on PostgreSQL, each driver from its spawn to its graceful stop (the start, then the "
+              "drain; the throughput section's median drain and its longer one). `jit`: HotSpot's C1 and C2 "
+              "compiler threads; `tasks`: Spark's task threads (reading, parsing, caching, aggregating); "
+              "`python_calls`: py4j's threads, which run the Python driver's calls (collects, plans); `stream`: "
+              "the query's micro-batch loop; `gc`: the serial collector; `other`: the rest, threads that ended "
+              f"included. The last column is what the longer drain's {long - short:,} more records cost the JVM: "
+              "what a new driver's first records pay beyond it is the JIT's warm-up."]
+    return lines
+
+
 def _breakdown_lines(found: dict[str, dict[str, float]]) -> list[str]:
     """Seconds per steady batch and phase, per drain: Spark's phases, the sink's, and the rest."""
     if not found:
@@ -406,6 +433,7 @@ def markdown(r: dict[str, Any]) -> str:
                   f"{_fmt(r['eos_confluent_msgs_s'])} msgs/s, {_fmt(r['eos_confluent_vs_raw'])} of raw kafka-python."]
     lines += _warm_lines(r, r["scaling"].get("warm") or {})
     lines += _cpu_lines(r, r["scaling"].get("cpu_per_100k") or {})
+    lines += _jvm_thread_lines(r["scaling"].get("jvm_thread_cpu_s") or {})
     lines += ["", f"Runs: {', '.join(f'{k} {v}' for k, v in runs.items() if '/' in k or k.startswith('raw'))}.", ""]
     lines += _startup_lines({**(r["scaling"].get("startup_cuts_s") or {}), **(r["scaling"].get("startup_s") or {})})
     lines += _breakdown_lines(r["scaling"].get("breakdown_s") or {})

@@ -87,6 +87,49 @@ def tree_rss(pid: int) -> dict[str, int]:
     return parts
 
 
+#: A driver JVM's threads by what they do, from their names (Linux's 15-character ``comm``), in table order.
+JVM_THREAD_KINDS = (
+    ("jit", ("C1 CompilerThre", "C2 CompilerThre")),  # HotSpot's compilers
+    ("tasks", ("Executor task",)),  # Spark's task threads: reading, parsing, caching, aggregating
+    ("python_calls", ("Thread-",)),  # py4j's threads, one per Python driver thread: collects, conf, plans
+    ("stream", ("stream executio",)),  # the query's micro-batch loop: planning, offsets, the logs
+    ("gc", ("VM Thread", "GC Thread")),  # the serial collector runs in the VM thread
+)
+
+
+def thread_kind(name: str) -> str | None:
+    """A JVM thread's kind (``JVM_THREAD_KINDS``) from its name; None for the rest."""
+    return next((kind for kind, prefixes in JVM_THREAD_KINDS if name.startswith(prefixes)), None)
+
+
+def jvm_thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds the driver's JVM has spent so far, by kind of thread (``JVM_THREAD_KINDS``), from
+    ``/proc``; ``other`` is the rest of the process's time, threads that ended included."""
+    found = {kind: 0.0 for kind, _ in JVM_THREAD_KINDS} | {"other": 0.0}
+    tick = os.sysconf("SC_CLK_TCK")
+    for process in driver_tree(pid):
+        if "java" not in (process.name() or ""):
+            continue
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        found["other"] += times.user + times.system
+        for task in Path(f"/proc/{process.pid}/task").iterdir():
+            try:
+                name = (task / "comm").read_text().strip()
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # the thread ended meanwhile
+                continue
+            kind = thread_kind(name)
+            if kind is not None:
+                seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+                found[kind] += seconds
+                found["other"] -= seconds
+    found["other"] = max(0.0, found["other"])
+    return found
+
+
 def cpu_seconds(process: psutil.Process) -> float:
     """User and system CPU seconds of a process and of its children it has reaped: summed at two moments
     over the processes alive at each, a child's time is counted once whether it is still running or gone."""

@@ -28,6 +28,7 @@ from benchmarks.stack import (
     Job,
     Stack,
     cpu_seconds,
+    jvm_thread_cpu,
     say,
     signal_driver_tree,
     tree_cpu,
@@ -205,6 +206,7 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
     finally:
         memory.done.set()
         memory.join(5)
+    jvm_cpu = jvm_thread_cpu(driver.pid)  # over the driver's life: its start, then the drain
     code = runner.stop(driver)
     if code != 0:
         raise RuntimeError(f"{kind}/{database}: graceful stop ended with {code}\n{runner.log_tail(driver)}")
@@ -225,11 +227,13 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
               "warm_cpu_s": cpu_per_records(memory.cpu, batches) if warm_msgs_s else None,
               "peak_rss_jvm_mb": memory.peak_parts["jvm"] / 2**20,
               "peak_rss_python_mb": memory.peak_parts["python"] / 2**20, "peak_pss_mb": memory.peak_pss / 2**20,
-              "topic": job.topic}
+              "jvm_thread_cpu_s": jvm_cpu, "topic": job.topic}
     if warm_msgs_s:
         say(f"  {kind} on {database}: {warm_msgs_s:.0f} msgs/s over the batches after the first {WARM_UP_BATCHES}")
     if result["warm_cpu_s"]:
         say_cpu(f"{kind} on {database}, warm", result["warm_cpu_s"])
+    say(f"  {kind} on {database}: the JVM's CPU seconds over the driver's life by thread, "
+        + ", ".join(f"{k} {v:.1f}" for k, v in jvm_cpu.items()))
     say(f"  {kind} on {database}: {backlog} events in {len(batches)} batches, {result['msgs_s']:.0f} msgs/s, "
         f"peak driver RSS {result['peak_rss_mb']:.0f} MB (JVM {result['peak_rss_jvm_mb']:.0f}, Python "
         f"{result['peak_rss_python_mb']:.0f}); peak PSS {result['peak_pss_mb']:.0f} MB")

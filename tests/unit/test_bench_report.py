@@ -8,6 +8,7 @@ import json
 import pytest
 
 from benchmarks import report
+from benchmarks.stack import thread_kind
 from benchmarks.throughput import WARM_UP_BATCHES, cpu_per_records, steady_rate, warm_rate
 
 SAMPLES = {
@@ -109,6 +110,29 @@ def test_the_cpu_table_sets_the_running_job_beside_raw_and_gives_the_ceiling_it_
     # 2 cores / 7 CPU s per 100,000 records: 28,571 msgs/s at most, 0.63 of raw's median 45,000;
     # half of raw (22,500 msgs/s) on 2 cores leaves 8.89 CPU s per 100,000 records
     assert "cannot pass 28,571 msgs/s on 2 cores" in text and "0.63 of raw" in text and "at most 8.89 CPU s" in text
+
+
+def test_jvm_threads_are_told_apart_by_their_names():
+    # Linux keeps a thread's first 15 characters (comm)
+    assert thread_kind("C2 CompilerThre") == thread_kind("C1 CompilerThre") == "jit"
+    assert thread_kind("Executor task l") == thread_kind("Executor task i") == "tasks"
+    assert thread_kind("Thread-12") == "python_calls"
+    assert thread_kind("stream executio") == "stream"
+    assert thread_kind("VM Thread") == "gc"
+    assert thread_kind("dag-scheduler-e") is None and thread_kind("Signal Dispatch") is None
+
+
+def test_the_jvm_thread_table_sets_a_short_drain_beside_a_long_one_and_what_the_records_between_cost():
+    found = {"600000": {"jit": 12.0, "tasks": 9.0, "python_calls": 3.0, "stream": 2.0, "gc": 1.5, "other": 1.0},
+             "300000": {"jit": 10.0, "tasks": 5.0, "python_calls": 2.5, "stream": 1.5, "gc": 1.0, "other": 1.0}}
+    samples = {**SAMPLES, "scaling": {**SAMPLES["scaling"], "jvm_thread_cpu_s": found}}
+    text = report.markdown({**report.summarise(samples, {}), "meta": {}})
+    assert "| thread | 300,000 events | 600,000 events | the 300,000 more |" in text
+    assert "| jit | 10.00 | 12.00 | 2.00 |" in text and "| tasks | 5.00 | 9.00 | 4.00 |" in text
+    assert "| **all** | 21.00 | 28.50 | 7.50 |" in text
+    # one drain alone says nothing about the warm-up
+    samples["scaling"]["jvm_thread_cpu_s"] = {"300000": found["300000"]}
+    assert "Where a new driver's JVM" not in report.markdown({**report.summarise(samples, {}), "meta": {}})
 
 
 def test_rss_table_splits_jvm_and_python_when_measured():
