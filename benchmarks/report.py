@@ -292,8 +292,13 @@ def _jvm_thread_lines(found: dict[str, dict[str, float]]) -> list[str]:
               "compiler threads; `tasks`: Spark's task threads (reading, parsing, caching, aggregating); "
               "`python_calls`: py4j's threads, which run the Python driver's calls (collects, plans); `stream`: "
               "the query's micro-batch loop; `gc`: the serial collector; `other`: the rest, threads that ended "
-              f"included. The last column is what the longer drain's {long - short:,} more records cost the JVM: "
-              "what a new driver's first records pay beyond it is the JIT's warm-up."]
+              f"included. The last column is what the longer drain's {long - short:,} more records cost the JVM."]
+    per = {kind: (low.get(kind, 0) * 100_000 / short, (high.get(kind, 0) - low.get(kind, 0)) * 100_000 / (long - short))
+           for kind in ("jit", "tasks")}
+    lines[-1] += (f" Per 100,000 records the compilers took {_fmt(per['jit'][0])} s in the shorter drain, start "
+                  f"included, and {_fmt(per['jit'][1])} s over the later records; the task threads "
+                  f"{_fmt(per['tasks'][0])} and {_fmt(per['tasks'][1])} s, as the per-record code runs interpreted "
+                  "or from C1 until C2 has compiled it.")
     return lines
 
 

@@ -130,6 +130,9 @@ def test_the_jvm_thread_table_sets_a_short_drain_beside_a_long_one_and_what_the_
     assert "| thread | 300,000 events | 600,000 events | the 300,000 more |" in text
     assert "| jit | 10.00 | 12.00 | 2.00 |" in text and "| tasks | 5.00 | 9.00 | 4.00 |" in text
     assert "| **all** | 21.00 | 28.50 | 7.50 |" in text
+    # per 100,000 records: jit 10 * 1/3 = 3.33 s, then 2 * 1/3 = 0.67; tasks 1.67, then 1.33
+    assert "the compilers took 3.33 s in the shorter drain, start included, and 0.67 s" in text
+    assert "the task threads 1.67 and 1.33 s" in text
     # one drain alone says nothing about the warm-up
     samples["scaling"]["jvm_thread_cpu_s"] = {"300000": found["300000"]}
     assert "Where a new driver's JVM" not in report.markdown({**report.summarise(samples, {}), "meta": {}})
