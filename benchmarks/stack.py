@@ -108,14 +108,15 @@ def jvm_thread_cpu(pid: int) -> dict[str, float]:
     found = {kind: 0.0 for kind, _ in JVM_THREAD_KINDS} | {"other": 0.0}
     tick = os.sysconf("SC_CLK_TCK")
     for process in driver_tree(pid):
-        if "java" not in (process.name() or ""):
-            continue
         try:
+            if "java" not in (process.name() or ""):
+                continue
             times = process.cpu_times()
-        except psutil.NoSuchProcess:
+            tasks = list(Path(f"/proc/{process.pid}/task").iterdir())
+        except (psutil.NoSuchProcess, OSError):  # a Python worker that ended meanwhile
             continue
         found["other"] += times.user + times.system
-        for task in Path(f"/proc/{process.pid}/task").iterdir():
+        for task in tasks:
             try:
                 name = (task / "comm").read_text().strip()
                 fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
