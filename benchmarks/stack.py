@@ -78,13 +78,39 @@ def tree_rss(pid: int) -> dict[str, int]:
     Spark's forked Python workers share with their daemon once per process; PSS splits each shared page
     among its sharers, so it is what the tree really holds."""
     parts = {"jvm": 0, "python": 0, "pss": 0}
-    for process in driver_tree(pid):
+    processes = driver_tree(pid)
+    tree = {}
+    for process in processes:
         try:
-            parts["jvm" if "java" in (process.name() or "") else "python"] += process.memory_info().rss
+            tree[process.pid] = (process.ppid(), runs_java(process))
+        except psutil.NoSuchProcess:
+            pass
+    clones = jvm_spawns(tree)
+    for process in processes:
+        if process.pid not in tree or process.pid in clones:
+            continue
+        try:
+            parts["jvm" if tree[process.pid][1] else "python"] += process.memory_info().rss
             parts["pss"] += process.memory_full_info().pss
         except psutil.NoSuchProcess:
             pass
     return parts
+
+
+def runs_java(process: psutil.Process) -> bool:
+    """Whether the process runs the java binary (the JVM, or a child it has not yet exec'd)."""
+    try:
+        return Path(process.exe()).name == "java"
+    except psutil.AccessDenied:
+        return "java" in (process.name() or "")
+
+
+def jvm_spawns(tree: dict[int, tuple[int, bool]]) -> set[int]:
+    """The processes a JVM is starting (pid -> (parent pid, runs java)): a child that runs java under a
+    JVM has not exec'd yet and shares the JVM's memory, so its RSS is the JVM's counted twice.  A driver's
+    JVM starts processes during its batches (without Hadoop's native library, its local file system runs
+    ``chmod`` for each checkpoint file it writes), each named after the JVM thread that starts it."""
+    return {pid for pid, (parent, java) in tree.items() if java and tree.get(parent, (None, False))[1]}
 
 
 #: A driver JVM's threads by what they do, from their names (Linux's 15-character ``comm``), in table order.

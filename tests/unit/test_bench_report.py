@@ -8,7 +8,7 @@ import json
 import pytest
 
 from benchmarks import report
-from benchmarks.stack import thread_kind
+from benchmarks.stack import jvm_spawns, thread_kind
 from benchmarks.throughput import WARM_UP_BATCHES, cpu_per_records, steady_rate, warm_rate
 
 SAMPLES = {
@@ -110,6 +110,13 @@ def test_the_cpu_table_sets_the_running_job_beside_raw_and_gives_the_ceiling_it_
     # 2 cores / 7 CPU s per 100,000 records: 28,571 msgs/s at most, 0.63 of raw's median 45,000;
     # half of raw (22,500 msgs/s) on 2 cores leaves 8.89 CPU s per 100,000 records
     assert "cannot pass 28,571 msgs/s on 2 cores" in text and "0.63 of raw" in text and "at most 8.89 CPU s" in text
+
+
+def test_a_process_the_jvm_is_starting_is_not_counted_twice():
+    # pid -> (parent, runs java): the JVM (1) under the bench, a child it has not exec'd yet (2), the
+    # Python driver (3) and a worker (4); a java process whose parent is not a JVM is a JVM itself (5)
+    tree = {1: (100, True), 2: (1, True), 3: (1, False), 4: (3, False), 5: (3, True)}
+    assert jvm_spawns(tree) == {2}
 
 
 def test_jvm_threads_are_told_apart_by_their_names():
