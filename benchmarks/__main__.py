@@ -122,10 +122,10 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
                                                                  "peak_pss_mb")}}
         if drained["warm_breakdown_s"]:
             samples["scaling"].setdefault("breakdown_s", {})["eos/postgresql, warm"] = drained["warm_breakdown_s"]
-        # where a new driver's JVM spends its CPU, start included: the median drain and the longer one
+        # where the JVM spends its CPU: a new driver's whole life (the median drain) against a running job's
         samples["scaling"]["jvm_thread_cpu_s"] = {
-            str(profile["backlog"]): median_eos["jvm_thread_cpu_s"],
-            str(profile["warm_backlog"]): drained["jvm_thread_cpu_s"]}
+            "backlog": profile["backlog"], "new_driver": median_eos["jvm_thread_cpu_s"],
+            "running_per_100k": drained["warm_jvm_thread_cpu_s"]}
         samples["raw_consume_msgs_s"] = []
         raw_cpu: dict[str, float] = {}
         for _ in range(profile["raw_repeats"]):

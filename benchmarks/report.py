@@ -274,31 +274,29 @@ def _cpu_lines(r: dict[str, Any], found: dict[str, Any]) -> list[str]:
 JVM_THREAD_KINDS = ("jit", "tasks", "python_calls", "stream", "gc", "other")
 
 
-def _jvm_thread_lines(found: dict[str, dict[str, float]]) -> list[str]:
-    """A new driver's JVM CPU by kind of thread over its life, for two drains of different lengths, and what
-    the longer one's extra records cost: how much of a new driver's drain is the JIT's warm-up."""
-    if len(found) < 2:
+def _jvm_thread_lines(found: dict[str, Any]) -> list[str]:
+    """The JVM's CPU by kind of thread: a new driver over its whole life, and a running job per 100,000
+    records; how much of a new driver's drain is the JIT's warm-up."""
+    new, running = found.get("new_driver"), found.get("running_per_100k")
+    if not new or not running:
         return []
-    (short, low), (long, high) = sorted(((int(k), v) for k, v in found.items()))[:2]
-    lines = ["", "## Where a new driver's JVM spends its CPU (seconds over its life)", "",
-             f"| thread | {short:,} events | {long:,} events | the {long - short:,} more |", "|---|---:|---:|---:|"]
+    backlog = found["backlog"]
+    per_100k = {kind: seconds * 100_000 / backlog for kind, seconds in new.items()}
+    lines = ["", "## Where the JVM spends its CPU (seconds)", "",
+             f"| thread | a new driver, its start and a {backlog:,}-event drain | the same per 100,000 records | "
+             "a running job, per 100,000 records |", "|---|---:|---:|---:|"]
     for kind in JVM_THREAD_KINDS:
-        lines.append(f"| {kind} | {_fmt(low.get(kind))} | {_fmt(high.get(kind))} | "
-                     f"{_fmt(high.get(kind, 0) - low.get(kind, 0))} |")
-    total = {name: sum(d.values()) for name, d in (("low", low), ("high", high))}
-    lines += [f"| **all** | {_fmt(total['low'])} | {_fmt(total['high'])} | {_fmt(total['high'] - total['low'])} |",
-              "", "Exactly-once on PostgreSQL, each driver from its spawn to its graceful stop (the start, then the "
-              "drain; the throughput section's median drain and its longer one). `jit`: HotSpot's C1 and C2 "
-              "compiler threads; `tasks`: Spark's task threads (reading, parsing, caching, aggregating); "
-              "`python_calls`: py4j's threads, which run the Python driver's calls (collects, plans); `stream`: "
-              "the query's micro-batch loop; `gc`: the serial collector; `other`: the rest, threads that ended "
-              f"included. The last column is what the longer drain's {long - short:,} more records cost the JVM."]
-    per = {kind: (low.get(kind, 0) * 100_000 / short, (high.get(kind, 0) - low.get(kind, 0)) * 100_000 / (long - short))
-           for kind in ("jit", "tasks")}
-    lines[-1] += (f" Per 100,000 records the compilers took {_fmt(per['jit'][0])} s in the shorter drain, start "
-                  f"included, and {_fmt(per['jit'][1])} s over the later records; the task threads "
-                  f"{_fmt(per['tasks'][0])} and {_fmt(per['tasks'][1])} s, as the per-record code runs interpreted "
-                  "or from C1 until C2 has compiled it.")
+        lines.append(f"| {kind} | {_fmt(new.get(kind))} | {_fmt(per_100k.get(kind))} | {_fmt(running.get(kind))} |")
+    total = {name: sum(v for k, v in d.items() if k != "wall") for name, d in (("new", new), ("running", running))}
+    lines += [f"| **all** | {_fmt(total['new'])} | {_fmt(total['new'] * 100_000 / backlog)} | "
+              f"{_fmt(total['running'])} |",
+              "", "Exactly-once on PostgreSQL: the throughput section's median new driver from its spawn to its "
+              "graceful stop, and the longer drain's batches after its warm-up (the running job's rate above). "
+              "`jit`: HotSpot's C1 and C2 compiler threads; `tasks`: Spark's task threads (reading, parsing, "
+              "caching, aggregating); `python_calls`: py4j's threads, which run the Python driver's calls "
+              "(collects, plans); `stream`: the query's micro-batch loop; `gc`: the serial collector; `other`: the "
+              "rest, threads that ended included. A new driver's records pay for its start and for the JIT's "
+              "warm-up, and its per-record code runs interpreted or from C1 until C2 has compiled it."]
     return lines
 
 

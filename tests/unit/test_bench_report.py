@@ -129,20 +129,20 @@ def test_jvm_threads_are_told_apart_by_their_names():
     assert thread_kind("dag-scheduler-e") is None and thread_kind("Signal Dispatch") is None
 
 
-def test_the_jvm_thread_table_sets_a_short_drain_beside_a_long_one_and_what_the_records_between_cost():
-    found = {"600000": {"jit": 12.0, "tasks": 9.0, "python_calls": 3.0, "stream": 2.0, "gc": 1.5, "other": 1.0},
-             "300000": {"jit": 10.0, "tasks": 5.0, "python_calls": 2.5, "stream": 1.5, "gc": 1.0, "other": 1.0}}
+def test_the_jvm_thread_table_sets_a_new_drivers_life_beside_a_running_jobs_records():
+    found = {"backlog": 300_000,
+             "new_driver": {"jit": 9.0, "tasks": 4.5, "python_calls": 2.0, "stream": 1.5, "gc": 1.0, "other": 3.0},
+             "running_per_100k": {"jit": 0.1, "tasks": 0.6, "python_calls": 0.05, "stream": 0.1, "gc": 0.1,
+                                  "other": 0.05, "wall": 2.0}}
     samples = {**SAMPLES, "scaling": {**SAMPLES["scaling"], "jvm_thread_cpu_s": found}}
     text = report.markdown({**report.summarise(samples, {}), "meta": {}})
-    assert "| thread | 300,000 events | 600,000 events | the 300,000 more |" in text
-    assert "| jit | 10.00 | 12.00 | 2.00 |" in text and "| tasks | 5.00 | 9.00 | 4.00 |" in text
-    assert "| **all** | 21.00 | 28.50 | 7.50 |" in text
-    # per 100,000 records: jit 10 * 1/3 = 3.33 s, then 2 * 1/3 = 0.67; tasks 1.67, then 1.33
-    assert "the compilers took 3.33 s in the shorter drain, start included, and 0.67 s" in text
-    assert "the task threads 1.67 and 1.33 s" in text
-    # one drain alone says nothing about the warm-up
-    samples["scaling"]["jvm_thread_cpu_s"] = {"300000": found["300000"]}
-    assert "Where a new driver's JVM" not in report.markdown({**report.summarise(samples, {}), "meta": {}})
+    assert "| thread | a new driver, its start and a 300,000-event drain |" in text
+    # per 100,000 records: a third of the new driver's whole life
+    assert "| jit | 9.00 | 3.00 | 0.10 |" in text and "| tasks | 4.50 | 1.50 | 0.60 |" in text
+    assert "| **all** | 21.00 | 7.00 | 1.00 |" in text  # the window's wall seconds are not CPU
+    # a drain without the running job's window says nothing about the warm-up
+    samples["scaling"]["jvm_thread_cpu_s"] = {**found, "running_per_100k": None}
+    assert "Where the JVM spends" not in report.markdown({**report.summarise(samples, {}), "meta": {}})
 
 
 def test_rss_table_splits_jvm_and_python_when_measured():
