@@ -42,6 +42,11 @@ PROFILES = {
 }
 
 
+def _median_drain(drains: list[dict]) -> dict:
+    """The drain of median rate (the upper one of an even count)."""
+    return sorted(drains, key=lambda d: d["msgs_s"] or 0)[len(drains) // 2]
+
+
 def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, float],
         real_airflow_variants: tuple[str, ...] = REAL_AIRFLOW_VARIANTS) -> dict:
     """Run ``sections`` in order; ``minutes`` receives how long each took (where the budget goes)."""
@@ -107,7 +112,7 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
                                        max_offsets=profile["max_offsets"], total=total)
             samples["eos_msgs_s/postgresql"].append(drained["msgs_s"])
             drained_eos_postgresql.append(drained)
-        median_eos = sorted(drained_eos_postgresql, key=lambda d: d["msgs_s"] or 0)[len(drained_eos_postgresql) // 2]
+        median_eos = _median_drain(drained_eos_postgresql)
         # the optional fast reader (kafka.reader: confluent-kafka), exactly-once on PostgreSQL
         drained = throughput.drain(stack, exactly_once=True, database="postgresql", backlog=profile["backlog"],
                                    max_offsets=profile["max_offsets"], total=total, reader="confluent-kafka")
@@ -170,7 +175,7 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
                   "seconds_per_batch": [], "backlog": profile["batch_backlog"]}
         for size in profile["batch_sizes"]:
             if drained_eos_postgresql and (size, profile["batch_backlog"]) == (profile["max_offsets"], profile["backlog"]):
-                drained = sorted(drained_eos_postgresql, key=lambda d: d["msgs_s"] or 0)[len(drained_eos_postgresql) // 2]
+                drained = _median_drain(drained_eos_postgresql)
                 say(f"  {size:,}: the throughput section's median exactly-once PostgreSQL drain")
             else:
                 drained = throughput.drain(stack, exactly_once=True, database="postgresql",

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cold_before import BEFORE
+from benchmarks.stack import JVM_THREAD_KINDS as THREAD_NAMES
 
 
 def median(samples: list[float]) -> float | None:
@@ -270,8 +271,8 @@ def _cpu_lines(r: dict[str, Any], found: dict[str, Any]) -> list[str]:
     return lines
 
 
-#: A driver JVM's kinds of thread (``benchmarks.stack.JVM_THREAD_KINDS``), in the table's order.
-JVM_THREAD_KINDS = ("jit", "tasks", "python_calls", "stream", "gc", "other")
+#: A driver JVM's kinds of thread, in the table's order: those ``jvm_thread_cpu`` names, then the rest.
+JVM_THREAD_KINDS = (*(kind for kind, _ in THREAD_NAMES), "other")
 
 
 def _jvm_thread_lines(found: dict[str, Any]) -> list[str]:
