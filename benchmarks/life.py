@@ -14,7 +14,7 @@ import time
 import psutil
 
 from benchmarks.audit import Audit, audit
-from benchmarks.stack import EVENTS_JOB, Stack, driver_tree, say
+from benchmarks.stack import EVENTS_JOB, Stack, driver_processes, say
 from benchmarks.throughput import PeakRss, _batches
 from stack.events import BackgroundProducer
 from stack.jobs import JobRunner, make_spec
@@ -25,9 +25,9 @@ FEED_CHUNK, FEED_PAUSE_S = 300, 0.1
 
 
 def _jvm_threads(pid: int) -> int:
-    for process in driver_tree(pid):
+    for process, java in driver_processes(pid):
         try:
-            if "java" in (process.name() or ""):
+            if java:
                 return process.num_threads()
         except psutil.NoSuchProcess:
             pass

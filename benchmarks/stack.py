@@ -78,23 +78,27 @@ def tree_rss(pid: int) -> dict[str, int]:
     Spark's forked Python workers share with their daemon once per process; PSS splits each shared page
     among its sharers, so it is what the tree really holds."""
     parts = {"jvm": 0, "python": 0, "pss": 0}
-    processes = driver_tree(pid)
-    tree = {}
+    for process, java in driver_processes(pid):
+        try:
+            parts["jvm" if java else "python"] += process.memory_info().rss
+            parts["pss"] += process.memory_full_info().pss
+        except psutil.NoSuchProcess:
+            pass
+    return parts
+
+
+def driver_processes(pid: int) -> list[tuple[psutil.Process, bool]]:
+    """The driver's tree (``driver_tree``) as (process, whether it is the JVM), without the processes the JVM
+    is starting (``jvm_spawns``) and without those that ended meanwhile."""
+    processes, tree = driver_tree(pid), {}
     for process in processes:
         try:
             tree[process.pid] = (process.ppid(), runs_java(process))
         except psutil.NoSuchProcess:
             pass
     clones = jvm_spawns(tree)
-    for process in processes:
-        if process.pid not in tree or process.pid in clones:
-            continue
-        try:
-            parts["jvm" if tree[process.pid][1] else "python"] += process.memory_info().rss
-            parts["pss"] += process.memory_full_info().pss
-        except psutil.NoSuchProcess:
-            pass
-    return parts
+    return [(process, tree[process.pid][1]) for process in processes
+            if process.pid in tree and process.pid not in clones]
 
 
 def runs_java(process: psutil.Process) -> bool:
@@ -133,10 +137,10 @@ def jvm_thread_cpu(pid: int) -> dict[str, float]:
     ``/proc``; ``other`` is the rest of the process's time, threads that ended included."""
     found = {kind: 0.0 for kind, _ in JVM_THREAD_KINDS} | {"other": 0.0}
     tick = os.sysconf("SC_CLK_TCK")
-    for process in driver_tree(pid):
+    for process, java in driver_processes(pid):
+        if not java:
+            continue
         try:
-            if "java" not in (process.name() or ""):
-                continue
             times = process.cpu_times()
             tasks = list(Path(f"/proc/{process.pid}/task").iterdir())
         except (psutil.NoSuchProcess, OSError):  # a Python worker that ended meanwhile
@@ -169,9 +173,9 @@ def tree_cpu(pid: int, broker_pid: int | None) -> dict[str, float]:
     workers (read tasks, the source's runner, planning), the PostgreSQL server (every ``postgres``
     process: nothing else uses it while a benchmark drains) and the broker."""
     parts = {"jvm": 0.0, "python_driver": 0.0, "python_workers": 0.0, "postgresql": 0.0, "broker": 0.0}
-    for process in driver_tree(pid):
+    for process, java in driver_processes(pid):
         try:
-            if "java" in (process.name() or ""):
+            if java:
                 kind = "jvm"
             else:
                 worker = any(arg.startswith("pyspark.") for arg in process.cmdline())  # -m pyspark.daemon
