@@ -21,7 +21,8 @@ CHECKPOINT_MANAGER_CONF = "spark.sql.streaming.checkpointFileManagerClass"
 #: For a checkpoint on the local file system.  Spark's default manager goes through Hadoop's FileContext,
 #: whose local implementation (without Hadoop's native library, as pip-installed Spark runs) forks a
 #: ``readlink`` for every status it reads and a ``chmod`` for every file it creates: about 15 processes
-#: per micro-batch, 55 ms of a tiny batch's 430 ms here.  This one uses the FileSystem API.  On a local
+#: per micro-batch, 55 ms of a tiny batch's 430 ms here.  This one uses the FileSystem API, which still
+#: forks the ``chmod`` (about 4 processes, 10 ms a batch; benchmarks/README.md).  On a local
 #: disk both rename a temporary file into place after checking that the target is absent, so nothing is
 #: given up; HDFS keeps Spark's default (there a FileContext rename is one atomic NameNode call).
 LOCAL_CHECKPOINT_MANAGER = (
