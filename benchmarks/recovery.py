@@ -17,7 +17,16 @@ from collections.abc import Callable
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
 from benchmarks.audit import Audit, audit
-from benchmarks.stack import EVENTS_JOB, EVENTS_JOB_V2, Job, Stack, kill_driver_tree, say, tree_rss
+from benchmarks.stack import (
+    EVENTS_JOB,
+    EVENTS_JOB_V2,
+    Job,
+    Stack,
+    driver_processes,
+    kill_driver_tree,
+    say,
+    tree_rss,
+)
 from stack.events import Trickle
 
 #: The example health DAG's sensor looks every 2 s; a kill lands anywhere in that interval.
@@ -356,7 +365,7 @@ def _memory_mb(pid: int, samples: int = 5) -> dict[str, float]:
     """The median of a few looks at a driver tree's RSS and PSS, in MB (a worker may come and go)."""
     looks = []
     for _ in range(samples):
-        parts = tree_rss(pid)
+        parts = tree_rss(driver_processes(pid))
         looks.append({"rss": (parts["jvm"] + parts["python"]) / 2**20, "pss": parts["pss"] / 2**20})
         time.sleep(0.5)
     return {key: round(statistics.median(look[key] for look in looks), 1) for key in ("rss", "pss")}

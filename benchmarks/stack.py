@@ -72,13 +72,13 @@ def signal_driver_tree(pid: int, sig: int) -> list[psutil.Process]:
     return tree
 
 
-def tree_rss(pid: int) -> dict[str, int]:
-    """Resident memory of a driver in bytes: its JVM, and its Python processes (the driver and the
-    workers); and ``pss``, the whole tree's proportional set size.  Summed RSS counts the pages that
+def tree_rss(processes: list[tuple[psutil.Process, bool]]) -> dict[str, int]:
+    """Resident memory of a driver's ``processes`` (``driver_processes``) in bytes: its JVM, and its Python
+    processes (the driver and the workers); and ``pss``, the whole tree's proportional set size.  Summed RSS counts the pages that
     Spark's forked Python workers share with their daemon once per process; PSS splits each shared page
     among its sharers, so it is what the tree really holds."""
     parts = {"jvm": 0, "python": 0, "pss": 0}
-    for process, java in driver_processes(pid):
+    for process, java in processes:
         try:
             parts["jvm" if java else "python"] += process.memory_info().rss
             parts["pss"] += process.memory_full_info().pss
@@ -132,18 +132,19 @@ def thread_kind(name: str) -> str | None:
     return next((kind for kind, prefixes in JVM_THREAD_KINDS if name.startswith(prefixes)), None)
 
 
-def jvm_thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds the driver's JVM has spent so far, by kind of thread (``JVM_THREAD_KINDS``), from
-    ``/proc``; ``other`` is the rest of the process's time, threads that ended included."""
+def jvm_thread_cpu(processes: list[tuple[psutil.Process, bool]]) -> dict[str, float]:
+    """CPU seconds the JVM among a driver's ``processes`` (``driver_processes``) has spent so far, by kind
+    of thread (``JVM_THREAD_KINDS``), from ``/proc``; ``other`` is the rest of the process's time, threads
+    that ended included."""
     found = {kind: 0.0 for kind, _ in JVM_THREAD_KINDS} | {"other": 0.0}
     tick = os.sysconf("SC_CLK_TCK")
-    for process, java in driver_processes(pid):
+    for process, java in processes:
         if not java:
             continue
         try:
             times = process.cpu_times()
             tasks = list(Path(f"/proc/{process.pid}/task").iterdir())
-        except (psutil.NoSuchProcess, OSError):  # a Python worker that ended meanwhile
+        except (psutil.NoSuchProcess, OSError):  # the driver ended meanwhile
             continue
         found["other"] += times.user + times.system
         for task in tasks:
@@ -168,12 +169,13 @@ def cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
-def tree_cpu(pid: int, broker_pid: int | None) -> dict[str, float]:
-    """Cumulative CPU seconds by who spends them: the driver's JVM, its Python driver, Spark's Python
-    workers (read tasks, the source's runner, planning), the PostgreSQL server (every ``postgres``
-    process: nothing else uses it while a benchmark drains) and the broker."""
+def tree_cpu(processes: list[tuple[psutil.Process, bool]], broker_pid: int | None) -> dict[str, float]:
+    """Cumulative CPU seconds by who spends them: among a driver's ``processes`` (``driver_processes``), its
+    JVM, its Python driver and Spark's Python workers (read tasks, the source's runner, planning); the
+    PostgreSQL server (every ``postgres`` process: nothing else uses it while a benchmark drains) and the
+    broker."""
     parts = {"jvm": 0.0, "python_driver": 0.0, "python_workers": 0.0, "postgresql": 0.0, "broker": 0.0}
-    for process, java in driver_processes(pid):
+    for process, java in processes:
         try:
             if java:
                 kind = "jvm"

@@ -28,6 +28,7 @@ from benchmarks.stack import (
     Job,
     Stack,
     cpu_seconds,
+    driver_processes,
     jvm_thread_cpu,
     say,
     signal_driver_tree,
@@ -55,14 +56,15 @@ class PeakRss(threading.Thread):
     def run(self) -> None:
         rounds = 0
         while not self.done.is_set():
-            parts = tree_rss(self.pid)
+            processes = driver_processes(self.pid)  # listed once a round, for each of the readings below
+            parts = tree_rss(processes)
             self.peak_pss = max(self.peak_pss, parts.pop("pss"))
             if sum(parts.values()) > self.peak:
                 self.peak, self.peak_parts = sum(parts.values()), parts
             if self.broker_pid is not None:
-                self.cpu.append((time.time(), tree_cpu(self.pid, self.broker_pid)))
+                self.cpu.append((time.time(), tree_cpu(processes, self.broker_pid)))
                 if rounds % 4 == 0:
-                    self.jvm_threads.append((time.time(), jvm_thread_cpu(self.pid)))
+                    self.jvm_threads.append((time.time(), jvm_thread_cpu(processes)))
             rounds += 1
             self.done.wait(0.25)
 
@@ -213,7 +215,7 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
     finally:
         memory.done.set()
         memory.join(5)
-    jvm_cpu = jvm_thread_cpu(driver.pid)  # over the driver's life: its start, then the drain
+    jvm_cpu = jvm_thread_cpu(driver_processes(driver.pid))  # over the driver's life: its start, then the drain
     code = runner.stop(driver)
     if code != 0:
         raise RuntimeError(f"{kind}/{database}: graceful stop ended with {code}\n{runner.log_tail(driver)}")
