@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cold_before import BEFORE
-from benchmarks.stack import JVM_THREAD_KINDS as THREAD_NAMES
+from benchmarks.stack import JVM_THREAD_KINDS
 
 
 def median(samples: list[float]) -> float | None:
@@ -271,8 +271,8 @@ def _cpu_lines(r: dict[str, Any], found: dict[str, Any]) -> list[str]:
     return lines
 
 
-#: A driver JVM's kinds of thread, in the table's order: those ``jvm_thread_cpu`` names, then the rest.
-JVM_THREAD_KINDS = (*(kind for kind, _ in THREAD_NAMES), "other")
+#: The JVM table's rows, in order: the kinds of thread ``jvm_thread_cpu`` names, then the rest.
+JVM_THREAD_ROWS = (*(kind for kind, _ in JVM_THREAD_KINDS), "other")
 
 
 def _jvm_thread_lines(found: dict[str, Any]) -> list[str]:
@@ -286,7 +286,7 @@ def _jvm_thread_lines(found: dict[str, Any]) -> list[str]:
     lines = ["", "## Where the JVM spends its CPU (seconds)", "",
              f"| thread | a new driver, its start and a {backlog:,}-event drain | the same per 100,000 records | "
              "a running job, per 100,000 records |", "|---|---:|---:|---:|"]
-    for kind in JVM_THREAD_KINDS:
+    for kind in JVM_THREAD_ROWS:
         lines.append(f"| {kind} | {_fmt(new.get(kind))} | {_fmt(per_100k.get(kind))} | {_fmt(running.get(kind))} |")
     total = {name: sum(v for k, v in d.items() if k != "wall") for name, d in (("new", new), ("running", running))}
     lines += [f"| **all** | {_fmt(total['new'])} | {_fmt(total['new'] * 100_000 / backlog)} | "
