@@ -35,19 +35,41 @@ def _kill(store: StateStore, run_id: str) -> None:
     store._update_run(run_id, heartbeat_at=time.time() - 60)
 
 
-async def _events(trigger: StreamJobWatchTrigger, seconds: float) -> list[dict]:
-    """Every event ``trigger`` yields within ``seconds``, as the triggerer would collect them."""
-    found: list[dict] = []
+async def _events(trigger: StreamJobWatchTrigger, polls: int) -> list[dict]:
+    """Every event ``trigger`` yields over ``polls`` real polls of the state database, as the triggerer
+    would collect them.  Counted in polls, not seconds: a slow machine watches exactly as long."""
+    async def limited():
+        stream = trigger.open_shared_stream(trigger.serialize()[1])
+        try:
+            for _ in range(polls):
+                yield await anext(stream)
+        finally:
+            await stream.aclose()
 
-    async def collect():
-        async for event in trigger.run():
-            found.append(event.payload)
+    return [event.payload async for event in trigger.filter_shared_stream(limited())]
 
-    task = asyncio.ensure_future(collect())
-    await asyncio.sleep(seconds)
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    return found
+
+class _Polls:
+    """The watcher's polls as they complete, so a scenario that changes the database under a running
+    trigger waits a number of polls rather than a time."""
+
+    def __init__(self, monkeypatch):
+        self.times: list[float] = []
+        poll = watch.JobsWatch.poll
+        monkeypatch.setattr(watch.JobsWatch, "poll", lambda w: self._done(poll(w)))
+
+    def _done(self, snapshot):
+        self.times.append(time.time())
+        return snapshot
+
+    async def wait(self, count: int, timeout: float = 120.0) -> None:
+        """Until ``count`` more polls completed; the events of all but the last are collected by then
+        (the next poll starts only when the subscribers asked for it)."""
+        target = len(self.times) + count
+        deadline = time.monotonic() + timeout
+        while len(self.times) < target:
+            assert time.monotonic() < deadline, f"{len(self.times)} of {target} polls in {timeout:.0f}s"
+            await asyncio.sleep(0.02)
 
 
 def test_serialises_and_shares_one_poll_per_database_and_thresholds():
@@ -64,10 +86,10 @@ def test_one_event_per_transition_and_none_while_it_persists(state_store):
     run_id = _running(state_store)
 
     async def scenario():
-        events = await _events(_trigger(), 1.0)
+        events = await _events(_trigger(), 5)
         assert events == [], "a healthy job makes no event"
         _kill(state_store, run_id)
-        return await _events(_trigger(), 2.0)  # about ten polls of a dead run
+        return await _events(_trigger(), 10)  # ten polls of a dead run
 
     events = asyncio.run(scenario())
     assert [(e["status"], e["diagnosis"]["health"], e["diagnosis"]["run_id"]) for e in events] == [
@@ -77,47 +99,45 @@ def test_one_event_per_transition_and_none_while_it_persists(state_store):
     assert reported == {HealthReportKey(run_id, "DEAD", "")}, "the report is persisted"
 
     # A triggerer restart: a new trigger instance, nothing in memory.  The condition persists: no event.
-    assert asyncio.run(_events(_trigger(), 1.0)) == []
+    assert asyncio.run(_events(_trigger(), 5)) == []
     # The run is then recorded DEAD by recovery: same run, same health, still no event.
     state_store.mark_dead(run_id, "driver gone")
-    assert asyncio.run(_events(_trigger(), 1.0)) == []
+    assert asyncio.run(_events(_trigger(), 5)) == []
 
 
 def test_a_new_failure_of_a_new_run_fires_again_with_its_kind(state_store):
     first = _running(state_store)
     _kill(state_store, first)
-    assert [e["diagnosis"]["run_id"] for e in asyncio.run(_events(_trigger(), 1.0))] == [first]
+    assert [e["diagnosis"]["run_id"] for e in asyncio.run(_events(_trigger(), 5))] == [first]
     second = state_store.begin_run("job", 1, "1.0").run_id
     state_store.finish_run(second, status="FAILED", exit_code=3, failure_kind="CHECKPOINT_INCOMPATIBLE",
                      error_class="STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE",
                      message="[STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE] Provided key schema does not match")
-    events = asyncio.run(_events(_trigger(), 1.0))
+    events = asyncio.run(_events(_trigger(), 5))
     assert [(e["diagnosis"]["run_id"], e["diagnosis"]["failure_kind"], e["diagnosis"]["error_class"])
             for e in events] == [(second, "CHECKPOINT_INCOMPATIBLE", "STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE")]
 
 
 def test_a_death_while_the_triggerer_was_down_is_reported_when_it_returns(state_store):
     run_id = _running(state_store)
-    assert asyncio.run(_events(_trigger(), 0.6)) == []  # the triggerer watched, then went away
+    assert asyncio.run(_events(_trigger(), 3)) == []  # the triggerer watched, then went away
     _kill(state_store, run_id)  # ... and the driver died meanwhile
-    events = asyncio.run(_events(_trigger(), 1.0))  # the triggerer is back
+    events = asyncio.run(_events(_trigger(), 5))  # the triggerer is back
     assert [(e["diagnosis"]["health"], e["diagnosis"]["run_id"]) for e in events] == [("DEAD", run_id)]
 
 
 def test_fire_on_limits_what_is_reported(state_store):
     run_id = state_store.begin_run("job", 1, "1.0").run_id
     state_store.finish_run(run_id, status="FAILED", exit_code=1, failure_kind="USER_CODE", message="bug")
-    assert asyncio.run(_events(_trigger(fire_on=["DEAD"]), 0.8)) == []
-    assert len(asyncio.run(_events(_trigger(fire_on=["FAILED"]), 0.8))) == 1
+    assert asyncio.run(_events(_trigger(fire_on=["DEAD"]), 4)) == []
+    assert len(asyncio.run(_events(_trigger(fire_on=["FAILED"]), 4))) == 1
 
 
 def test_watchers_of_many_jobs_share_one_poll_in_the_triggerer(state_store, monkeypatch):
     """Through the triggerer's own SharedStreamManager: one state-database poll per interval feeds every
     watcher, and each fires for its own job only."""
     runs = {job: _running(state_store, job) for job in ("a", "b", "c")}
-    polls: list[float] = []
-    poll = watch.JobsWatch.poll
-    monkeypatch.setattr(watch.JobsWatch, "poll", lambda self: polls.append(time.time()) or poll(self))
+    polls = _Polls(monkeypatch)
 
     async def scenario():
         manager = SharedStreamManager()
@@ -130,9 +150,9 @@ def test_watchers_of_many_jobs_share_one_poll_in_the_triggerer(state_store, monk
                 found[job].append(event.payload)
 
         tasks = [asyncio.ensure_future(subscriber(i, job)) for i, job in enumerate(runs)]
-        await asyncio.sleep(0.6)
+        await polls.wait(3)
         _kill(state_store, runs["b"])
-        await asyncio.sleep(1.0)
+        await polls.wait(5)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -142,11 +162,13 @@ def test_watchers_of_many_jobs_share_one_poll_in_the_triggerer(state_store, monk
     found = asyncio.run(scenario())
     assert found["a"] == [] and found["c"] == []
     assert [(e["job_id"], e["diagnosis"]["run_id"]) for e in found["b"]] == [("b", runs["b"])]
-    seconds = polls[-1] - polls[0]
-    assert len(polls) <= seconds / POLL + 2, f"{len(polls)} polls in {seconds:.1f}s for three watchers"
+    seconds = polls.times[-1] - polls.times[0]
+    assert len(polls.times) <= seconds / POLL + 2, f"{len(polls.times)} polls in {seconds:.1f}s for three watchers"
 
 
-def test_an_unknown_job_is_reported_once_and_the_watcher_keeps_watching(state_store):
+def test_an_unknown_job_is_reported_once_and_the_watcher_keeps_watching(state_store, monkeypatch):
+    polls = _Polls(monkeypatch)
+
     async def scenario():
         trigger = _trigger("not-deployed-yet")
         found: list[dict] = []
@@ -156,10 +178,10 @@ def test_an_unknown_job_is_reported_once_and_the_watcher_keeps_watching(state_st
                 found.append(event.payload)
 
         task = asyncio.ensure_future(collect())
-        await asyncio.sleep(1.0)
+        await polls.wait(5)
         run_id = _running(state_store, "not-deployed-yet")  # then it is deployed, and dies
         _kill(state_store, run_id)
-        await asyncio.sleep(1.0)
+        await polls.wait(5)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return found, run_id
@@ -179,6 +201,8 @@ def test_an_unreachable_database_is_reported_once_and_the_watcher_keeps_running(
     monkeypatch.setenv(*airflow_stack.connection_env("stream_kafka_default", conn_type="stream_kafka",
                                                      host="127.0.0.1", port=broker.port))
 
+    polls = _Polls(monkeypatch)
+
     async def scenario():
         found: list[dict] = []
 
@@ -187,12 +211,12 @@ def test_an_unreachable_database_is_reported_once_and_the_watcher_keeps_running(
                 found.append(event.payload)
 
         task = asyncio.ensure_future(collect())
-        await asyncio.sleep(1.0)
+        await polls.wait(5)
         missing.parent.mkdir()  # the database comes back, holding a dead run
         store = StateStore.from_url(f"sqlite:///{missing}")
         store.ensure_schema()
         _kill(store, _running(store))
-        await asyncio.sleep(1.5)
+        await polls.wait(7)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         store.dispose()
@@ -218,11 +242,12 @@ def test_a_malformed_asset_uri_fails_at_parse_time_naming_the_form(tmp_path):
     assert "is not a stream job asset URI; expected stream://<job_id>" in error, error
 
 
-def test_a_run_that_leaves_the_condition_fires_again_when_it_reenters(state_store):
+def test_a_run_that_leaves_the_condition_fires_again_when_it_reenters(state_store, monkeypatch):
     """A heartbeat that stalls and comes back (a long GC pause, a database lock) is two transitions."""
+    polls = _Polls(monkeypatch)
     run_id = _running(state_store)
     _kill(state_store, run_id)
-    assert len(asyncio.run(_events(_trigger(), 0.8))) == 1
+    assert len(asyncio.run(_events(_trigger(), 4))) == 1
 
     async def back_then_gone_again():
         trigger = _trigger()
@@ -234,10 +259,10 @@ def test_a_run_that_leaves_the_condition_fires_again_when_it_reenters(state_stor
 
         task = asyncio.ensure_future(collect())
         state_store.heartbeat(run_id)  # it was alive after all
-        await asyncio.sleep(1.0)
+        await polls.wait(5)
         assert {w.job_id: w.reported for w in state_store.watched_jobs()}["job"] == set(), "the report is forgotten"
         _kill(state_store, run_id)
-        await asyncio.sleep(1.0)
+        await polls.wait(5)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return found
@@ -265,30 +290,30 @@ def test_a_healthy_run_that_wants_a_standby_and_has_none_is_reported_once_per_lo
 
     with subprocess.Popen(["sleep", "60"]) as first:
         standby("s-1", first)
-        assert asyncio.run(_events(_trigger(), 0.8)) == [], "a warm standby: nothing to report"
+        assert asyncio.run(_events(_trigger(), 4)) == [], "a warm standby: nothing to report"
         first.kill()
         first.wait()
         state_store.heartbeat(run_id)
-        events = asyncio.run(_events(_trigger(), 0.8))
+        events = asyncio.run(_events(_trigger(), 4))
     assert [(e["diagnosis"]["health"], e["diagnosis"]["standby"]) for e in events] == [("HEALTHY", "MISSING")]
     assert "no standby is warm" in events[0]["message"]
     assert standbys.get("s-1").status == StandbyStatus.DEAD, "the vanished standby is recorded"
     state_store.heartbeat(run_id)
-    assert asyncio.run(_events(_trigger(), 0.8)) == [], "reported once while it persists"
+    assert asyncio.run(_events(_trigger(), 4)) == [], "reported once while it persists"
 
     with subprocess.Popen(["sleep", "60"]) as second:  # a standby came, and is lost again
         standby("s-2", second)
         state_store.heartbeat(run_id)
-        assert asyncio.run(_events(_trigger(), 0.8)) == []
+        assert asyncio.run(_events(_trigger(), 4)) == []
         second.kill()
         second.wait()
         state_store.heartbeat(run_id)
-        again = asyncio.run(_events(_trigger(), 0.8))
+        again = asyncio.run(_events(_trigger(), 4))
     assert [e["diagnosis"]["standby"] for e in again] == ["MISSING"]
 
     state_store.set_status(run_id, "STOPPING")  # a job being stopped needs no standby
     state_store.heartbeat(run_id)
     plain = _running(state_store, "plain")  # nor does a run launched without one
     state_store.record_launch(plain, "/jobs/events.py", json.dumps({"kafka": {"topics": ["e"]}}))
-    assert asyncio.run(_events(_trigger(), 0.8)) == []
-    assert asyncio.run(_events(_trigger("plain"), 0.8)) == []
+    assert asyncio.run(_events(_trigger(), 4)) == []
+    assert asyncio.run(_events(_trigger("plain"), 4)) == []
