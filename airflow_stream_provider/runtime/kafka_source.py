@@ -100,8 +100,21 @@ class KafkaStreamReader(DataSourceStreamReader):
     def _consumer(self):
         return kafka_client.consumer(self.bootstrap, self.client_options)
 
+    def _watermarks(self):
+        """The topics' watermarks, asked once more after a timeout, as Spark's own Kafka source retries its
+        offset fetches (``fetchOffset.numRetries``).  A broker that stops answering for longer than
+        kafka-python's ``request_timeout_ms`` (a long pause of its own), or a pause of this process that
+        long, expires one request; a second timeout ends the batch's planning as before."""
+        from kafka.errors import KafkaTimeoutError
+
+        try:
+            return kafka_client.watermarks(self._consumer(), self.topics)
+        except KafkaTimeoutError as err:
+            log.warning("reading the offsets of %s timed out (%s); asking once more", ", ".join(self.topics), err)
+            return kafka_client.watermarks(self._consumer(), self.topics)
+
     def initialOffset(self) -> dict:
-        earliest, latest = kafka_client.watermarks(self._consumer(), self.topics)
+        earliest, latest = self._watermarks()
         starting = (
             self.starting
             if self.starting in ("earliest", "latest")
@@ -113,7 +126,7 @@ class KafkaStreamReader(DataSourceStreamReader):
         return ReadMaxRows(self.max_offsets) if self.max_offsets else ReadAllAvailable()
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
-        earliest, latest = kafka_client.watermarks(self._consumer(), self.topics)
+        earliest, latest = self._watermarks()
         position = kafka_offsets.from_spark_json(start)
         position = self._check_data_loss(position, earliest, latest)
         ceiling = limit.max_rows if isinstance(limit, ReadMaxRows) else None
@@ -124,7 +137,7 @@ class KafkaStreamReader(DataSourceStreamReader):
         return kafka_offsets.to_spark_dict(end)
 
     def reportLatestOffset(self) -> dict | None:
-        _, latest = kafka_client.watermarks(self._consumer(), self.topics)
+        _, latest = self._watermarks()
         return kafka_offsets.to_spark_dict(latest)
 
     def _check_data_loss(self, position, earliest, latest):
@@ -166,7 +179,7 @@ class KafkaStreamReader(DataSourceStreamReader):
         or past the end of a log that went backwards: ``latestOffset`` then planned the end from the
         earliest offset): read from the earliest offset Kafka still has.  The offsets log keeps the batch's
         planned start, so a replay of the batch reads the same records."""
-        earliest, _ = kafka_client.watermarks(self._consumer(), self.topics)
+        earliest, _ = self._watermarks()
         moved = dict(begin)
         for tp, stop in finish.items():
             first = begin.get(tp)

@@ -7,11 +7,12 @@
   (``pg_ctl stop -m immediate``) while a batch's transaction is half written.
 
 What a user expects, and what is checked: a broker outage of some seconds does not even end the driver
-(kafka-python retries); a longer one ends the run FAILED/TRANSIENT once the client gives up, and the
-health DAG restarts it from the checkpoint when the broker is back.  A database crash in the middle of a
-batch loses that whole transaction and nothing else: results, ledger and offsets stay consistent, the
-driver fails at once (it classifies TRANSIENT), records that when the database is back, exits 6, and
-the health DAG restarts it.  Nothing is lost or applied twice.
+(kafka-python retries), nor does a broker that stops answering for longer than one request's timeout
+(the source asks again, as Spark's own Kafka source does); a longer outage ends the run FAILED/TRANSIENT
+once the client gives up, and the health DAG restarts it from the checkpoint when the broker is back.
+A database crash in the middle of a batch loses that whole transaction and nothing else: results,
+ledger and offsets stay consistent, the driver fails at once (it classifies TRANSIENT), records that
+when the database is back, exits 6, and the health DAG restarts it.  Nothing is lost or applied twice.
 
 The broker test also checks, while its first driver runs, that a second submit follows the declared
 ``if_running`` policy (the default, ``fail``) through a real DAG run.
@@ -40,6 +41,8 @@ from tests.dagtest.dagruns import caught_up, run_dag, runs
 
 #: Shorter than every kafka-python client timeout the job uses (request_timeout_ms, 30 s by default).
 SHORT_BROKER_OUTAGE_S = 8.0
+#: Longer than one kafka-python request's timeout (request_timeout_ms, 30 s), shorter than two.
+BROKER_STALL_S = 40.0
 DATABASE_OUTAGE_S = 10.0
 
 
@@ -106,9 +109,24 @@ def test_broker_outage_short_is_ridden_out_long_ends_transient_and_is_recovered(
     assert [r.run_id for r in runs(state, job_id)] == [first["run_id"]]
     assert _alive(state.store.get_run(first["run_id"])), "a short broker outage must not end the driver"
 
+    # A broker that answers nothing for longer than a request's timeout (a long pause of its own; a pause
+    # of the driver's process is the same to the client): the offset planning that waited times out once
+    # and asks again, and the answer comes when the broker does.  The driver is caught up, so no read is
+    # cut; it goes on without a restart.
+    time.sleep(3)  # the last batch's consumer-group commit is done: an idle driver only plans
+    proxy.process.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(BROKER_STALL_S)
+    finally:
+        proxy.process.send_signal(signal.SIGCONT)
+    producer.send(200)
+    caught_up(state, job_id, producer)
+    assert _alive(state.store.get_run(first["run_id"])), "one request timed out must not end the driver"
+    assert [r.run_id for r in runs(state, job_id)] == [first["run_id"]]
+
     # A long outage: once the client gives up the query fails, and the driver records why.  Usually the
-    # driver's offset planning gives up first (request_timeout_ms); an outage that cuts a running read
-    # ends after Spark's task retries, each giving up after the read stalled for STALL_TIMEOUT_S.
+    # driver's offset planning gives up first (after two request_timeout_ms); an outage that cuts a running
+    # read ends after Spark's task retries, each giving up after the read stalled for STALL_TIMEOUT_S.
     with Trickle(producer, chunk=20, pause_s=0.5):
         time.sleep(2)
         proxy.stop()
@@ -126,6 +144,7 @@ def test_broker_outage_short_is_ridden_out_long_ends_transient_and_is_recovered(
     back = time.monotonic()
     recovered_s, counts = _restarted_by_health_dag(state, stream, producer, first["run_id"], back, more=300)
     figures.record("broker outage", short_outage_seconds=SHORT_BROKER_OUTAGE_S, driver_survived=True,
+                   stall_seconds=BROKER_STALL_S,
                    long_outage_to_transient_seconds=round(gave_up_s, 1),
                    back_to_caught_up_seconds=round(recovered_s, 1), **counts)
 
