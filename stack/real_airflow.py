@@ -66,7 +66,9 @@ class RealAirflow:
         env.update({
             "AIRFLOW_HOME": str(self.home),
             "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home / 'airflow.db'}",
+            # SQLite has one write lock; sqlite3 waits 5 s for it by default, which a busy scheduler beside
+            # running drivers outlasts ("database is locked", a 500 "Database error" from the API).
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home / 'airflow.db'}?timeout=30",
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
@@ -290,17 +292,24 @@ class RealAirflow:
         return self._token
 
     def _request(self, method: str, path: str, ok: tuple[int, ...] = (200,), **kwargs: Any) -> httpx.Response:
+        """One API call. Every write the stack makes is idempotent (a DAG run's id is chosen by the caller),
+        so a 500 "Database error" - SQLite's one lock held past the busy timeout - is tried again."""
         headers = kwargs.pop("headers", {})
-        for attempt in range(2):
+        relogged = False
+        for attempt in range(4):
             response = self._http.request(method, f"/api/v2{path}", **kwargs,
                                           headers={"Authorization": f"Bearer {self.token()}", **headers})
-            if response.status_code in (401, 403) and attempt == 0:
+            if response.status_code in (401, 403) and not relogged:
                 self._token = None  # expired or invalid ("403 Invalid JWT token"): log in again once
+                relogged = True
+                continue
+            if response.status_code == 500 and "Database error" in response.text and attempt < 3:
+                time.sleep(1 + attempt)
                 continue
             if response.status_code not in ok:
                 raise RuntimeError(f"{method} /api/v2{path} -> {response.status_code}: {response.text[:1000]}")
             return response
-        raise AssertionError("unreachable")
+        raise RuntimeError(f"{method} /api/v2{path} -> {response.status_code}: {response.text[:1000]}")
 
     def _get(self, path: str, **params: Any) -> Any:
         return self._request("GET", path, params=params).json()
@@ -326,19 +335,12 @@ class RealAirflow:
     def trigger_dag(self, dag_id: str, conf: dict | None = None) -> str:
         """A manual run (no logical date, like the UI's trigger button); returns its dag_run_id.
 
-        The metadata database here is SQLite, whose writers wait at most a few seconds for its one lock: a
-        busy scheduler can make the API answer 500 "Database error".  The run id is chosen here, so a
-        retry cannot start the run twice (409 means the earlier attempt created it after all)."""
+        The run id is chosen here, so a retried request cannot start the run twice: 409 means an earlier
+        attempt created it after all."""
         run_id = f"manual__{datetime.now(UTC).isoformat()}_{secrets.token_hex(3)}"
         body = {"dag_run_id": run_id, "logical_date": None, "conf": conf or {}}
-        for attempt in range(3):
-            response = self._request("POST", f"/dags/{_q(dag_id)}/dagRuns", ok=(200, 409, 500), json=body)
-            if response.status_code in (200, 409):
-                return run_id
-            if "Database error" not in response.text or attempt == 2:
-                break
-            time.sleep(1 + attempt)
-        raise RuntimeError(f"POST /api/v2/dags/{dag_id}/dagRuns -> {response.status_code}: {response.text[:1000]}")
+        self._request("POST", f"/dags/{_q(dag_id)}/dagRuns", ok=(200, 409), json=body)
+        return run_id
 
     def dag_runs(self, dag_id: str) -> list[dict]:
         """Newest first (at most 100): dag_run_id, state, run_type, run_after, start_date, end_date, conf..."""
