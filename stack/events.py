@@ -49,6 +49,8 @@ class Produced:
 
 
 class EventProducer:
+    CHUNK = 2_000  # records queued before their acknowledgements are awaited
+
     def __init__(self, broker, topic: str, *, seed: int = 7, malformed_ratio: float = 0.01):
         self.producer = broker.producer()
         self.produced = Produced(topic)
@@ -58,6 +60,12 @@ class EventProducer:
         self.base = dt.datetime(2026, 11, 22, 10, 0, tzinfo=dt.UTC)
 
     def send(self, count: int) -> None:
+        # In chunks: a record expires ``delivery_timeout_ms`` (120 s) after it was queued, and tens of
+        # thousands queued at once outlast that on a busy machine, one record per produce request.
+        for start in range(0, count, self.CHUNK):
+            self._send_chunk(min(self.CHUNK, count - start))
+
+    def _send_chunk(self, count: int) -> None:
         futures = []
         for _ in range(count):
             n = self.sent
