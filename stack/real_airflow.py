@@ -295,21 +295,21 @@ class RealAirflow:
         """One API call. Every write the stack makes is idempotent (a DAG run's id is chosen by the caller),
         so a 500 "Database error" - SQLite's one lock held past the busy timeout - is tried again."""
         headers = kwargs.pop("headers", {})
-        relogged = False
-        for attempt in range(4):
+        relogged, retries = False, 0
+        while True:
             response = self._http.request(method, f"/api/v2{path}", **kwargs,
                                           headers={"Authorization": f"Bearer {self.token()}", **headers})
             if response.status_code in (401, 403) and not relogged:
                 self._token = None  # expired or invalid ("403 Invalid JWT token"): log in again once
                 relogged = True
                 continue
-            if response.status_code == 500 and "Database error" in response.text and attempt < 3:
-                time.sleep(1 + attempt)
+            if response.status_code == 500 and "Database error" in response.text and retries < 3:
+                retries += 1
+                time.sleep(retries)
                 continue
             if response.status_code not in ok:
                 raise RuntimeError(f"{method} /api/v2{path} -> {response.status_code}: {response.text[:1000]}")
             return response
-        raise RuntimeError(f"{method} /api/v2{path} -> {response.status_code}: {response.text[:1000]}")
 
     def _get(self, path: str, **params: Any) -> Any:
         return self._request("GET", path, params=params).json()

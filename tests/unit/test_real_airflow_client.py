@@ -65,9 +65,8 @@ def test_a_retried_trigger_asks_for_the_same_run_and_accepts_that_it_exists(clie
 
 
 def test_an_expired_token_is_renewed_once(client, monkeypatch):
-    tokens = iter(["renewed"])
     monkeypatch.setattr(client, "login", lambda: ("admin", "pw"))
-    client.answers = [(401, {}), (201, {"access_token": next(tokens)}), (200, {"ok": True})]
+    client.answers = [(401, {}), (201, {"access_token": "renewed"}), (200, {"ok": True})]
     assert client._get("/monitor/health") == {"ok": True}
     assert client._token == "renewed"
     assert client.answers == []
