@@ -122,6 +122,8 @@ def test_broker_outage_short_is_ridden_out_long_ends_transient_and_is_recovered(
     producer.send(200)
     caught_up(state, job_id, producer)
     assert _alive(state.store.get_run(first["run_id"])), "one request timed out must not end the driver"
+    log = Path(first["log_path"]).read_text(errors="replace")
+    assert f"reading the offsets of {stream['topic']} timed out" in log, "the stall must have expired a request"
     assert [r.run_id for r in runs(state, job_id)] == [first["run_id"]]
 
     # A long outage: once the client gives up the query fails, and the driver records why.  Usually the
