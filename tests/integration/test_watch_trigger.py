@@ -6,6 +6,7 @@ an unknown job or an unreachable database while the watcher keeps running."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -47,6 +48,24 @@ async def _events(trigger: StreamJobWatchTrigger, polls: int) -> list[dict]:
             await stream.aclose()
 
     return [event.payload async for event in trigger.filter_shared_stream(limited())]
+
+
+@contextlib.asynccontextmanager
+async def _watching(trigger: StreamJobWatchTrigger):
+    """``trigger.run()`` collecting its events, as the triggerer runs it, for as long as the block lasts:
+    a scenario changes the database under it and waits polls (``_Polls``) for what follows."""
+    found: list[dict] = []
+
+    async def collect():
+        async for event in trigger.run():
+            found.append(event.payload)
+
+    task = asyncio.ensure_future(collect())
+    try:
+        yield found
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 class _Polls:
@@ -170,20 +189,11 @@ def test_an_unknown_job_is_reported_once_and_the_watcher_keeps_watching(state_st
     polls = _Polls(monkeypatch)
 
     async def scenario():
-        trigger = _trigger("not-deployed-yet")
-        found: list[dict] = []
-
-        async def collect():
-            async for event in trigger.run():
-                found.append(event.payload)
-
-        task = asyncio.ensure_future(collect())
-        await polls.wait(5)
-        run_id = _running(state_store, "not-deployed-yet")  # then it is deployed, and dies
-        _kill(state_store, run_id)
-        await polls.wait(5)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        async with _watching(_trigger("not-deployed-yet")) as found:
+            await polls.wait(5)
+            run_id = _running(state_store, "not-deployed-yet")  # then it is deployed, and dies
+            _kill(state_store, run_id)
+            await polls.wait(5)
         return found, run_id
 
     found, run_id = asyncio.run(scenario())
@@ -204,21 +214,13 @@ def test_an_unreachable_database_is_reported_once_and_the_watcher_keeps_running(
     polls = _Polls(monkeypatch)
 
     async def scenario():
-        found: list[dict] = []
-
-        async def collect():
-            async for event in _trigger().run():
-                found.append(event.payload)
-
-        task = asyncio.ensure_future(collect())
-        await polls.wait(5)
-        missing.parent.mkdir()  # the database comes back, holding a dead run
-        store = StateStore.from_url(f"sqlite:///{missing}")
-        store.ensure_schema()
-        _kill(store, _running(store))
-        await polls.wait(7)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        async with _watching(_trigger()) as found:
+            await polls.wait(5)
+            missing.parent.mkdir()  # the database comes back, holding a dead run
+            store = StateStore.from_url(f"sqlite:///{missing}")
+            store.ensure_schema()
+            _kill(store, _running(store))
+            await polls.wait(7)
         store.dispose()
         return found
 
@@ -250,21 +252,13 @@ def test_a_run_that_leaves_the_condition_fires_again_when_it_reenters(state_stor
     assert len(asyncio.run(_events(_trigger(), 4))) == 1
 
     async def back_then_gone_again():
-        trigger = _trigger()
-        found: list[dict] = []
-
-        async def collect():
-            async for event in trigger.run():
-                found.append(event.payload)
-
-        task = asyncio.ensure_future(collect())
-        state_store.heartbeat(run_id)  # it was alive after all
-        await polls.wait(5)
-        assert {w.job_id: w.reported for w in state_store.watched_jobs()}["job"] == set(), "the report is forgotten"
-        _kill(state_store, run_id)
-        await polls.wait(5)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        async with _watching(_trigger()) as found:
+            state_store.heartbeat(run_id)  # it was alive after all
+            await polls.wait(5)
+            assert {w.job_id: w.reported for w in state_store.watched_jobs()}["job"] == set(), \
+                "the report is forgotten"
+            _kill(state_store, run_id)
+            await polls.wait(5)
         return found
 
     events = asyncio.run(back_then_gone_again())
