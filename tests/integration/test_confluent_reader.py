@@ -9,8 +9,9 @@ import uuid
 import pytest
 from kafka import KafkaProducer
 
-from airflow_stream_provider import confluent_reader, kafka_client
+from airflow_stream_provider import confluent_reader
 from airflow_stream_provider.kafka_client import Columns, KafkaReadError
+from tests.integration.ranges import joined, read_kafka_python
 
 RECORDS = 240
 
@@ -33,27 +34,15 @@ def log(broker):
     confluent_reader._CACHE.clear()
 
 
-def _kafka_python(bootstrap: str, topic: str, start: int, end: int) -> Columns:
-    return _joined(map(Columns.of, kafka_client.read_range_batches(bootstrap, {}, topic, 0, start, end)))
-
-
 def _confluent(bootstrap: str, topic: str, start: int, end: int) -> Columns:
     config = confluent_reader.client_config(bootstrap, {})
-    return _joined(confluent_reader.read_range_columns(config, topic, 0, start, end))
-
-
-def _joined(polls) -> Columns:
-    joined = Columns([], [], [], [])
-    for columns in polls:
-        for whole, part in zip(joined, columns, strict=True):
-            whole.extend(part)
-    return joined
+    return joined(confluent_reader.read_range_columns(config, topic, 0, start, end))
 
 
 @pytest.mark.parametrize("start,end", [(0, RECORDS), (3, 17), (RECORDS - 5, RECORDS), (100, 101)])
 def test_the_fast_reader_reads_exactly_what_kafka_python_reads(log, start, end):
     bootstrap, topic = log
-    expected = _kafka_python(bootstrap, topic, start, end)
+    expected = read_kafka_python(bootstrap, topic, start, end)
     assert expected.offsets == list(range(start, end))
     assert _confluent(bootstrap, topic, start, end) == expected
     assert _confluent(bootstrap, topic, start, end) == expected  # the cached consumer, reassigned
