@@ -22,7 +22,7 @@ class Health(enum.StrEnum):
     HEALTHY = "HEALTHY"
     STUCK = "STUCK"  # alive, no committed batch for a while, Kafka lag > 0
     DEAD = "DEAD"  # driver gone without a clean stop (kill -9, OOM killer, lost host)
-    STOPPED = "STOPPED"  # clean stop, or never started
+    STOPPED = "STOPPED"  # clean stop, a stop asked for that ended the driver otherwise, or never started
     FAILED = "FAILED"  # terminated with a classified error
 
     @property
@@ -116,6 +116,8 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
                                    f"error: {classification.evidence or _first_line(message)}"],
                          advice=advice)
     if status == DEAD:
+        if run.stop_requested_at is not None:
+            return _stopped_as_asked(job_id, run, run.termination_message or "its driver is gone", base)
         return Diagnosis(job_id, Health.DEAD, **base, evidence=[run.termination_message or "driver gone"],
                          advice="Restart from the checkpoint: the batch it was running is replayed and the "
                          "sink skips what was already committed.")
@@ -133,6 +135,8 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
             gone = f"its query has not started {heartbeat_age:.0f}s after its start (timeout {limit:.0f}s)"
         else:
             gone = f"its last heartbeat is {heartbeat_age:.0f}s old (timeout {limit:.0f}s)"
+        if run.stop_requested_at is not None:
+            return _stopped_as_asked(job_id, run, gone, base)
         evidence = [f"run {run.run_id} is recorded as {status} but {gone}"]
         if run.last_batch_id is not None:
             evidence.append(f"last committed batch {run.last_batch_id}")
@@ -163,6 +167,17 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
     return Diagnosis(job_id, Health.HEALTHY, **base,
                      evidence=[f"heartbeat {heartbeat_age:.0f}s ago", f"last batch {run.last_batch_id}",
                                f"lag {lag}"])
+
+
+def _stopped_as_asked(job_id: str, run: RunRecord, gone: str, base: dict[str, Any]) -> Diagnosis:
+    """A run asked to stop whose driver ended without recording a clean stop: killed once the stop timed
+    out, or dead during it.  STOPPED, as asked: a restart would undo the stop (and race the restart, reset or
+    upgrade that asked for it).  The sink's transactions keep its results and offsets consistent."""
+    asked = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(run.stop_requested_at))
+    return Diagnosis(job_id, Health.STOPPED, **base,
+                     evidence=[f"run {run.run_id} was asked to stop at {asked}; it did not stop cleanly: {gone}"],
+                     advice="Nothing to do; submit the job to start it again (it resumes after its last "
+                     "committed batch).")
 
 
 def note_standby(found: Diagnosis, standby: StandbyRecord | None) -> Diagnosis:

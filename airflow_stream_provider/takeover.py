@@ -8,7 +8,8 @@ on another generation than the        refuses (recorded): a reset moved on; star
 standby's
 of another code version               refuses, naming both versions
 none yet                              waits
-STOPPED (a clean stop)                ends: nothing to stand by for
+STOPPED (a clean stop), or asked to    ends: nothing to stand by for (a stop's kill, or a
+stop and gone since                   restart's, must not be undone by a takeover)
 FAILED                                waits: the recovery decides, inside the restart budget
 DEAD, or its process is gone (same    takes over
 host), or silent past
@@ -57,11 +58,13 @@ def decide(spec: StreamJobSpec, run: RunRecord | None, generation: int, *, drive
     if run.status == RunStatus.FAILED:
         return Verdict("wait", f"run {run.run_id} failed ({run.failure_kind}): its recovery is decided within the "
                                "restart budget", run)
+    if run.stop_requested_at is not None and (run.status == RunStatus.DEAD or driver_alive is False):
+        return Verdict("end", f"run {run.run_id} was asked to stop and its driver ended", run)
     if run.status == RunStatus.DEAD:
         return Verdict("take_over", run.termination_message or f"run {run.run_id} is recorded DEAD", run)
     now = time.time() if now is None else now
     silent = now - (run.heartbeat_at or run.started_at or now)
-    if run.running_query and silent > spec.heartbeat_timeout_seconds:
+    if run.running_query and silent > spec.heartbeat_timeout_seconds and run.stop_requested_at is None:
         # Alive or not: a driver silent this long is not processing (hung, paused, cut off).  The new epoch
         # fences it should it come back; it then finds itself fenced and exits.
         alive = " although its process lives" if driver_alive else ""
@@ -71,4 +74,6 @@ def decide(spec: StreamJobSpec, run: RunRecord | None, generation: int, *, drive
                                thresholds=Thresholds(heartbeat_timeout_s=spec.heartbeat_timeout_seconds))
     if found.health == Health.DEAD:
         return Verdict("take_over", "; ".join(found.evidence), run)
+    if found.health == Health.STOPPED:  # asked to stop, and silent since
+        return Verdict("end", "; ".join(found.evidence), run)
     return Verdict("wait", f"run {run.run_id} is {found.health.value}", run)

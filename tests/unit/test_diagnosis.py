@@ -43,6 +43,22 @@ def test_a_run_recorded_dead_stays_dead_whatever_the_process_check():
     assert found.health == Health.DEAD and found.evidence == ["found dead: pid 4242 gone"]
 
 
+@pytest.mark.parametrize(("run", "alive"), [
+    (_run(status="DEAD", termination_message="driver gone during a graceful stop (killed)"), None),
+    (_run(), False),  # gone, and the stop's task has not recorded it yet
+    (_run(heartbeat_at=NOW - 45), None),  # on another host: silent since
+])
+def test_a_run_asked_to_stop_that_ended_otherwise_is_stopped_not_dead(run, alive):
+    """A stop that had to kill the driver (or a restart's stop) is what was asked for: a DEAD verdict would
+    have the watcher restart the job someone stopped, or race the restart that stopped it."""
+    found = diagnose("j", replace(run, stop_requested_at=NOW - 200), driver_alive=alive, lag=5, now=NOW,
+                     thresholds=Thresholds(heartbeat_timeout_s=30))
+    assert found.health == Health.STOPPED and not found.health.needs_action
+    assert "was asked to stop at" in found.evidence[0] and "did not stop cleanly" in found.evidence[0]
+    still = diagnose("j", replace(_run(), stop_requested_at=NOW - 5), driver_alive=True, lag=5, now=NOW)
+    assert still.health == Health.HEALTHY  # still stopping: its stop's task waits on it
+
+
 def test_dead_by_heartbeat_age_where_the_process_cannot_be_checked():
     found = diagnose("j", _run(heartbeat_at=NOW - 45), driver_alive=None, lag=0, now=NOW,
                      thresholds=Thresholds(heartbeat_timeout_s=30))

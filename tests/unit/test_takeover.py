@@ -35,6 +35,11 @@ def _run(status=RunStatus.RUNNING, heartbeat_age=1.0, **changes) -> RunRecord:
     (_run(status=RunStatus.DEAD, termination_message="found dead"), None, "take_over", "found dead"),
     (_run(status=RunStatus.FAILED, failure_kind="USER_CODE"), None, "wait", "restart budget"),
     (_run(status=RunStatus.STOPPED), None, "end", "stopped cleanly"),
+    # A stop that had to kill (or a restart's stop): taking over would undo it, or race the restart.
+    (_run(status=RunStatus.DEAD, stop_requested_at=NOW - 60), None, "end", "asked to stop"),
+    (_run(stop_requested_at=NOW - 60), False, "end", "asked to stop"),
+    (_run(stop_requested_at=NOW - 60, heartbeat_age=31), None, "end", "asked to stop"),
+    (_run(stop_requested_at=NOW - 5), True, "wait", "HEALTHY"),  # still stopping
     (_run(version="2.0"), True, "refuse", "standby version '1.0' differs from version '2.0'"),
 ])
 def test_the_rule(run, alive, action, says):
