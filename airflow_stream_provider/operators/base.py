@@ -245,9 +245,13 @@ class StreamJobOperator(BaseOperator):
     # -- the launch flow -------------------------------------------------------------------------------
     def launch_then(self, context, after: str, carry: dict[str, Any], *, application: str | None = None,
                     spec_json: str | None = None, generation: int | None = None,
-                    starting_offsets: str | None = None, on_fail: str | None = None) -> Any:
+                    starting_offsets: str | None = None, on_fail: str | None = None,
+                    restart: tuple[str, str, str | None] | None = None) -> Any:
         """Submit a driver, wait until its query runs, then ``after(context, result, **carry)``; a start
-        failure raises with the driver's own evidence, or goes to ``on_fail(context, error, **carry)``."""
+        failure raises with the driver's own evidence, or goes to ``on_fail(context, error, **carry)``.
+
+        ``restart``: (action, reason, failed run) of a recovery: recorded as soon as the driver is submitted,
+        so that a new run failing before its query starts still counts against the restart budget."""
         application = application or self.application
         if not application:
             raise AirflowFailException(f"{self.task_id}: 'application' (the job file to submit) is required")
@@ -255,6 +259,8 @@ class StreamJobOperator(BaseOperator):
         launch = self.controller.submit(application, spec, generation=generation,
                                         starting_offsets=starting_offsets)
         self._in_flight = launch
+        if restart:
+            self.controller.record_restart(*restart, launch["run_id"])
         pending = {"launch": launch, "after": after, "carry": carry, "on_fail": on_fail}
         _set_task_state(context, LAUNCH_KEY, pending)
         return self.wait_then(context, self._launch_wait(launch), "_launch_waited", **pending)
@@ -317,10 +323,10 @@ class StreamJobOperator(BaseOperator):
         recorded = self.controller.recorded_launch(failed)
         flow = {"reason": reason, "failed_run_id": failed_run_id, "after": after, "carry": carry}
         launch = {"application": recorded[0], "spec_json": recorded[1].to_json()} if recorded else {}
-        return self.launch_then(context, "_restart_launched", flow, **launch)
+        return self.launch_then(context, "_restart_launched", flow, restart=("restart", reason, failed_run_id),
+                                **launch)
 
     def _restart_launched(self, context, launched, reason, failed_run_id, after, carry) -> Any:
-        self.controller.record_restart("restart", reason, failed_run_id, launched["run_id"])
         return self.resume(context, after, {**launched, "action": "restart"}, carry)
 
     # -- reset to a new generation -------------------------------------------------------------------------
@@ -345,10 +351,9 @@ class StreamJobOperator(BaseOperator):
         flow = {"reason": reason, "reset": reset, "after": after, "carry": carry}
         return self.launch_then(context, "_reset_launched", flow, application=application,
                                 spec_json=job.to_json(), generation=reset["generation"],
-                                starting_offsets=reset["starting_offsets"])
+                                starting_offsets=reset["starting_offsets"], restart=("reset", reason, None))
 
     def _reset_launched(self, context, launched, reason, reset, after, carry) -> Any:
-        self.controller.record_restart("reset", reason, None, launched["run_id"])
         info = {k: reset[k] for k in ("archived_generation", "archive_path", "starting_offsets", "lost_ranges")}
         return self.resume(context, after, {**launched, "action": "reset", **info}, carry)
 

@@ -124,6 +124,23 @@ def test_crash_loop_ends_at_the_restart_budget(stream, broker):
     assert last.failure_kind == "USER_CODE" and "simulated bug" in last.termination_message
 
 
+def test_a_crash_loop_before_the_query_starts_ends_at_the_restart_budget(stream, broker):
+    """Every driver fails as its query is built, so no restart's launch ever gets to "ready": each restart
+    counts from its submit, or the watcher and ``stream_health`` would restart the job without end."""
+    state, job_id = stream["state"], stream["job_id"]
+    crashing = {**stream["params"], "application": str(FIXTURE_JOBS / "crash_on_start.py")}
+    status, tasks = run_dag(dags.deploy, crashing)
+    assert tasks["submit"][0] == "failed", tasks
+    for _ in range(3):  # two restarts that fail as they start, then the budget's refusal
+        status, tasks = run_dag(dags.health, crashing, max_restarts=2)
+        assert tasks["recover"][0] == "failed", tasks
+    assert len(state.restarts_since(job_id, 0)) == 2
+    runs = state.store.runs(job_id, include_dry_runs=False)
+    assert len(runs) == 3, [(r.run_id, r.status) for r in runs]  # the deploy's run and two restarts: no more
+    assert all(r.status == "FAILED" and r.query_started_at is None for r in runs), runs
+    assert "simulated bug in the job's parse" in runs[-1].termination_message
+
+
 def test_stuck_query_is_reported_stuck(stream, broker):
     state, job_id = stream["state"], stream["job_id"]
     EventProducer(broker, stream["topic"]).send(300)
