@@ -135,6 +135,14 @@ def alive_on_this_host(pid: int | None, host: str | None, started_at: float | No
     return process_alive(pid, started_at) if on_this_host(pid, host, submission_id) else None
 
 
+def launch_alive(pid: int | None, host: str | None, started_at: float | None) -> bool | None:
+    """The process check of a driver this provider started (before its run registers, or while a stop waits
+    for it): True/False on the host that started it, None on any other (a triggerer or a worker elsewhere has
+    only the run's row and the deadline).  A launch recorded without its host, by an earlier version, counts
+    as this host's, as it did then."""
+    return alive_on_this_host(pid, host or socket.gethostname(), started_at)
+
+
 def run_alive(run: RunRecord | None) -> bool | None:
     """The process check of a recorded run's driver (see :func:`alive_on_this_host`); None without a run."""
     return alive_on_this_host(run.pid, run.host, run.started_at, run.submission_id) if run else None

@@ -19,7 +19,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
@@ -208,19 +208,20 @@ class StreamJobController:
         submitted = self.driver.submit(application, spec, run_id, self.state.password)
         return {"job_id": spec.job_id, "run_id": run_id, "generation": generation, "version": spec.version,
                 "application": application, "spec": spec.to_json(), "checkpoint_path": spec.checkpoint_path,
-                "pid": submitted.pid, "log_path": submitted.log_path, "submission_id": submitted.submission_id,
-                "submitted_at": time.time()}
+                "pid": submitted.pid, "host": socket.gethostname(), "log_path": submitted.log_path,
+                "submission_id": submitted.submission_id, "submitted_at": time.time()}
 
     def submit_dry_run(self, application: str, spec: StreamJobSpec) -> dict[str, Any]:
         run_id = uuid.uuid4().hex
         submitted = self.driver.submit(application, spec, run_id, self.state.password)
-        return {"job_id": spec.job_id, "run_id": run_id, "pid": submitted.pid, "log_path": submitted.log_path,
-                "submission_id": submitted.submission_id, "submitted_at": time.time()}
+        return {"job_id": spec.job_id, "run_id": run_id, "pid": submitted.pid, "host": socket.gethostname(),
+                "log_path": submitted.log_path, "submission_id": submitted.submission_id,
+                "submitted_at": time.time()}
 
     @staticmethod
     def launch_wait(launch: dict[str, Any], until: str, timeout: float, **extra: Any) -> RunWait:
         return RunWait.within(timeout, run_id=launch["run_id"], job_id=launch["job_id"], until=until,
-                              pid=launch.get("pid"), started_at=launch.get("submitted_at"),
+                              pid=launch.get("pid"), host=launch.get("host"), started_at=launch.get("submitted_at"),
                               log_path=launch.get("log_path"), **extra)
 
     def finish_launch(self, launch: dict[str, Any], outcome: Outcome, timeout: float) -> dict[str, Any]:
@@ -254,16 +255,20 @@ class StreamJobController:
             return StreamJobError(message)
         return AirflowFailException(message)
 
-    def abandon(self, run_id: str, pid: int | None, why: str) -> None:
+    def abandon(self, launch: Mapping[str, Any], why: str) -> None:
         """End a driver this task started and no longer wants (a killed task, a dry run): kill it outright
-        and record the run as DEAD, so nothing waits on it."""
+        and record the run as DEAD, so nothing waits on it.  Before it registers, only its own host can."""
+        run_id, pid, host = launch["run_id"], launch.get("pid"), launch.get("host")
         run = self.get_run(run_id)
         if run is not None and run.active:
             self.log.warning("Killing run %s: %s (%s)", run_id, why, self.driver.kill(run))
             self.state.store.mark_dead(run_id, f"abandoned: {why}")
-        elif run is None and pid:
+        elif run is None and local_driver.launch_alive(pid, host, launch.get("submitted_at")):
             self.log.warning("Killing the driver of run %s (pid %s) before it registered: %s", run_id, pid, why)
             local_driver.signal_group(pid, signal.SIGKILL)
+        elif run is None and pid:
+            self.log.warning("Run %s (pid %s on %s) is not registered and cannot be killed from %s: if it still "
+                             "starts, stop it there (%s)", run_id, pid, host, socket.gethostname(), why)
 
     # -- the warm standby ------------------------------------------------------------------------------
     @property
@@ -385,7 +390,7 @@ class StreamJobController:
             self.driver.terminate(run)
         else:
             self.log.warning("Run %s ignored SIGTERM: %s", run_id, self.driver.kill(run))
-        return RunWait.within(timeout, run_id=run_id, job_id=run.job_id, until="ended", pid=run.pid,
+        return RunWait.within(timeout, run_id=run_id, job_id=run.job_id, until="ended", pid=run.pid, host=run.host,
                               started_at=run.started_at)
 
     def finish_stop(self, run_id: str, outcome: str, started: float) -> dict[str, Any]:

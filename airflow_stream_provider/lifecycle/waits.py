@@ -35,7 +35,8 @@ class RunWait:
 
     ``until``: ``ready`` (its query started), ``batch`` (it committed a batch with id >= ``min_batch_id``),
     or ``ended``.  ``idle``: also finish, as ``idle``, once the running query has nothing to read.
-    ``pid``/``log_path``: the process started for it, watched before the driver registers its row.
+    ``pid``/``host``/``log_path``: the process started for it and the host it runs on, watched before the
+    driver registers its row; the pid is checked only on that host.
     ``settle_s``: with ``ready``, once the query runs, wait up to this long more for the run's first batch to
     be over (committed, the run gone, or nothing to read) before ``ready``: a task resumed on a worker
     meanwhile would take CPU from the driver's first batch, the last step of a restart.
@@ -48,6 +49,7 @@ class RunWait:
     idle: bool = False
     min_batch_id: int = 0
     pid: int | None = None
+    host: str | None = None
     started_at: float | None = None
     log_path: str | None = None
     settle_s: float = 0.0
@@ -120,8 +122,7 @@ class RunWatch:
             return self._driver_alive(run) is not True
         if run is not None and self._driver_alive(run) is False:
             return True
-        pid = self.wait.pid
-        return pid is not None and not local_driver.process_alive(pid, self.wait.started_at)
+        return local_driver.launch_alive(self.wait.pid, self.wait.host, self.wait.started_at) is False
 
     def _idle_confirmed(self) -> bool:
         now = time.monotonic()

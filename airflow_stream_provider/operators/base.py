@@ -201,7 +201,7 @@ class StreamJobOperator(BaseOperator):
     def on_kill(self) -> None:
         """Stop what this task started and was waiting on: a half-started run, a dry run."""
         if self._in_flight:
-            self.controller.abandon(self._in_flight["run_id"], self._in_flight.get("pid"), "its task was killed")
+            self.controller.abandon(self._in_flight, "its task was killed")
 
     # -- waiting ----------------------------------------------------------------------------------------
     def wait_then(self, context, wait: RunWait, method: str, **state: Any) -> Any:
@@ -275,7 +275,7 @@ class StreamJobOperator(BaseOperator):
             result = self.controller.finish_launch(launch, self.outcome(event), float(self.ready_timeout))
         except (StreamJobError, AirflowFailException) as err:
             if event["outcome"] == "timeout":  # it never came up: don't leave it starting behind us
-                self.controller.abandon(launch["run_id"], launch.get("pid"), "its query did not start in time")
+                self.controller.abandon(launch, "its query did not start in time")
             _set_task_state(context, LAUNCH_KEY, None)
             if on_fail:
                 return self.resume(context, on_fail, err, carry)
@@ -377,7 +377,9 @@ def _still_starting(run: RunRecord | None, launch: dict[str, Any]) -> bool:
         return run.active
     from airflow_stream_provider import local_driver
 
-    return bool(launch.get("pid")) and local_driver.process_alive(launch["pid"], launch.get("submitted_at"))
+    # Started from another host: only its registration or the launch wait's deadline can tell.
+    return bool(launch.get("pid")) and local_driver.launch_alive(
+        launch["pid"], launch.get("host"), launch.get("submitted_at")) is not False
 
 
 def _task_state(context, key: str) -> Any:

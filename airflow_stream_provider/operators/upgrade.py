@@ -145,7 +145,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         if found.phase == UpgradePhase.PREFLIGHT:
             dry = ctx.get("preflight") or {}
             if dry.get("run_id"):
-                self.controller.abandon(dry["run_id"], dry.get("pid"), "its upgrade task was retried")
+                self.controller.abandon(dry, "its upgrade task was retried")
             if dry.get("root") and not self.keep_preflight_copy:
                 self.checkpoints_remove(dry["root"])
             ctx.pop("preflight", None)
@@ -202,8 +202,8 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         dry = replace(new.with_generation(generation), checkpoint_root=root, dry_run=True)
         launch = self.controller.submit_dry_run(self.application, dry)
         self._in_flight = launch
-        ctx["preflight"] = {"root": root, "run_id": launch["run_id"], "pid": launch["pid"],
-                            "log_path": launch["log_path"],
+        ctx["preflight"] = {"root": root, **{k: launch[k] for k in ("run_id", "pid", "host", "submitted_at",
+                                                                      "log_path")},
                             "reads_old_state": None if committed is None else max(committed, 1)}
         self.upgrades.move(ctx["upgrade_id"], UpgradePhase.PREFLIGHT, ctx)
         self.log.info("Preflight of version %s on a copy of generation %s (%s; batch %s replayed): run %s",

@@ -96,6 +96,24 @@ def test_the_idle_check_asks_kafka_at_most_every_few_seconds(monkeypatch):
     assert watch.poll() is None and len(asked) == 2
 
 
+def test_a_launch_pid_is_checked_only_on_the_host_that_started_it():
+    """A triggerer (or a resumed task) on another host has no such process: that is not the driver ending.
+    There only the run's row and the deadline decide."""
+    import socket
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    here = _watch([None, None], until="ready", pid=gone.pid, host=socket.gethostname(), started_at=time.time())
+    assert here.poll() is None and here.poll() == "ended"
+    elsewhere = _watch([None, None, None], until="ready", pid=gone.pid, host="another-host", started_at=time.time())
+    assert elsewhere.poll() is None and elsewhere.poll() is None
+    stopping = _watch([RUNNING, RUNNING], until="ended", alive=None, pid=gone.pid, host="another-host")
+    assert stopping.poll() is None and stopping.poll() is None
+    older = _watch([None, None], until="ready", pid=gone.pid, started_at=time.time())  # recorded without a host
+    assert older.poll() is None and older.poll() == "ended"
+
+
 def test_the_deadline_is_absolute():
     assert _watch([STARTING], timeout=-1).poll() == "timeout"
 
