@@ -23,6 +23,11 @@ kind's recovery MANUAL:    any              fail with the evidence: no automatic
 DATA_LOSS, POISON
 =========================  ===============  ==================================================================
 
+While an upgrade stops, starts, verifies or rolls back the job (``UPGRADE_IN_CHARGE``), a recovery does
+nothing: the upgrade's own task acts on the job, and a recovery beside it would start a second driver on the
+same checkpoint.  An upgrade whose record has not moved for ``UPGRADE_STALE_S`` lost its task; recoveries
+act again.
+
 A restart or a reset is first weighed against the restart budget (``budget.py``): out of budget
 (``max_restarts`` restarts within the window whose run never committed a batch), the recovery fails and
 says so; otherwise it waits the crash-loop backoff first.
@@ -38,8 +43,15 @@ from typing import Any
 from airflow_stream_provider.budget import RestartBudget, crash_loop_restarts
 from airflow_stream_provider.diagnosis import Diagnosis, Health
 from airflow_stream_provider.failures import Recovery
+from airflow_stream_provider.state.upgrades import UpgradePhase, UpgradeRecord
 
 ON_INCOMPATIBLE = ("reset", "fail")
+#: The phases in which an upgrade's task stops, starts, verifies or rolls back the job itself.
+UPGRADE_IN_CHARGE = (UpgradePhase.STOPPING, UpgradePhase.STARTING, UpgradePhase.VERIFYING,
+                     UpgradePhase.ROLLING_BACK)
+#: Longer than any one phase takes (its stop, its start, its verification: minutes each): an upgrade whose
+#: record has not moved for this long lost its task, and no longer keeps recoveries away.
+UPGRADE_STALE_S = 1800.0
 
 
 class RecoveryAction(StrEnum):
@@ -78,12 +90,25 @@ def history_since(budget: RestartBudget, now: float) -> float:
     return now - max(budget.window_s, budget.healthy_reset_s * 10)
 
 
+def upgrade_in_charge(upgrade: UpgradeRecord | None, now: float) -> bool:
+    """Whether ``upgrade`` (the job's latest) is acting on the job now: see ``UPGRADE_IN_CHARGE``."""
+    return upgrade is not None and upgrade.phase in UPGRADE_IN_CHARGE and now - upgrade.updated_at < UPGRADE_STALE_S
+
+
 def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBudget,
-                    history: Sequence[Mapping[str, Any]], now: float) -> RecoveryDecision:
-    """The recovery ``found`` calls for; ``history`` is the job's restarts since ``history_since``."""
+                    history: Sequence[Mapping[str, Any]], now: float,
+                    upgrade: UpgradeRecord | None = None) -> RecoveryDecision:
+    """The recovery ``found`` calls for; ``history`` is the job's restarts since ``history_since``,
+    ``upgrade`` the job's latest upgrade."""
     check_on_incompatible(on_incompatible)
     if found.health in (Health.STARTING, Health.HEALTHY, Health.STOPPED):
         return RecoveryDecision(RecoveryAction.NONE, f"the job is {found.health.value}: nothing to do")
+    if upgrade_in_charge(upgrade, now):
+        return RecoveryDecision(
+            RecoveryAction.NONE,
+            f"the job is {found.health.value}, and upgrade {upgrade.upgrade_id} to version {upgrade.to_version} "
+            f"is in phase {upgrade.phase.value}: the upgrade's task starts, verifies or rolls back the job "
+            "itself (a recovery beside it would start a second driver on the same checkpoint)")
     kind = found.failure_kind
     recovery = kind.recovery if kind else Recovery.RESTART  # DEAD and STUCK have no kind: restart
     if recovery == Recovery.MANUAL:

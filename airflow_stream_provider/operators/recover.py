@@ -12,6 +12,7 @@ from airflow_stream_provider.budget import RestartBudget
 from airflow_stream_provider.diagnosis import Health
 from airflow_stream_provider.operators.base import StreamJobOperator
 from airflow_stream_provider.recovery import RecoveryAction
+from airflow_stream_provider.state.upgrades import UpgradeLog
 
 ON_INCOMPATIBLE = recovery.ON_INCOMPATIBLE
 #: How long a warm standby may take to take a dead run over and start its query before a cold restart
@@ -26,6 +27,9 @@ class RecoverStreamingJobOperator(StreamJobOperator):
     ========================  =========================================================================
     STARTING, HEALTHY         nothing
     STOPPED                   nothing: a clean stop was asked for by someone
+    anything, while an        nothing: the upgrade's task acts on the job (``recovery.UPGRADE_IN_CHARGE``)
+    upgrade stops, starts,
+    verifies or rolls back
     DEAD, TRANSIENT,          restart from the checkpoint (Spark replays the unfinished batch, the sink
     RESOURCE, UNKNOWN,        skips what was committed), within the restart budget
     USER_CODE, CONCURRENT
@@ -83,8 +87,12 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         now = time.time()
         history = self.state.restarts_since(self.job.job_id, recovery.history_since(self.budget, now))
         decision = recovery.decide_recovery(found, on_incompatible=self.on_incompatible, budget=self.budget,
-                                            history=history, now=now)
+                                            history=history, now=now,
+                                            upgrade=UpgradeLog(self.state.store).latest(self.job.job_id))
         outcome = {"diagnosis": found.to_dict()}
+        if decision.action == RecoveryAction.NONE and found.health.needs_action:
+            self.log.info("Not recovering: %s", decision.why)
+            return {**outcome, "action": "none", "why": decision.why}
         if decision.action == RecoveryAction.NONE:
             standby = self.controller.ensure_standby(self.application) if found.health != Health.STOPPED else None
             return {**outcome, "action": "none", "standby": standby}

@@ -13,6 +13,7 @@ from airflow_stream_provider.recovery import (
     decide_recovery,
     history_since,
 )
+from airflow_stream_provider.state.upgrades import UpgradePhase, UpgradeRecord
 
 NOW = 1_800_000_000.0
 BUDGET = RestartBudget(max_restarts=3, window_s=1800, backoff_base_s=5, backoff_max_s=300, healthy_reset_s=600)
@@ -25,8 +26,13 @@ def _found(health: Health, kind: FailureKind | None = None, **overrides) -> Diag
     return Diagnosis("j", health, kind, **values)
 
 
-def _decide(found: Diagnosis, on_incompatible: str = "reset", history=()):
-    return decide_recovery(found, on_incompatible=on_incompatible, budget=BUDGET, history=list(history), now=NOW)
+def _decide(found: Diagnosis, on_incompatible: str = "reset", history=(), upgrade=None):
+    return decide_recovery(found, on_incompatible=on_incompatible, budget=BUDGET, history=list(history), now=NOW,
+                           upgrade=upgrade)
+
+
+def _upgrade(phase: UpgradePhase, age: float = 30.0) -> UpgradeRecord:
+    return UpgradeRecord("u1", "j", "1.0", "2.0", phase, None, {}, NOW - 600, NOW - age)
 
 
 def _restarts(*ages: float, committed: bool = False) -> list[dict]:
@@ -142,3 +148,22 @@ def test_misspelt_on_incompatible_is_refused_with_the_choices(value):
         check_on_incompatible(value)
     with pytest.raises(ValueError, match="is not one of reset, fail"):
         _decide(_found(Health.HEALTHY), value)  # refused even when nothing is to be done
+
+
+@pytest.mark.parametrize("phase", [UpgradePhase.STOPPING, UpgradePhase.STARTING, UpgradePhase.VERIFYING,
+                                   UpgradePhase.ROLLING_BACK])
+@pytest.mark.parametrize(("health", "kind"), [(Health.DEAD, None), (Health.FAILED, FailureKind.USER_CODE),
+                                              (Health.FAILED, FailureKind.CHECKPOINT_INCOMPATIBLE)])
+def test_an_upgrade_acting_on_the_job_is_left_to_its_task(phase, health, kind):
+    """The new version failing its start or its verification is the upgrade's to roll back: a restart beside
+    it would start a second driver on the same checkpoint (the old version, from the recorded launch)."""
+    decision = _decide(_found(health, kind), upgrade=_upgrade(phase), history=_restarts(100, 200, 300))
+    assert decision.action == RecoveryAction.NONE
+    assert f"upgrade u1 to version 2.0 is in phase {phase.value}: the upgrade's task starts" in decision.why
+
+
+@pytest.mark.parametrize("upgrade", [_upgrade(UpgradePhase.PREFLIGHT), _upgrade(UpgradePhase.DONE),
+                                     _upgrade(UpgradePhase.STARTING, age=1801)])
+def test_a_preflight_a_finished_upgrade_or_one_that_lost_its_task_does_not_hold_a_recovery(upgrade):
+    """A preflight leaves the old version running: if it dies meanwhile, it is restarted as ever."""
+    assert _decide(_found(Health.DEAD), upgrade=upgrade).action == RecoveryAction.RESTART

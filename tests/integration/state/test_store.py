@@ -83,6 +83,30 @@ def test_a_lost_checkpoint_is_named_in_the_recovery_diagnosis(state_store, tmp_p
     assert not any("it was lost" in line for line in recover.diagnose().evidence)
 
 
+def test_a_recovery_leaves_a_job_to_the_upgrade_that_is_starting_it(state_store, tmp_path):
+    """The new version failed as it started: the watcher fires, and ``stream_health``'s recover would restart
+    the old version from its recorded launch while the upgrade's task rolls back to it.  It does nothing
+    while the upgrade's record says it acts on the job, and says why."""
+    from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
+    from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
+
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path / "checkpoints"),
+            "kafka": {"topics": ["events"]}}
+    ticket = state_store.begin_run("job", 1, "2.0")
+    state_store.finish_run(ticket.run_id, status="FAILED", exit_code=1, failure_kind="USER_CODE",
+                           message="a bug in version 2.0")
+    upgrades = UpgradeLog(state_store)
+    upgrade_id = upgrades.begin("job", "1.0", "2.0", {})
+    upgrades.move(upgrade_id, UpgradePhase.STARTING, {})
+    recover = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="job.py")
+
+    outcome = recover.execute({})
+
+    assert outcome["action"] == "none" and "is in phase STARTING" in outcome["why"], outcome
+    assert [r.run_id for r in state_store.runs("job")] == [ticket.run_id]  # nothing started
+    assert state_store.restarts_since("job", 0) == []
+
+
 def test_a_state_database_of_an_older_release_gains_the_new_columns_in_place(store):
     """An older release created ``stream_runs`` without ``ui_url``: the next start adds the column, and
     the runs recorded before read it as None.  A second start (or a racing one) changes nothing."""
