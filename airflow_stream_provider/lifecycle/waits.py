@@ -7,10 +7,13 @@ task resumed after a worker crash keeps the original bound instead of starting t
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
+
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from airflow_stream_provider import local_driver
 from airflow_stream_provider.lifecycle.driver_log import DriverLogFollower
@@ -27,6 +30,11 @@ IDLE_CONFIRM_S = 5.0
 #: How often the idle check asks Kafka (each ask opens a consumer): a few times per confirmation window.
 CAUGHT_UP_EVERY_S = 1.5
 POLL_INTERVAL_S = 0.5
+#: What a state database that does not answer raises (a restart, a failover, a locked SQLite file): a wait
+#: rides it out until its deadline.
+DATABASE_OUTAGE = (OperationalError, InterfaceError)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,7 @@ class RunWatch:
         self._gone_polls = 0
         self._secrets = secrets
         self._log: DriverLogFollower | None = None
+        self._outage_since: float | None = None
         self.run: RunRecord | None = None
 
     def poll(self) -> Outcome | None:
@@ -105,6 +114,26 @@ class RunWatch:
         if time.time() >= wait.deadline:
             return "ready" if settling else "timeout"
         return None
+
+    def poll_through_outages(self) -> Outcome | None:
+        """``poll``, riding out a state database that does not answer until the wait's deadline: a failed read
+        is neither the run's end nor its launch's failure (either would have a task give up on a healthy
+        driver, or roll an upgrade back).  Past the deadline the database's error is raised."""
+        try:
+            outcome = self.poll()
+        except DATABASE_OUTAGE as err:
+            if time.time() >= self.wait.deadline:
+                raise
+            if self._outage_since is None:
+                self._outage_since = time.monotonic()
+                log.warning("Waiting on run %s: the state database does not answer (%s); trying again until "
+                            "the wait's deadline", self.wait.run_id, str(err).splitlines()[0][:300])
+            return None
+        if self._outage_since is not None:
+            log.info("Waiting on run %s: the state database answers again after %.0fs", self.wait.run_id,
+                     time.monotonic() - self._outage_since)
+            self._outage_since = None
+        return outcome
 
     def _settled(self, run: RunRecord) -> bool:
         """The query ran (``ready``) and, with ``settle_s``, its first batch is over, no batch is coming (Kafka
@@ -148,7 +177,7 @@ class RunWatch:
         """Poll until decided (the blocking path of ``deferrable=False``), handing ``show`` each new line
         of the driver log."""
         while True:
-            outcome = self.poll()
+            outcome = self.poll_through_outages()
             for line in self.driver_log() if show else ():
                 show(line)
             if outcome is not None:

@@ -19,8 +19,9 @@ from airflow_stream_provider.lifecycle.waits import POLL_INTERVAL_S, RunWait
 
 class StreamRunTrigger(BaseTrigger):
     """Fire once ``wait`` is decided (or, without a wait, after ``pause_s``), with
-    ``{"outcome": ..., "run_id": ..., "resume": resume}``; an error reading the state database fires
-    ``{"outcome": "error", "message": ...}`` so the task fails with it instead of hanging.
+    ``{"outcome": ..., "run_id": ..., "resume": resume}``.  A state database that does not answer is waited
+    out until the wait's deadline; then, or on any other error, it fires ``{"outcome": "error", "message":
+    ...}`` so the task fails with it instead of hanging.
 
     ``resume`` is the deferred flow's own state (the method to continue in and its arguments), carried in
     the event: ``dag.test()`` hands the resumed method the event alone, not the deferral's kwargs.
@@ -58,7 +59,7 @@ class StreamRunTrigger(BaseTrigger):
         try:
             while True:
                 try:
-                    outcome = await asyncio.to_thread(watch.poll)
+                    outcome = await asyncio.to_thread(watch.poll_through_outages)
                 except Exception as err:
                     yield {"outcome": "error", "run_id": self.wait.run_id,
                            "message": f"waiting on run {self.wait.run_id}: {err!r}"}
