@@ -108,13 +108,14 @@ class StreamJobController:
                 f"from the stored offsets"]
 
     def live_run(self) -> RunRecord | None:
-        """The latest run if its driver is alive (by process check or fresh heartbeat)."""
+        """The latest run if its driver is alive (by process check or fresh heartbeat): not one found dead, nor
+        one asked to stop whose driver is gone."""
         run = self.state.latest_run(self.job_id)
         if run is None or not run.active:
             return None
         found = diagnosis.diagnose(self.job_id, run, driver_alive=self.driver.is_alive(run), lag=None,
                                    thresholds=self.thresholds)
-        return None if found.health == Health.DEAD else run
+        return None if found.health in (Health.DEAD, Health.STOPPED) else run
 
     def get_run(self, run_id: str) -> RunRecord | None:
         return self.state.store.get_run(run_id)

@@ -59,6 +59,30 @@ def test_a_run_found_dead_is_recorded_dead(state_store):
     assert run.status == "DEAD" and f"pid {gone.pid}" in run.termination_message, run
 
 
+def test_a_run_asked_to_stop_whose_driver_is_gone_is_recorded_ended_and_is_not_live(state_store, tmp_path):
+    """The stop's task died with it (or could not record the end): the next health check records the run's
+    end, STOPPED as asked, and a restart or an upgrade does not wait on it as a live run."""
+    from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    ticket = state_store.begin_run("job", 1, "1.0", host=socket.gethostname(), pid=gone.pid)
+    state_store.mark_query_started(ticket.run_id)
+    state_store.request_stop(ticket.run_id)
+    probe = HealthProbe.connect("job", ["events"], "stream_state_default", "stream_kafka_default", Thresholds())
+    try:
+        found = probe.check()
+    finally:
+        probe.close()
+    assert found.health == Health.STOPPED and "was asked to stop" in found.evidence[0], found
+    run = state_store.get_run(ticket.run_id)
+    assert run.status == "DEAD" and "did not stop cleanly" in run.termination_message, run
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    recover = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="job.py")
+    assert recover.live_run() is None
+    assert recover.diagnose().health == Health.STOPPED
+
+
 def test_a_lost_checkpoint_is_named_in_the_recovery_diagnosis(state_store, tmp_path):
     """A run that committed batches, then failed, on a generation whose checkpoint holds no batch any
     more: the recover task's diagnosis says the checkpoint was lost before it restarts."""
