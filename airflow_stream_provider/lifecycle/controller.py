@@ -397,11 +397,22 @@ class StreamJobController:
     def finish_stop(self, run_id: str, outcome: str, started: float) -> dict[str, Any]:
         """``outcome``: stopped | terminated | killed: how far the escalation went."""
         final = self.get_run(run_id)
-        if final.active and self.driver.is_alive(final) is False:
+        alive = self.driver.is_alive(final)
+        if final.active and alive is False:
             # Gone without recording an end: it died during the stop (or was killed).
             outcome = "died" if outcome == "stopped" else outcome
             self.state.store.mark_dead(run_id, f"driver gone during a graceful stop ({outcome})")
             final = self.get_run(run_id)
+        elif final.active and outcome == "killed" and (alive or not final.submission_id) and self.live_run():
+            # Still there after the kill: alive here, or on another host, where nothing here could signal it
+            # and its heartbeat is still fresh.  Whatever comes next (a restart, a reset, an upgrade's new
+            # version) must not start a second driver beside it.
+            where = "is still alive" if alive else f"cannot be signalled from {socket.gethostname()}"
+            raise StreamJobError(
+                f"job {final.job_id} run {run_id} did not stop: its driver (pid {final.pid} on {final.host}) "
+                f"ignored the stop marker, {where}, and its heartbeat is "
+                f"{time.time() - (final.heartbeat_at or final.started_at or time.time()):.0f}s old. Kill it on "
+                f"{final.host} (kill -9 -- -{final.pid}), then retry this task; nothing was started beside it")
         return {"job_id": final.job_id, "run_id": run_id, "outcome": outcome, "exit_code": final.exit_code,
                 "status": final.status.value, "seconds": round(time.time() - started, 1)}
 

@@ -83,6 +83,29 @@ def test_a_run_asked_to_stop_whose_driver_is_gone_is_recorded_ended_and_is_not_l
     assert recover.diagnose().health == Health.STOPPED
 
 
+def test_a_stop_that_cannot_reach_its_driver_fails_instead_of_going_on(state_store, tmp_path):
+    """A driver on another host that ignored the stop marker: nothing here can signal it, and its heartbeat
+    is fresh.  The restart, reset or upgrade that asked for the stop must not start a second driver beside
+    it; the stop fails and says where to kill it.  Once its heartbeat is stale it is taken for gone."""
+    import pytest
+
+    from airflow_stream_provider.lifecycle.controller import StreamJobError
+    from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
+
+    ticket = state_store.begin_run("job", 1, "1.0", host="another-host", pid=4242)
+    state_store.mark_query_started(ticket.run_id)
+    state_store.request_stop(ticket.run_id)
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    controller = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="job.py").controller
+
+    with pytest.raises(StreamJobError, match=r"did not stop: its driver \(pid 4242 on another-host\) ignored the "
+                                             r"stop marker, cannot be signalled from .*Kill it on another-host "
+                                             r"\(kill -9 -- -4242\), then retry this task"):
+        controller.finish_stop(ticket.run_id, "killed", 0.0)
+    state_store._update_run(ticket.run_id, heartbeat_at=1000.0)  # silent since: gone, as far as anyone can tell
+    assert controller.finish_stop(ticket.run_id, "killed", 0.0)["outcome"] == "killed"
+
+
 def test_a_lost_checkpoint_is_named_in_the_recovery_diagnosis(state_store, tmp_path):
     """A run that committed batches, then failed, on a generation whose checkpoint holds no batch any
     more: the recover task's diagnosis says the checkpoint was lost before it restarts."""
