@@ -7,6 +7,8 @@ Pure (no airflow, no pyspark): the sensors, triggers, operators and the command 
 from __future__ import annotations
 
 import enum
+import functools
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -125,7 +127,7 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
         raise ValueError(f"unknown run status {status!r}")
     starting = status == STARTING or not run.query_started_at
     # Heartbeats begin once the query runs: a starting driver is bounded by the start timeout instead.
-    limit = thresholds.start_timeout_s if starting else thresholds.heartbeat_timeout_s
+    limit = thresholds.start_timeout_s if starting else heartbeat_timeout(run, thresholds)
     # A process that is provably alive is never DEAD for a late heartbeat: on a loaded host, or in a long
     # GC pause, heartbeats lag.  Silent past ``stuck_after`` it is STUCK (below) and is restarted as such.
     if driver_alive is False or (driver_alive is None and heartbeat_age > limit):
@@ -167,6 +169,21 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
     return Diagnosis(job_id, Health.HEALTHY, **base,
                      evidence=[f"heartbeat {heartbeat_age:.0f}s ago", f"last batch {run.last_batch_id}",
                                f"lag {lag}"])
+
+
+def heartbeat_timeout(run: RunRecord, thresholds: Thresholds) -> float:
+    """The longer of the watcher's heartbeat timeout and the one the run was launched with (its spec's
+    ``heartbeat_timeout_seconds``, as its standby uses): a job set to heartbeat slowly is not dead between two
+    heartbeats because a sensor kept the default."""
+    return max(thresholds.heartbeat_timeout_s, _spec_heartbeat_timeout(run.spec))
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_heartbeat_timeout(spec_json: str | None) -> float:
+    try:
+        return float(json.loads(spec_json).get("heartbeat_timeout_seconds") or 0.0) if spec_json else 0.0
+    except (ValueError, TypeError, AttributeError):  # a spec recorded by another release: the threshold decides
+        return 0.0
 
 
 def _stopped_as_asked(job_id: str, run: RunRecord, gone: str, base: dict[str, Any]) -> Diagnosis:

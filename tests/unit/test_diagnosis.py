@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -63,6 +64,22 @@ def test_dead_by_heartbeat_age_where_the_process_cannot_be_checked():
     found = diagnose("j", _run(heartbeat_at=NOW - 45), driver_alive=None, lag=0, now=NOW,
                      thresholds=Thresholds(heartbeat_timeout_s=30))
     assert found.health == Health.DEAD and "45s old" in found.evidence[0]
+
+
+def test_a_run_launched_with_a_longer_heartbeat_timeout_is_judged_by_it():
+    """A job set to heartbeat every 30 s (timeout 90 s): a sensor or operator left at its 30 s default would
+    find it dead between two heartbeats, and restart a healthy driver on another host."""
+    spec = json.dumps({"job_id": "j", "heartbeat_seconds": 30.0, "heartbeat_timeout_seconds": 90.0})
+    thresholds = Thresholds(heartbeat_timeout_s=30)
+    between = diagnose("j", _run(heartbeat_at=NOW - 45, spec=spec), driver_alive=None, lag=0, now=NOW,
+                       thresholds=thresholds)
+    assert between.health == Health.HEALTHY
+    silent = diagnose("j", _run(heartbeat_at=NOW - 95, spec=spec), driver_alive=None, lag=0, now=NOW,
+                      thresholds=thresholds)
+    assert silent.health == Health.DEAD and "95s old (timeout 90s)" in silent.evidence[0]
+    longer = diagnose("j", _run(heartbeat_at=NOW - 95, spec=spec), driver_alive=None, lag=0, now=NOW,
+                      thresholds=Thresholds(heartbeat_timeout_s=120))  # the longer of the two
+    assert longer.health == Health.HEALTHY
 
 
 def test_a_live_process_with_a_late_heartbeat_is_not_dead():
