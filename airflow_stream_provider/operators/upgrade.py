@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import cached_property
 from typing import Any, Literal
 
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from airflow_stream_provider import kafka_offsets, upgrade
 from airflow_stream_provider import spec as spec_module
@@ -95,6 +97,31 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
     @cached_property
     def upgrades(self) -> UpgradeLog:
         return UpgradeLog(self.state.store)
+
+    # -- a prewarmed successor never outlives the upgrade's failure ---------------------------------------
+    def execute(self, context) -> Any:
+        with self._successor_ended_on_failure():
+            return super().execute(context)
+
+    def execute_complete(self, context, event: dict[str, Any]) -> Any:
+        with self._successor_ended_on_failure():
+            return super().execute_complete(context, event)
+
+    @contextmanager
+    def _successor_ended_on_failure(self) -> Iterator[None]:
+        """A successor waits for its release without end: an upgrade failing before it releases it (stored
+        offsets Kafka lost, found at the decision; a preflight whose wait fails; a reset that cannot archive)
+        ends it, or it would hold a third driver's resources until someone stopped the job.  A retry then
+        starts the new version cold.  The upgrade's record holds the successor until its release."""
+        try:
+            yield
+        except TaskDeferred:
+            raise
+        except BaseException:
+            found = self.upgrades.latest(self.new_spec.job_id)
+            if found is not None and found.detail.get("successor"):
+                self.controller.end_successor(found.detail["successor"], "the upgrade failed before releasing it")
+            raise
 
     def _phase(self, ctx: dict[str, Any], phase: UpgradePhase, result: str | None = None) -> None:
         ctx["phase"] = phase.value

@@ -106,6 +106,34 @@ def test_a_stop_that_cannot_reach_its_driver_fails_instead_of_going_on(state_sto
     assert controller.finish_stop(ticket.run_id, "killed", 0.0)["outcome"] == "killed"
 
 
+def test_an_upgrade_failing_before_it_releases_its_successor_ends_it(state_store, tmp_path):
+    """A prewarmed successor waits for its release without end.  The upgrade's preflight wait fails (the
+    trigger's error event, past its deadline): the task fails, and the successor is asked to end, not left
+    holding a driver's resources beside the job."""
+    import pytest
+
+    from airflow_stream_provider.lifecycle.controller import StreamJobError
+    from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
+    from airflow_stream_provider.state.standbys import SUCCESSOR, StandbyLog, StandbyStatus
+    from airflow_stream_provider.state.upgrades import UpgradeLog
+
+    standbys = StandbyLog(state_store)
+    standbys.register("successor-1", "job", "2.0", 1, host=socket.gethostname(), pid=4242, log_path=None,
+                      role=SUCCESSOR)
+    ctx = {"successor": {"standby_id": "successor-1"}, "preflight": {"run_id": "dry-1", "root": str(tmp_path)}}
+    ctx["upgrade_id"] = UpgradeLog(state_store).begin("job", "1.0", "2.0", ctx)
+    spec = {"job_id": "job", "version": "2.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    operator = UpgradeStreamingJobOperator(task_id="upgrade", spec=spec, application="job.py", prewarm=True)
+    event = {"outcome": "error", "run_id": "dry-1", "message": "waiting on run dry-1: the database is gone",
+             "resume": {"method": "_dry_run_waited", "state": {"ctx": ctx}}}
+
+    with pytest.raises(StreamJobError, match="the database is gone"):
+        operator.execute_complete({}, event)
+
+    ended = standbys.get("successor-1")
+    assert ended.status == StandbyStatus.ENDED and "the upgrade failed before releasing it" in ended.message
+
+
 def test_a_lost_checkpoint_is_named_in_the_recovery_diagnosis(state_store, tmp_path):
     """A run that committed batches, then failed, on a generation whose checkpoint holds no batch any
     more: the recover task's diagnosis says the checkpoint was lost before it restarts."""
