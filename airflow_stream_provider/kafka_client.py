@@ -202,11 +202,19 @@ def read_range_batches(
             return
 
 
+#: How long a consumer-group commit may take.  kafka-python retries a retriable error (a deleted topic's
+#: UnknownTopicOrPartitionError, a coordinator moving) for 30 s by default, which held the job that long,
+#: for an informational write, after every batch that committed such a partition.
+GROUP_COMMIT_TIMEOUT_MS = 5_000
+
+
 def commit_group(bootstrap: str, options: Mapping[str, object], group_id: str, positions: Offsets) -> None:
     """Commit next offsets to a consumer group so standard lag tools (kafka-consumer-groups, Burrow) see
-    the job's progress.  Informational only: the stored offsets in the database are the truth."""
+    the job's progress.  Informational only: the stored offsets in the database are the truth; a commit
+    that does not succeed within ``GROUP_COMMIT_TIMEOUT_MS`` raises (KafkaTimeoutError)."""
     from kafka import TopicPartition
     from kafka.structs import OffsetAndMetadata
 
     client = consumer(bootstrap, options, group_id=group_id)
-    client.commit({TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in positions.items()})
+    client.commit({TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in positions.items()},
+                  timeout_ms=GROUP_COMMIT_TIMEOUT_MS)

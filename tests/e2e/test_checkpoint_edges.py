@@ -7,11 +7,13 @@ records Kafka no longer has, knowingly skipped) and a job that keeps running.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 from pathlib import Path
 
 import pytest
+from kafka.errors import TopicAlreadyExistsError
 from sqlalchemy import select, text
 
 from airflow_stream_provider import failures
@@ -192,6 +194,46 @@ def test_python_source_skips_lost_ranges_when_loss_is_accepted(broker, topic, ru
     }
     log = Path(driver.log_path).read_text(errors="replace")
     assert "failOnDataLoss=false" in log, runner.log_tail(driver)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_topic_deleted_under_a_running_job_is_read_again_from_its_new_start(broker, topic, runner):
+    """The topic is deleted under a running job and written again: the new log's records are fresh, not a
+    replay of what the old log held at those offsets, and the skipped rest of the old log is on record.
+    The job's informational consumer-group commit fails on the deleted topic: it gives up after a few
+    seconds instead of holding the job."""
+    _small_batches(runner, fail_on_data_loss=False)
+    producer = EventProducer(broker, topic)
+    producer.send(600)
+    driver = runner.start()
+    runner.wait_caught_up(_end(producer), driver)
+    old = runner.store.stored_offsets(runner.spec.job_id)
+
+    broker.delete_topic(topic)
+    log = Path(driver.log_path)
+    wait_until(lambda: "offsets went backwards" in log.read_text(errors="replace"), 120,
+               "a batch planned on the deleted topic", on_timeout=lambda: runner.log_tail(driver))
+    # While the topic is gone the broker refuses the group commit of the batch that moved the offsets back:
+    # it gives up after GROUP_COMMIT_TIMEOUT_MS (5 s), not after kafka-python's default of 30 s, which held the
+    # job that long for every such batch
+    wait_until(lambda: "could not commit offsets to the consumer group" in log.read_text(errors="replace"), 20,
+               "the group commit to give up", on_timeout=lambda: runner.log_tail(driver))
+    with contextlib.suppress(TopicAlreadyExistsError):  # Tansu lists a deleted topic again, empty, when asked
+        broker.create_topic(topic, 3)
+    recreated = EventProducer(broker, topic, seed=99)
+    recreated.sent = 100_000
+    recreated.send(60)
+    runner.wait_caught_up(_end(recreated), driver)
+    assert runner.stop(driver) == failures.EXIT_STOPPED, runner.log_tail(driver)
+
+    with runner.store.engine.connect() as conn:
+        stored_events = {r.event_id for r in conn.execute(text("SELECT event_id FROM events"))}
+        losses = conn.execute(select(schema.accepted_losses).where(
+            schema.accepted_losses.c.job_id == runner.spec.job_id)).all()
+    assert stored_events == set(producer.produced.events) | set(recreated.produced.events)
+    assert {(r.topic, r.partition): (r.start_offset, r.resume_offset) for r in losses} == {
+        tp: (o, 0) for tp, o in old.items()
+    }
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
