@@ -95,6 +95,8 @@ class KafkaStreamReader(DataSourceStreamReader):
         self.read_tasks = int(tasks) if tasks else None
         #: records the previous batch planned: fewer than a first batch's size keeps the next small (``batch_limit``)
         self.previous_batch_records: int | None = None
+        #: partitions Kafka no longer has, already reported by ``_check_data_loss``
+        self.reported_vanished: set[tuple[str, int]] = set()
 
     # -- driver side: planning ---------------------------------------------------------------------
     def _consumer(self):
@@ -152,15 +154,22 @@ class KafkaStreamReader(DataSourceStreamReader):
                 f"{json.dumps([r.to_dict() for r in lost])}. Set failOnDataLoss=false only if losing them "
                 f"is acceptable."
             )
-        log.warning("Skipping records that Kafka no longer has (failOnDataLoss=false): %s", detail)
+        vanished = {(r.topic, r.partition) for r in lost if (r.topic, r.partition) not in latest}
+        news = [r for r in lost if (r.topic, r.partition) not in self.reported_vanished]
+        if news:  # a partition that stays gone is planned every trigger: said once
+            log.warning("Skipping records that Kafka no longer has (failOnDataLoss=false): %s",
+                        "; ".join(r.describe() for r in news))
+        self.reported_vanished = vanished
         moved = dict(position)
         for r in lost:
             tp = (r.topic, r.partition)
-            if tp not in latest:
-                del moved[tp]
-            else:  # below retention, or the log went backwards (topic recreated): everything Kafka holds
-                # from its earliest offset on is unread
-                moved[tp] = earliest[tp]
+            if tp in latest:  # below retention, or the log went backwards (topic recreated): everything
+                moved[tp] = earliest[tp]  # Kafka holds from its earliest offset on is unread
+            # A partition Kafka no longer has keeps its position, with nothing to read: should its topic come
+            # back, the next plan finds the new log's end below it (the log went backwards), and the sink
+            # records the loss and applies the new log from its start.  Dropped, the partition would come
+            # back as a new one with no start, and the sink would take the new log's first records, up to
+            # the stored offset, for a replay of the old log's.
         return moved
 
     def partitions(self, start: dict, end: dict) -> list[KafkaReadTask]:
