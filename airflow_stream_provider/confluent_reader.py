@@ -24,6 +24,7 @@ from airflow_stream_provider.kafka_client import (
     kafka_properties,
     read_failed,
     read_stalled,
+    read_truncated,
 )
 
 READER = "confluent-kafka"
@@ -84,9 +85,7 @@ def read_range_columns(config: dict[str, object], topic: str, partition: int, st
                 if error is not None:
                     if error.code() == KafkaError._PARTITION_EOF:
                         if message.offset() < end:  # planned from the log's end: records are gone
-                            raise read_failed(topic, partition, start, end, (
-                                f"the log ends at offset {message.offset()}, before the range does "
-                                f"(retention, or a recreated topic)"))
+                            raise read_truncated(topic, partition, start, end, message.offset())
                         # a range planned up to the log's end is complete (trailing transaction
                         # markers leave no record to see)
                         position = end

@@ -69,6 +69,18 @@ def read_failed(topic: str, partition: int, start: int, end: int, why: str) -> K
     return KafkaReadError(f"reading {topic}-{partition} [{start}, {end}) failed: {why}")
 
 
+def read_truncated(topic: str, partition: int, start: int, end: int, log_end: int) -> KafkaReadError:
+    """The partition's log ends before a range planned earlier does (a replay after retention, an unclean
+    leader election or a recreated topic): data loss, in the words of Spark's own Kafka source, not an
+    unreachable broker that a restart would wait out."""
+    return KafkaReadError(
+        f"[KAFKA_DATA_LOSS.COULD_NOT_READ_OFFSET_RANGE] reading {topic}-{partition} [{start}, {end}): the log "
+        f"ends at offset {log_end}, before the range does. Some data may have been lost because they are not "
+        f"available in Kafka any more: records [{max(log_end, start)}, {end}) (retention, an unclean leader "
+        f"election, or a recreated topic)"
+    )
+
+
 def read_stalled(topic: str, partition: int, start: int, end: int, position: int, seconds: float
                  ) -> KafkaReadError:
     return KafkaReadError(
@@ -185,7 +197,8 @@ def read_range_batches(
         if now > position:
             position, advanced_at = now, time.monotonic()
         elif time.monotonic() - advanced_at > STALL_TIMEOUT_S:
-            raise read_stalled(topic, partition, start, end, position, STALL_TIMEOUT_S)
+            raise _log_ended(client, tp, start, end) or read_stalled(
+                topic, partition, start, end, position, STALL_TIMEOUT_S)
         try:
             batch = client.poll(timeout_ms=500, max_records=min(MAX_POLL_RECORDS, end - now))
         except KafkaError as err:
@@ -206,6 +219,17 @@ def read_range_batches(
 #: UnknownTopicOrPartitionError, a coordinator moving) for 30 s by default, which held the job that long,
 #: for an informational write, after every batch that committed such a partition.
 GROUP_COMMIT_TIMEOUT_MS = 5_000
+
+
+def _log_ended(client: KafkaConsumer, tp, start: int, end: int) -> KafkaReadError | None:
+    """Why a read stopped advancing when it is not the broker: its log ends before the range does."""
+    from kafka.errors import KafkaError
+
+    try:
+        log_end = client.end_offsets([tp])[tp]
+    except KafkaError:  # the broker does not answer that either: the read stalled
+        return None
+    return read_truncated(tp.topic, tp.partition, start, end, log_end) if log_end < end else None
 
 
 def commit_group(bootstrap: str, options: Mapping[str, object], group_id: str, positions: Offsets) -> None:

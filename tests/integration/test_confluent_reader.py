@@ -1,5 +1,6 @@
 """The fast reader (confluent-kafka) against the default (kafka-python) on a real broker: the same
-records of every range, column for column, and a clear error for a range the broker no longer has."""
+records of every range, column for column, and a clear error for a range the broker no longer has, or no
+longer has in full."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import uuid
 import pytest
 from kafka import KafkaProducer
 
-from airflow_stream_provider import confluent_reader
+from airflow_stream_provider import confluent_reader, failures, kafka_client
+from airflow_stream_provider.failures import FailureKind
 from airflow_stream_provider.kafka_client import Columns, KafkaReadError
 from tests.integration.ranges import joined, read_kafka_python
 
@@ -58,3 +60,20 @@ def test_a_range_the_broker_does_not_have_is_a_read_error_not_a_hang(log, monkey
         list(confluent_reader.read_range_columns(confluent_reader.client_config(bootstrap, {}), topic, 0,
                                                  RECORDS + 10, RECORDS + 20))
     assert time.monotonic() - asked < 15
+
+
+@pytest.mark.parametrize("read", [read_kafka_python, _confluent], ids=["kafka-python", "confluent-kafka"])
+def test_a_range_that_ends_past_the_log_is_data_loss_not_an_unreachable_broker(log, monkeypatch, read):
+    """A replayed batch whose records the log no longer holds in full (retention, an unclean leader
+    election, a recreated topic): the read fails as data loss, naming the records gone, and the job is not
+    restarted again and again as if Kafka were away."""
+    monkeypatch.setattr(kafka_client, "STALL_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(confluent_reader, "STALL_TIMEOUT_S", 3.0)
+    bootstrap, topic = log
+    with pytest.raises(KafkaReadError) as raised:
+        read(bootstrap, topic, RECORDS - 10, RECORDS + 20)
+    message = str(raised.value)
+    assert f"reading {topic}-0 [{RECORDS - 10}, {RECORDS + 20}): the log ends at offset {RECORDS}" in message
+    assert f"records [{RECORDS}, {RECORDS + 20}) (retention" in message
+    found = failures.classify(f"KafkaReadError: {message}")
+    assert (found.kind, found.signature) == (FailureKind.DATA_LOSS, "kafka-data-loss"), found

@@ -67,6 +67,12 @@ SAMPLES: dict[str, tuple[str, ...]] = {
         ),
     ),
     "kafka-data-loss": (
+        (  # the Python source's readers, inside a read task's Python worker traceback
+            "pyspark.errors.exceptions.captured.PythonException: An exception was thrown from the Python worker.\n"
+            "airflow_stream_provider.kafka_client.KafkaReadError: [KAFKA_DATA_LOSS.COULD_NOT_READ_OFFSET_RANGE] "
+            "reading events-0 [230, 260): the log ends at offset 240, before the range does. Some data may have "
+            "been lost because they are not available in Kafka any more: records [240, 260)"
+        ),
         (
             "[KAFKA_DATA_LOSS.START_OFFSET_RESET] Some data may have been lost because they are not available "
             "in Kafka any more; either the data was aged out by Kafka or the topic may have been deleted "
