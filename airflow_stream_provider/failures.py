@@ -487,6 +487,25 @@ SIGNATURES: tuple[Signature, ...] = (
         advice="A network connection failed (HDFS, a database, a broker): check the service named in the "
         "evidence; a restart with backoff resumes from the checkpoint.",
     ),
+    # -- the job's results and the tables they go to -----------------------------------------------------
+    Signature(
+        name="result-table-mismatch",
+        kind=FailureKind.USER_CODE,
+        error_classes=(),
+        patterns=(
+            r"\btable \S+ has no column named \S+",  # SQLite
+            r"\bno such column: \S+",
+            r"\bON CONFLICT clause does not match any PRIMARY KEY or UNIQUE constraint",
+            r"\bpsycopg2?\.errors\.(?:UndefinedColumn|InvalidColumnReference)\b",  # PostgreSQL
+            r'\bcolumn "[^"]+" of relation "[^"]+" does not exist',
+            r"\bno unique or exclusion constraint matching the ON CONFLICT specification",
+        ),
+        advice="The job's results do not fit the result table they go to: a column the table lacks, or a key "
+        "it has no unique constraint on. The table was made by an earlier version of the job, and an existing "
+        "table is left as it is. Migrate it (ALTER TABLE ... ADD COLUMN, a unique index on the new key), or "
+        "write the new results to a table of a new name. The failed batch committed nothing: a restart after "
+        "the migration applies it.",
+    ),
     # -- the job's own code: last, so that the infrastructure errors it wraps win --------------------
     Signature(
         name="python-user-code",

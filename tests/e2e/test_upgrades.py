@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_stream_provider import kafka_offsets
+from airflow_stream_provider import failures, kafka_offsets
 from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
 from stack.events import EventProducer, Trickle
 from stack.jobs import EVENTS_JOB, JOB_DEPS, check_exactly_once, wait_until
@@ -225,6 +225,10 @@ def test_compatible_upgrades_keep_the_checkpoint_and_a_broken_one_is_rolled_back
     tried = [r for r in runs(state, job_id) if r.version == "2.0"]
     assert [r.dry_run for r in tried] == [True, False], tried
     assert tried[0].status == "STOPPED" and tried[1].status == "FAILED", tried
+    # named for what it is, with what to do: the table an earlier version made lacks the new column
+    assert tried[1].failure_kind == "USER_CODE", tried[1]
+    assert failures.classify(tried[1].termination_message or "", tried[1].error_class).signature == \
+        "result-table-mismatch", tried[1].termination_message
     current = state.latest_run(job_id)
     assert current.version == "1.2" and current.status == "RUNNING", current
     assert current.generation == 1 and current.application == params["application"]

@@ -204,6 +204,18 @@ SAMPLES: dict[str, tuple[str, ...]] = {
             "stopped at 1500; is the broker reachable?"
         ),
     ),
+    "result-table-mismatch": (
+        "sqlalchemy.exc.OperationalError: (sqlite3.OperationalError) table events has no column named currency",
+        "sqlite3.OperationalError: ON CONFLICT clause does not match any PRIMARY KEY or UNIQUE constraint",
+        (
+            'psycopg.errors.UndefinedColumn: column "currency" of relation "events" does not exist\n'
+            "LINE 1: INSERT INTO events (event_id, currency) VALUES ($1, $2)"
+        ),
+        (
+            "sqlalchemy.exc.ProgrammingError: (psycopg.errors.InvalidColumnReference) there is no unique or "
+            "exclusion constraint matching the ON CONFLICT specification"
+        ),
+    ),
     "database-unreachable": (
         (
             'psycopg.OperationalError: connection failed: connection to server at "127.0.0.1", port 5432 '
