@@ -46,6 +46,7 @@ from airflow_stream_provider.state.standbys import (
     StandbyRecord,
     StandbyStatus,
 )
+from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradeRecord
 
 #: The stop's escalation: after the stop marker, SIGTERM, then a kill; each waits for the driver to end.
 STOP_STAGES = ("marker", "terminate", "kill")
@@ -119,6 +120,10 @@ class StreamJobController:
 
     def get_run(self, run_id: str) -> RunRecord | None:
         return self.state.store.get_run(run_id)
+
+    def latest_upgrade(self) -> UpgradeRecord | None:
+        """The job's latest upgrade, finished or not (``recovery.upgrade_in_charge`` says if it acts now)."""
+        return UpgradeLog(self.state.store).latest(self.job_id)
 
     def caught_up(self) -> bool:
         return caught_up(self.state, self.kafka, self.job_id, self.spec.kafka.topics)

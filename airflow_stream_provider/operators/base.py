@@ -24,6 +24,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException
 
+from airflow_stream_provider import recovery
 from airflow_stream_provider.diagnosis import Diagnosis, Thresholds
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
@@ -284,6 +285,17 @@ class StreamJobOperator(BaseOperator):
             self._in_flight = None
         _set_task_state(context, LAUNCH_KEY, None)
         return self.resume(context, after, result, carry)
+
+    def refuse_during_upgrade(self, action: str) -> None:
+        """Fail before anything is done while an upgrade stops, starts, verifies or rolls back the job: a
+        ``action`` beside it would start a second driver on the same checkpoint."""
+        found = self.controller.latest_upgrade()
+        if recovery.upgrade_in_charge(found, time.time()):
+            raise AirflowFailException(
+                f"job {self.job.job_id}: upgrade {found.upgrade_id} to version {found.to_version} is in phase "
+                f"{found.phase.value}, and acts on the job itself; a {action} beside it would start a second "
+                "driver on the same checkpoint. Nothing was done: run this again once the upgrade's task has "
+                "ended (stream_upgrades in the state database shows its phase)")
 
     # -- the graceful stop flow ---------------------------------------------------------------------------
     def stop_then(self, context, run_id: str, after: str, carry: dict[str, Any]) -> Any:

@@ -12,7 +12,6 @@ from airflow_stream_provider.budget import RestartBudget
 from airflow_stream_provider.diagnosis import Health
 from airflow_stream_provider.operators.base import StreamJobOperator
 from airflow_stream_provider.recovery import RecoveryAction
-from airflow_stream_provider.state.upgrades import UpgradeLog
 
 ON_INCOMPATIBLE = recovery.ON_INCOMPATIBLE
 #: How long a warm standby may take to take a dead run over and start its query before a cold restart
@@ -88,7 +87,7 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         history = self.state.restarts_since(self.job.job_id, recovery.history_since(self.budget, now))
         decision = recovery.decide_recovery(found, on_incompatible=self.on_incompatible, budget=self.budget,
                                             history=history, now=now,
-                                            upgrade=UpgradeLog(self.state.store).latest(self.job.job_id))
+                                            upgrade=self.controller.latest_upgrade())
         outcome = {"diagnosis": found.to_dict()}
         if decision.action == RecoveryAction.NONE and found.health.needs_action:
             self.log.info("Not recovering: %s", decision.why)

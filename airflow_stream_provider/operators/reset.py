@@ -26,5 +26,6 @@ class ResetStreamingJobOperator(StreamJobOperator):
         self.reason = reason
 
     def start(self, context) -> dict[str, Any]:
+        self.refuse_during_upgrade("reset")
         return self.reset_then(context, self.reason, "done", {},
                                allow_data_loss=flag(self.allow_data_loss, "allow_data_loss"))

@@ -11,5 +11,6 @@ class RestartStreamingJobOperator(StreamJobOperator):
     """Stop the live run if any (gracefully), then start a new run on the same checkpoint generation."""
 
     def start(self, context) -> dict[str, Any]:
+        self.refuse_during_upgrade("restart")
         last = self.state.latest_run(self.job.job_id)
         return self.restart_then(context, "manual restart", last and last.run_id, "done", {})

@@ -158,7 +158,7 @@ def test_a_lost_checkpoint_is_named_in_the_recovery_diagnosis(state_store, tmp_p
     assert not any("it was lost" in line for line in recover.diagnose().evidence)
 
 
-def test_a_recovery_leaves_a_job_to_the_upgrade_that_is_starting_it(state_store, tmp_path):
+def test_a_recovery_a_restart_or_a_reset_leaves_a_job_to_the_upgrade_that_is_starting_it(state_store, tmp_path):
     """The new version failed as it started: the watcher fires, and ``stream_health``'s recover would restart
     the old version from its recorded launch while the upgrade's task rolls back to it.  It does nothing
     while the upgrade's record says it acts on the job, and says why."""
@@ -180,6 +180,20 @@ def test_a_recovery_leaves_a_job_to_the_upgrade_that_is_starting_it(state_store,
     assert outcome["action"] == "none" and "is in phase STARTING" in outcome["why"], outcome
     assert [r.run_id for r in state_store.runs("job")] == [ticket.run_id]  # nothing started
     assert state_store.restarts_since("job", 0) == []
+
+    # stream_health's reset branch (stream_reset_policy=auto), or a person's restart or reset, likewise
+    import pytest
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_stream_provider.operators.reset import ResetStreamingJobOperator
+    from airflow_stream_provider.operators.restart import RestartStreamingJobOperator
+
+    for operator, action in ((ResetStreamingJobOperator, "reset"), (RestartStreamingJobOperator, "restart")):
+        with pytest.raises(AirflowFailException, match=rf"upgrade {upgrade_id} to version 2.0 is in phase STARTING, "
+                                                       rf"and acts on the job itself; a {action} beside it"):
+            operator(task_id=action, spec=spec, application="job.py").execute({})
+    assert [r.run_id for r in state_store.runs("job")] == [ticket.run_id]
+    assert state_store.current_generation("job") == 1
 
 
 def test_a_state_database_of_an_older_release_gains_the_new_columns_in_place(store):
