@@ -161,6 +161,19 @@ def _caught_up(runner, driver, *producers) -> None:
 
 
 # -- the Python source accepting data loss -------------------------------------------------------------------
+def _both_logs_applied_and_the_old_ones_rest_on_record(runner, producer, recreated, old) -> None:
+    """Every event of the old log and of the recreated one is in the results, and the old log's rest (from
+    the stored offset on) is an accepted loss, with the partition resumed at the new log's start."""
+    with runner.store.engine.connect() as conn:
+        stored_events = {r.event_id for r in conn.execute(text("SELECT event_id FROM events"))}
+        losses = conn.execute(select(schema.accepted_losses).where(
+            schema.accepted_losses.c.job_id == runner.spec.job_id)).all()
+    assert stored_events == set(producer.produced.events) | set(recreated.produced.events)
+    assert {(r.topic, r.partition): (r.start_offset, r.resume_offset) for r in losses} == {
+        tp: (o, 0) for tp, o in old.items()
+    }
+
+
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_python_source_skips_lost_ranges_when_loss_is_accepted(broker, topic, runner):
     _small_batches(runner, fail_on_data_loss=False)
@@ -183,15 +196,7 @@ def test_python_source_skips_lost_ranges_when_loss_is_accepted(broker, topic, ru
     assert driver.alive()
     assert runner.stop(driver) == failures.EXIT_STOPPED, runner.log_tail(driver)
 
-    with runner.store.engine.connect() as conn:
-        stored_events = {r.event_id for r in conn.execute(text("SELECT event_id FROM events"))}
-        losses = conn.execute(select(schema.accepted_losses).where(
-            schema.accepted_losses.c.job_id == runner.spec.job_id)).all()
-    assert stored_events == set(producer.produced.events) | set(recreated.produced.events)
-    # the skipped ranges are on record, with where the partition resumed
-    assert {(r.topic, r.partition): (r.start_offset, r.resume_offset) for r in losses} == {
-        tp: (o, 0) for tp, o in old.items()
-    }
+    _both_logs_applied_and_the_old_ones_rest_on_record(runner, producer, recreated, old)
     log = Path(driver.log_path).read_text(errors="replace")
     assert "failOnDataLoss=false" in log, runner.log_tail(driver)
 
@@ -226,14 +231,7 @@ def test_a_topic_deleted_under_a_running_job_is_read_again_from_its_new_start(br
     runner.wait_caught_up(_end(recreated), driver)
     assert runner.stop(driver) == failures.EXIT_STOPPED, runner.log_tail(driver)
 
-    with runner.store.engine.connect() as conn:
-        stored_events = {r.event_id for r in conn.execute(text("SELECT event_id FROM events"))}
-        losses = conn.execute(select(schema.accepted_losses).where(
-            schema.accepted_losses.c.job_id == runner.spec.job_id)).all()
-    assert stored_events == set(producer.produced.events) | set(recreated.produced.events)
-    assert {(r.topic, r.partition): (r.start_offset, r.resume_offset) for r in losses} == {
-        tp: (o, 0) for tp, o in old.items()
-    }
+    _both_logs_applied_and_the_old_ones_rest_on_record(runner, producer, recreated, old)
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)

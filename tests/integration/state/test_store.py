@@ -42,18 +42,28 @@ def test_an_accepted_loss_moves_the_offsets_with_its_record_in_one_transaction(s
     assert all("accepted: upgrade to 2.0" in r["reason"] for r in rows)
 
 
-def test_a_run_found_dead_is_recorded_dead(state_store):
-    """A driver killed -9 writes nothing: the health check that finds it gone records DEAD with the
-    evidence, so the history never shows a dead run as RUNNING."""
+def _a_run_whose_driver_is_gone(state_store):
+    """A run of ``job`` whose query ran, on this host, whose driver's process has exited."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     ticket = state_store.begin_run("job", 1, "1.0", host=socket.gethostname(), pid=gone.pid)
     state_store.mark_query_started(ticket.run_id)
+    return ticket, gone
+
+
+def _health_check():
     probe = HealthProbe.connect("job", ["events"], "stream_state_default", "stream_kafka_default", Thresholds())
     try:
-        found = probe.check()
+        return probe.check()
     finally:
         probe.close()
+
+
+def test_a_run_found_dead_is_recorded_dead(state_store):
+    """A driver killed -9 writes nothing: the health check that finds it gone records DEAD with the
+    evidence, so the history never shows a dead run as RUNNING."""
+    ticket, gone = _a_run_whose_driver_is_gone(state_store)
+    found = _health_check()
     assert found.health == Health.DEAD
     run = state_store.get_run(ticket.run_id)
     assert run.status == "DEAD" and f"pid {gone.pid}" in run.termination_message, run
@@ -64,16 +74,9 @@ def test_a_run_asked_to_stop_whose_driver_is_gone_is_recorded_ended_and_is_not_l
     end, STOPPED as asked, and a restart or an upgrade does not wait on it as a live run."""
     from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
 
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    ticket = state_store.begin_run("job", 1, "1.0", host=socket.gethostname(), pid=gone.pid)
-    state_store.mark_query_started(ticket.run_id)
+    ticket, _ = _a_run_whose_driver_is_gone(state_store)
     state_store.request_stop(ticket.run_id)
-    probe = HealthProbe.connect("job", ["events"], "stream_state_default", "stream_kafka_default", Thresholds())
-    try:
-        found = probe.check()
-    finally:
-        probe.close()
+    found = _health_check()
     assert found.health == Health.STOPPED and "was asked to stop" in found.evidence[0], found
     run = state_store.get_run(ticket.run_id)
     assert run.status == "DEAD" and "did not stop cleanly" in run.termination_message, run
