@@ -112,11 +112,14 @@ class StreamJobController:
         """The latest run if its driver is alive (by process check or fresh heartbeat): not one found dead, nor
         one asked to stop whose driver is gone."""
         run = self.state.latest_run(self.job_id)
-        if run is None or not run.active:
-            return None
-        found = diagnosis.diagnose(self.job_id, run, driver_alive=self.driver.is_alive(run), lag=None,
-                                   thresholds=self.thresholds)
-        return None if found.health in (Health.DEAD, Health.STOPPED) else run
+        return run if run is not None and self._still_there(run, self.driver.is_alive(run)) else None
+
+    def _still_there(self, run: RunRecord, alive: bool | None) -> bool:
+        """``run`` is active and its driver alive, by the process check or a fresh heartbeat."""
+        if not run.active:
+            return False
+        found = diagnosis.diagnose(run.job_id, run, driver_alive=alive, lag=None, thresholds=self.thresholds)
+        return found.health not in (Health.DEAD, Health.STOPPED)
 
     def get_run(self, run_id: str) -> RunRecord | None:
         return self.state.store.get_run(run_id)
@@ -408,7 +411,7 @@ class StreamJobController:
             outcome = "died" if outcome == "stopped" else outcome
             self.state.store.mark_dead(run_id, f"driver gone during a graceful stop ({outcome})")
             final = self.get_run(run_id)
-        elif final.active and outcome == "killed" and (alive or not final.submission_id) and self.live_run():
+        elif outcome == "killed" and (alive or not final.submission_id) and self._still_there(final, alive):
             # Still there after the kill: alive here, or on another host, where nothing here could signal it
             # and its heartbeat is still fresh.  Whatever comes next (a restart, a reset, an upgrade's new
             # version) must not start a second driver beside it.

@@ -108,6 +108,12 @@ def test_a_stop_that_cannot_reach_its_driver_fails_instead_of_going_on(state_sto
     state_store._update_run(ticket.run_id, heartbeat_at=1000.0)  # silent since: gone, as far as anyone can tell
     assert controller.finish_stop(ticket.run_id, "killed", 0.0)["outcome"] == "killed"
 
+    # what is judged is the stopped run, not the job's live one (an upgrade stopping its dry run)
+    live = state_store.begin_run("job", 1, "1.0", host="another-host", pid=4343)
+    state_store.mark_query_started(live.run_id)
+    assert controller.live_run().run_id == live.run_id
+    assert controller.finish_stop(ticket.run_id, "killed", 0.0)["outcome"] == "killed"
+
 
 def test_an_upgrade_failing_before_it_releases_its_successor_ends_it(state_store, tmp_path):
     """A prewarmed successor waits for its release without end.  The upgrade's preflight wait fails (the
