@@ -24,7 +24,7 @@ class Health(enum.StrEnum):
     HEALTHY = "HEALTHY"
     STUCK = "STUCK"  # alive, no committed batch for a while, Kafka lag > 0
     DEAD = "DEAD"  # driver gone without a clean stop (kill -9, OOM killer, lost host)
-    STOPPED = "STOPPED"  # clean stop, a stop asked for that ended the driver otherwise, or never started
+    STOPPED = "STOPPED"  # clean stop, or never started
     FAILED = "FAILED"  # terminated with a classified error
 
     @property
@@ -62,6 +62,8 @@ class Diagnosis:
     diagnosed_at: float | None = None
     #: for a run launched with ``standby`` on: its standby's status (WARMING, WAITING), or MISSING
     standby: str | None = None
+    #: for a DEAD run that was asked to stop (epoch seconds): it ended before it stopped cleanly
+    stop_requested_at: float | None = None
 
     @property
     def needs_standby(self) -> bool:
@@ -119,7 +121,7 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
                          advice=advice)
     if status == DEAD:
         if run.stop_requested_at is not None:
-            return _stopped_as_asked(job_id, run, run.termination_message or "its driver is gone", base)
+            return _dead_while_stopping(job_id, run, run.termination_message or "its driver is gone", base)
         return Diagnosis(job_id, Health.DEAD, **base, evidence=[run.termination_message or "driver gone"],
                          advice="Restart from the checkpoint: the batch it was running is replayed and the "
                          "sink skips what was already committed.")
@@ -138,7 +140,7 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
         else:
             gone = f"its last heartbeat is {heartbeat_age:.0f}s old (timeout {limit:.0f}s)"
         if run.stop_requested_at is not None:
-            return _stopped_as_asked(job_id, run, gone, base)
+            return _dead_while_stopping(job_id, run, f"run {run.run_id} is recorded as {status} but {gone}", base)
         evidence = [f"run {run.run_id} is recorded as {status} but {gone}"]
         if run.last_batch_id is not None:
             evidence.append(f"last committed batch {run.last_batch_id}")
@@ -186,15 +188,17 @@ def _spec_heartbeat_timeout(spec_json: str | None) -> float:
         return 0.0
 
 
-def _stopped_as_asked(job_id: str, run: RunRecord, gone: str, base: dict[str, Any]) -> Diagnosis:
-    """A run asked to stop whose driver ended without recording a clean stop: killed once the stop timed
-    out, or dead during it.  STOPPED, as asked: a restart would undo the stop (and race the restart, reset or
-    upgrade that asked for it).  The sink's transactions keep its results and offsets consistent."""
+def _dead_while_stopping(job_id: str, run: RunRecord, gone: str, base: dict[str, Any]) -> Diagnosis:
+    """A run asked to stop whose driver ended without a clean stop: killed once the stop timed out, or dead
+    during it.  DEAD (no clean stop was recorded), with ``stop_requested_at`` set: the recovery leaves it
+    stopped, as asked, rather than undo the stop (or race the restart, reset or upgrade that asked for it).
+    The sink's transactions keep its results and offsets consistent."""
     asked = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(run.stop_requested_at))
-    return Diagnosis(job_id, Health.STOPPED, **base,
-                     evidence=[f"run {run.run_id} was asked to stop at {asked}; it did not stop cleanly: {gone}"],
-                     advice="Nothing to do; submit the job to start it again (it resumes after its last "
-                     "committed batch).")
+    return Diagnosis(job_id, Health.DEAD, **base, stop_requested_at=run.stop_requested_at,
+                     evidence=[gone, f"it was asked to stop at {asked} and ended before it stopped cleanly"],
+                     advice="Nothing to restart: the job was being stopped. Submit it to start it again (it "
+                     "resumes after its last committed batch; the batch cut short is replayed and the sink "
+                     "skips what was committed).")
 
 
 def note_standby(found: Diagnosis, standby: StandbyRecord | None) -> Diagnosis:

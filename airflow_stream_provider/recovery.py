@@ -9,6 +9,8 @@ health / failure kind      on_incompatible  decision
 =========================  ===============  ==================================================================
 STARTING, HEALTHY          any              nothing
 STOPPED                    any              nothing: a clean stop was asked for by someone
+DEAD after a stop was      any              nothing: the stop had to kill its driver, or it died during
+asked for                                   the stop; a restart would undo the stop
 DEAD                       any              restart from the checkpoint (Spark replays the unfinished batch,
                                             the sink skips what was committed)
 STUCK                      any              stop the live driver (escalating to a kill), then restart from
@@ -103,6 +105,9 @@ def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBu
     check_on_incompatible(on_incompatible)
     if found.health in (Health.STARTING, Health.HEALTHY, Health.STOPPED):
         return RecoveryDecision(RecoveryAction.NONE, f"the job is {found.health.value}: nothing to do")
+    if found.health == Health.DEAD and found.stop_requested_at is not None:
+        return RecoveryDecision(RecoveryAction.NONE, f"{found.summary()}: it was being stopped, and a restart "
+                                                     "would undo the stop. Submit the job to start it again")
     if upgrade_in_charge(upgrade, now):
         return RecoveryDecision(
             RecoveryAction.NONE,

@@ -8,8 +8,8 @@ on another generation than the        refuses (recorded): a reset moved on; star
 standby's
 of another code version               refuses, naming both versions
 none yet                              waits
-STOPPED (a clean stop), or asked to    ends: nothing to stand by for (a stop's kill, or a
-stop and gone since                   restart's, must not be undone by a takeover)
+STOPPED (a clean stop), or DEAD after  ends: nothing to stand by for (a stop's kill, or a
+it was asked to stop                  restart's, must not be undone by a takeover)
 FAILED                                waits: the recovery decides, inside the restart budget
 DEAD, or its process is gone (same    takes over
 host), or silent past
@@ -72,8 +72,8 @@ def decide(spec: StreamJobSpec, run: RunRecord | None, generation: int, *, drive
                                     f"{spec.heartbeat_timeout_seconds:.0f}s){alive}", run)
     found = diagnosis.diagnose(spec.job_id, run, driver_alive=driver_alive, lag=None, now=now,
                                thresholds=Thresholds(heartbeat_timeout_s=spec.heartbeat_timeout_seconds))
+    if found.health == Health.DEAD and found.stop_requested_at is not None:  # asked to stop, and silent since
+        return Verdict("end", "; ".join(found.evidence), run)
     if found.health == Health.DEAD:
         return Verdict("take_over", "; ".join(found.evidence), run)
-    if found.health == Health.STOPPED:  # asked to stop, and silent since
-        return Verdict("end", "; ".join(found.evidence), run)
     return Verdict("wait", f"run {run.run_id} is {found.health.value}", run)

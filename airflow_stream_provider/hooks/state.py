@@ -111,9 +111,8 @@ class StreamStateHook(BaseHook):
 
     def record_death(self, run: RunRecord | None, found: Diagnosis) -> bool:
         """A driver killed -9 records nothing itself: once diagnosed DEAD, its run says so in the history
-        (status DEAD, with the evidence) instead of staying RUNNING whatever happens next.  So does a run asked
-        to stop whose driver ended without recording it (diagnosed STOPPED: the stop asked for its end)."""
-        if found.health not in (Health.DEAD, Health.STOPPED) or run is None or run.status not in ACTIVE_STATUSES:
+        (status DEAD, with the evidence) instead of staying RUNNING whatever happens next."""
+        if found.health != Health.DEAD or run is None or run.status not in ACTIVE_STATUSES:
             return False
         return self.store.mark_dead(run.run_id, "found dead: " + "; ".join(found.evidence))
 

@@ -109,8 +109,7 @@ class StreamJobController:
                 f"from the stored offsets"]
 
     def live_run(self) -> RunRecord | None:
-        """The latest run if its driver is alive (by process check or fresh heartbeat): not one found dead, nor
-        one asked to stop whose driver is gone."""
+        """The latest run if its driver is alive (by process check or fresh heartbeat)."""
         run = self.state.latest_run(self.job_id)
         return run if run is not None and self._still_there(run, self.driver.is_alive(run)) else None
 
@@ -119,7 +118,7 @@ class StreamJobController:
         if not run.active:
             return False
         found = diagnosis.diagnose(run.job_id, run, driver_alive=alive, lag=None, thresholds=self.thresholds)
-        return found.health not in (Health.DEAD, Health.STOPPED)
+        return found.health != Health.DEAD
 
     def get_run(self, run_id: str) -> RunRecord | None:
         return self.state.store.get_run(run_id)

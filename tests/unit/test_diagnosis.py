@@ -49,13 +49,14 @@ def test_a_run_recorded_dead_stays_dead_whatever_the_process_check():
     (_run(), False),  # gone, and the stop's task has not recorded it yet
     (_run(heartbeat_at=NOW - 45), None),  # on another host: silent since
 ])
-def test_a_run_asked_to_stop_that_ended_otherwise_is_stopped_not_dead(run, alive):
-    """A stop that had to kill the driver (or a restart's stop) is what was asked for: a DEAD verdict would
-    have the watcher restart the job someone stopped, or race the restart that stopped it."""
+def test_a_run_asked_to_stop_that_ended_otherwise_is_dead_and_says_it_was_being_stopped(run, alive):
+    """No clean stop was recorded, so DEAD; the diagnosis carries the stop request, so that no restart undoes
+    the stop (or races the restart, reset or upgrade that asked for it)."""
     found = diagnose("j", replace(run, stop_requested_at=NOW - 200), driver_alive=alive, lag=5, now=NOW,
                      thresholds=Thresholds(heartbeat_timeout_s=30))
-    assert found.health == Health.STOPPED and not found.health.needs_action
-    assert "was asked to stop at" in found.evidence[0] and "did not stop cleanly" in found.evidence[0]
+    assert found.health == Health.DEAD and found.stop_requested_at == NOW - 200
+    assert "was asked to stop at" in found.evidence[-1] and "before it stopped cleanly" in found.evidence[-1]
+    assert found.advice.startswith("Nothing to restart: the job was being stopped")
     still = diagnose("j", replace(_run(), stop_requested_at=NOW - 5), driver_alive=True, lag=5, now=NOW)
     assert still.health == Health.HEALTHY  # still stopping: its stop's task waits on it
 

@@ -167,3 +167,11 @@ def test_an_upgrade_acting_on_the_job_is_left_to_its_task(phase, health, kind):
 def test_a_preflight_a_finished_upgrade_or_one_that_lost_its_task_does_not_hold_a_recovery(upgrade):
     """A preflight leaves the old version running: if it dies meanwhile, it is restarted as ever."""
     assert _decide(_found(Health.DEAD), upgrade=upgrade).action == RecoveryAction.RESTART
+
+
+def test_a_run_that_died_while_it_was_being_stopped_is_not_restarted():
+    """A stop that had to kill its driver (or one that died during the stop): DEAD, but a restart would
+    start the job someone stopped, or race the restart, reset or upgrade whose stop it was."""
+    found = _found(Health.DEAD, stop_requested_at=NOW - 60, evidence=["driver gone during a graceful stop (killed)"])
+    decision = _decide(found)
+    assert decision.action == RecoveryAction.NONE and "a restart would undo the stop" in decision.why

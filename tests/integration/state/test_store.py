@@ -69,21 +69,23 @@ def test_a_run_found_dead_is_recorded_dead(state_store):
     assert run.status == "DEAD" and f"pid {gone.pid}" in run.termination_message, run
 
 
-def test_a_run_asked_to_stop_whose_driver_is_gone_is_recorded_ended_and_is_not_live(state_store, tmp_path):
-    """The stop's task died with it (or could not record the end): the next health check records the run's
-    end, STOPPED as asked, and a restart or an upgrade does not wait on it as a live run."""
+def test_a_run_that_died_while_it_was_being_stopped_is_recorded_dead_and_left_stopped(state_store, tmp_path):
+    """The stop's task died with it (or could not record the end): the next health check records the run
+    DEAD, saying it was being stopped, and the recover task leaves the job stopped, as asked."""
     from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
 
     ticket, _ = _a_run_whose_driver_is_gone(state_store)
     state_store.request_stop(ticket.run_id)
     found = _health_check()
-    assert found.health == Health.STOPPED and "was asked to stop" in found.evidence[0], found
+    assert found.health == Health.DEAD and found.stop_requested_at is not None, found
     run = state_store.get_run(ticket.run_id)
-    assert run.status == "DEAD" and "did not stop cleanly" in run.termination_message, run
+    assert run.status == "DEAD" and "before it stopped cleanly" in run.termination_message, run
     spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
     recover = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="job.py")
     assert recover.live_run() is None
-    assert recover.diagnose().health == Health.STOPPED
+    outcome = recover.execute({})
+    assert outcome["action"] == "none" and "a restart would undo the stop" in outcome["why"], outcome
+    assert [r.run_id for r in state_store.runs("job")] == [ticket.run_id]
 
 
 def test_a_stop_that_cannot_reach_its_driver_fails_instead_of_going_on(state_store, tmp_path):
