@@ -221,12 +221,18 @@ def read_range_batches(
 GROUP_COMMIT_TIMEOUT_MS = 5_000
 
 
+#: How long a stalled read asks the broker where the partition's log ends: briefly, since a silent broker
+#: will not answer this either, and the read's failure should not wait on it.
+LOG_END_TIMEOUT_MS = 1_000
+
+
 def _log_ended(client: KafkaConsumer, tp, start: int, end: int) -> KafkaReadError | None:
-    """Why a read stopped advancing when it is not the broker: its log ends before the range does."""
+    """Why a read stopped advancing when it is not the broker: its log ends before the range does.  Asked
+    of the broker, not taken from the consumer's last fetch: records may have arrived since."""
     from kafka.errors import KafkaError
 
     try:
-        log_end = client.end_offsets([tp])[tp]
+        log_end = client.end_offsets([tp], timeout_ms=LOG_END_TIMEOUT_MS)[tp]
     except KafkaError:  # the broker does not answer that either: the read stalled
         return None
     return read_truncated(tp.topic, tp.partition, start, end, log_end) if log_end < end else None
