@@ -215,12 +215,6 @@ def read_range_batches(
             return
 
 
-#: How long a consumer-group commit may take.  kafka-python retries a retriable error (a deleted topic's
-#: UnknownTopicOrPartitionError, a coordinator moving) for 30 s by default, which held the job that long,
-#: for an informational write, after every batch that committed such a partition.
-GROUP_COMMIT_TIMEOUT_MS = 5_000
-
-
 #: How long a stalled read asks the broker where the partition's log ends: briefly, since a silent broker
 #: will not answer this either, and the read's failure should not wait on it.
 LOG_END_TIMEOUT_MS = 1_000
@@ -236,6 +230,12 @@ def _log_ended(client: KafkaConsumer, tp, start: int, end: int) -> KafkaReadErro
     except KafkaError:  # the broker does not answer that either: the read stalled
         return None
     return read_truncated(tp.topic, tp.partition, start, end, log_end) if log_end < end else None
+
+
+#: How long a consumer-group commit may take.  kafka-python retries a retriable error (a deleted topic's
+#: UnknownTopicOrPartitionError, a coordinator moving) for 30 s by default, which held the job that long,
+#: for an informational write, after every batch that committed such a partition.
+GROUP_COMMIT_TIMEOUT_MS = 5_000
 
 
 def commit_group(bootstrap: str, options: Mapping[str, object], group_id: str, positions: Offsets) -> None:

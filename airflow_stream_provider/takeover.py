@@ -58,13 +58,12 @@ def decide(spec: StreamJobSpec, run: RunRecord | None, generation: int, *, drive
     if run.status == RunStatus.FAILED:
         return Verdict("wait", f"run {run.run_id} failed ({run.failure_kind}): its recovery is decided within the "
                                "restart budget", run)
-    if run.stop_requested_at is not None and (run.status == RunStatus.DEAD or driver_alive is False):
-        return Verdict("end", f"run {run.run_id} was asked to stop and its driver ended", run)
-    if run.status == RunStatus.DEAD:
+    being_stopped = run.stop_requested_at is not None  # its end, however it comes, is the diagnosis's below
+    if run.status == RunStatus.DEAD and not being_stopped:
         return Verdict("take_over", run.termination_message or f"run {run.run_id} is recorded DEAD", run)
     now = time.time() if now is None else now
     silent = now - (run.heartbeat_at or run.started_at or now)
-    if run.running_query and silent > spec.heartbeat_timeout_seconds and run.stop_requested_at is None:
+    if run.running_query and silent > spec.heartbeat_timeout_seconds and not being_stopped:
         # Alive or not: a driver silent this long is not processing (hung, paused, cut off).  The new epoch
         # fences it should it come back; it then finds itself fenced and exits.
         alive = " although its process lives" if driver_alive else ""
@@ -72,8 +71,7 @@ def decide(spec: StreamJobSpec, run: RunRecord | None, generation: int, *, drive
                                     f"{spec.heartbeat_timeout_seconds:.0f}s){alive}", run)
     found = diagnosis.diagnose(spec.job_id, run, driver_alive=driver_alive, lag=None, now=now,
                                thresholds=Thresholds(heartbeat_timeout_s=spec.heartbeat_timeout_seconds))
-    if found.health == Health.DEAD and found.stop_requested_at is not None:  # asked to stop, and silent since
-        return Verdict("end", "; ".join(found.evidence), run)
-    if found.health == Health.DEAD:
-        return Verdict("take_over", "; ".join(found.evidence), run)
+    if found.health == Health.DEAD:  # asked to stop and gone since: a takeover would undo the stop
+        return Verdict("end" if found.stop_requested_at is not None else "take_over", "; ".join(found.evidence),
+                       run)
     return Verdict("wait", f"run {run.run_id} is {found.health.value}", run)

@@ -212,15 +212,14 @@ class StreamJobController:
         generation = generation or self.state.current_generation(spec.job_id)
         spec = spec.with_generation(generation, starting_offsets)
         self.check_before_start(spec)
-        run_id = uuid.uuid4().hex
-        submitted = self.driver.submit(application, spec, run_id, self.state.password)
-        return {"job_id": spec.job_id, "run_id": run_id, "generation": generation, "version": spec.version,
-                "application": application, "spec": spec.to_json(), "checkpoint_path": spec.checkpoint_path,
-                "pid": submitted.pid, "host": socket.gethostname(), "log_path": submitted.log_path,
-                "submission_id": submitted.submission_id, "submitted_at": time.time()}
+        return {**self._submitted(application, spec, uuid.uuid4().hex), "generation": generation, "version": spec.version,
+                "application": application, "spec": spec.to_json(), "checkpoint_path": spec.checkpoint_path}
 
     def submit_dry_run(self, application: str, spec: StreamJobSpec) -> dict[str, Any]:
-        run_id = uuid.uuid4().hex
+        return self._submitted(application, spec, uuid.uuid4().hex)
+
+    def _submitted(self, application: str, spec: StreamJobSpec, run_id: str) -> dict[str, Any]:
+        """Start the driver; what a launch wait and ``abandon`` need of it (its pid is this host's)."""
         submitted = self.driver.submit(application, spec, run_id, self.state.password)
         return {"job_id": spec.job_id, "run_id": run_id, "pid": submitted.pid, "host": socket.gethostname(),
                 "log_path": submitted.log_path, "submission_id": submitted.submission_id,

@@ -89,10 +89,10 @@ class RecoverStreamingJobOperator(StreamJobOperator):
                                             history=history, now=now,
                                             upgrade=self.controller.latest_upgrade())
         outcome = {"diagnosis": found.to_dict()}
-        if decision.action == RecoveryAction.NONE and found.health.needs_action:
-            self.log.info("Not recovering: %s", decision.why)
-            return {**outcome, "action": "none", "why": decision.why}
         if decision.action == RecoveryAction.NONE:
+            if found.health.needs_action:  # left alone on purpose: being stopped, or an upgrade acts on it
+                self.log.info("Not recovering: %s", decision.why)
+                return {**outcome, "action": "none", "why": decision.why}
             standby = self.controller.ensure_standby(self.application) if found.health != Health.STOPPED else None
             return {**outcome, "action": "none", "standby": standby}
         if decision.action == RecoveryAction.FAIL:
