@@ -521,7 +521,7 @@ class TransactionalSink:
         """Write the rows in a transaction that is rolled back: does the database accept them?"""
         try:
             transaction.trial_write(
-                self.store, self.run, plan.range.batch_id, dead_letters=computed.dead, writes=computed.writes
+                self.store, self.run, plan, dead_letters=computed.dead, writes=computed.writes
             )
         except Exception as err:
             if not is_data_error(err):

@@ -162,6 +162,27 @@ dead_letters = Table(
     Column("recorded_at", Float),
 )
 
+#: Dead letters of a log that is gone: a topic recreated or truncated, a partition deleted.  Moved here, byte
+#: for byte, in the transaction that records the loss, because the new log numbers its records from the
+#: old log's positions again and ``dead_letters`` is keyed by position.  A position may be archived once
+#: per log that held it, hence the row id.
+dead_letters_archive = Table(
+    "dead_letters_archive",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("job_id", String(100), nullable=False, index=True),
+    Column("topic", String(249), nullable=False),
+    Column("partition", Integer, nullable=False),
+    Column("offset", BigInteger, nullable=False),
+    Column("key", LargeBinary),
+    Column("value", LargeBinary),
+    Column("error", Text, nullable=False),
+    Column("generation", Integer),
+    Column("batch_id", BigInteger),
+    Column("recorded_at", Float),
+    Column("archived_at", Float, nullable=False),
+)
+
 #: What the Airflow side did to keep a job alive: the restart budget is counted from here.
 restarts = Table(
     "stream_restarts",

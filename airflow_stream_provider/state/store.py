@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, Table, and_, func, inspect, select, text, update
+from sqlalchemy import Engine, Float, Table, and_, func, inspect, literal, select, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
@@ -431,11 +431,13 @@ class StateStore:
         ``generation`` starts) in ONE transaction: the stored offsets then still equal what the ledger
         applied plus what was knowingly skipped.  A partition missing from ``resume`` no longer exists in
         Kafka: its stored offset is removed.  Moving back is allowed here only: a recreated topic's
-        offsets begin again below the stored ones."""
+        offsets begin again below the stored ones, and the old log's dead letters from there on are
+        archived (``archive_dead_letters``)."""
         now = time.time()
         offsets, losses = schema.offsets, schema.accepted_losses
         with self.engine.begin() as conn:
             conn.execute(select(schema.jobs.c.epoch).where(schema.jobs.c.job_id == job_id).with_for_update())
+            stored = self.stored_offsets(job_id, conn)
             for r in lost:
                 tp = (r.topic, r.partition)
                 conn.execute(losses.insert().values(
@@ -444,6 +446,8 @@ class StateStore:
                     reason=f"{r.reason}; accepted: {plain_text(reason)}"[:4000], accepted_at=now))
                 conn.execute(offsets.delete().where(offsets.c.job_id == job_id, offsets.c.topic == r.topic,
                                                     offsets.c.partition == r.partition))
+                if tp not in resume or resume[tp] < stored.get(tp, 0):  # the log is gone, or went backwards
+                    archive_dead_letters(conn, job_id, r.topic, r.partition, resume.get(tp), now)
                 if tp in resume:
                     conn.execute(offsets.insert().values(job_id=job_id, topic=r.topic, partition=r.partition,
                                                          next_offset=resume[tp], generation=generation,
@@ -495,3 +499,19 @@ def plain_text(text: str) -> str:
     """``text`` as a text column takes it: PostgreSQL's text cannot hold NUL, and a failure's or a dead
     letter's text may quote a record's raw bytes."""
     return text.replace("\x00", "\\x00")
+
+
+def archive_dead_letters(conn, job_id: str, topic: str, partition: int, from_offset: int | None,
+                         now: float) -> int:
+    """Move a gone log's dead letters of one partition, from ``from_offset`` on (None: all of them), to
+    ``dead_letters_archive``; return how many moved.  Called in the transaction that records the loss:
+    the new log numbers its records from there again, and one of them dead-lettered at a position an old
+    dead letter holds would otherwise collide with it and stop the job."""
+    live, archive = schema.dead_letters, schema.dead_letters_archive
+    where = [live.c.job_id == job_id, live.c.topic == topic, live.c.partition == partition]
+    if from_offset is not None:
+        where.append(live.c.offset >= from_offset)
+    kept = [c.name for c in live.columns]
+    conn.execute(archive.insert().from_select(
+        [*kept, "archived_at"], select(*live.columns, literal(now, Float)).where(*where)))
+    return conn.execute(live.delete().where(*where)).rowcount

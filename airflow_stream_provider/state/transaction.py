@@ -30,7 +30,7 @@ from airflow_stream_provider.kafka_offsets import Offsets
 from airflow_stream_provider.state import schema
 from airflow_stream_provider.state.bulk import Rows, write_rows
 from airflow_stream_provider.state.dialect import upsert
-from airflow_stream_provider.state.store import StateStore
+from airflow_stream_provider.state.store import StateStore, archive_dead_letters
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -212,6 +212,7 @@ def commit(
             outcome.skipped_replay = True
             return outcome
         ledger_batch = _ledger_batch_id(conn, run, batch_plan.range.batch_id)
+        _record_restarts(conn, run, batch_plan, stored, now)  # before the batch's dead letters: see there
         began = time.perf_counter()
         for write in writes:
             write_rows(conn, write.table, write.key, write.increments, write.rows)
@@ -243,7 +244,6 @@ def commit(
             )
         if ledger:
             conn.execute(schema.batches.insert(), ledger)
-        _record_restarts(conn, run, batch_plan, stored, now)
         _advance_offsets(conn, run, ledger_batch, stored, outcome.committed_offsets, now, batch_plan.restarted)
     return outcome
 
@@ -251,17 +251,21 @@ def commit(
 def trial_write(
     store: StateStore,
     run: RunContext,
-    batch_id: int,
+    batch_plan: BatchPlan,
     *,
     dead_letters: Sequence[Mapping[str, Any]],
     writes: Sequence[Write],
 ) -> None:
     """Write a batch's rows and dead letters in a transaction that is always rolled back: raises what the
     database says about them (e.g. a value it refuses), changes nothing.  No epoch or offset check: this
-    is a question about the rows, not a commit."""
+    is a question about the rows, not a commit; a restarted partition's old dead letters are archived
+    first, as the commit does."""
+    batch_id = batch_plan.range.batch_id
     with store.engine.connect() as conn:
         tx = conn.begin()
         try:
+            for tp in batch_plan.restarted:
+                archive_dead_letters(conn, run.job_id, *tp, batch_plan.apply_from.get(tp), time.time())
             for write in writes:
                 write_rows(conn, write.table, write.key, write.increments, write.rows)
             if dead_letters:
@@ -318,7 +322,8 @@ def _ledger_batch_id(conn, run: RunContext, batch_id: int) -> int:
 def _record_restarts(conn, run: RunContext, batch_plan: BatchPlan, stored: Offsets, now: float) -> None:
     """A restarted partition's records from its stored offset to the end of the old log are gone: the job
     accepts that (failOnDataLoss=false), and the loss is recorded in the transaction that moves the stored
-    offset back, so results, ledger and accepted losses still add up to the stored offsets."""
+    offset back, so results, ledger and accepted losses still add up to the stored offsets.  The old log's
+    dead letters from the new start on are archived before the batch writes its own at those positions."""
     for tp in sorted(batch_plan.restarted):
         position = stored.get(tp)
         if position is None:
@@ -336,6 +341,7 @@ def _record_restarts(conn, run: RunContext, batch_plan: BatchPlan, stored: Offse
                 reason=reason, accepted_at=now,
             )
         )
+        archive_dead_letters(conn, run.job_id, *tp, batch_plan.apply_from[tp], now)
 
 
 def _check_epoch(conn, run: RunContext) -> None:

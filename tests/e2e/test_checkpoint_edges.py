@@ -18,8 +18,8 @@ from sqlalchemy import select, text
 
 from airflow_stream_provider import failures
 from airflow_stream_provider.state import schema
-from airflow_stream_provider.state.transaction import BatchRange, RunContext, commit, plan
-from stack.events import EventProducer
+from airflow_stream_provider.state.transaction import BatchRange, RunContext, commit, plan, trial_write
+from stack.events import MALFORMED_SAMPLES, EventProducer
 from stack.jobs import check_exactly_once, wait_until
 
 # -- the transaction alone (no Spark) -------------------------------------------------------------------------
@@ -68,6 +68,30 @@ def test_a_log_that_went_backwards_moves_the_stored_offset_back_once(store):
     with store.engine.connect() as conn:
         losses = conn.execute(select(schema.accepted_losses).where(schema.accepted_losses.c.job_id == "job")).all()
     assert [(r.partition, r.start_offset, r.end_offset, r.resume_offset) for r in losses] == [(0, 300, None, 0)]
+
+
+def test_a_recreated_logs_dead_letter_at_an_old_ones_position_is_recorded(store):
+    """The new log's malformed record at a position the old log's dead letter holds: the batch commits, the
+    old dead letter is archived byte for byte in the same transaction, and the new one takes its place."""
+    ticket = store.begin_run("job", 1, "1.0")
+    run = RunContext("job", ticket.run_id, ticket.epoch, 1)
+
+    def letter(value):
+        return {"topic": T, "partition": 0, "offset": 5, "key": None, "value": value, "error": "malformed"}
+
+    old_plan = plan(store, run.job_id, BatchRange(0, {(T, 0): 0}, {(T, 0): 300}))
+    commit(store, run, old_plan, read={(T, 0): 300}, dead_letters=[letter(b"old log")], writes=())
+    new_plan = plan(store, run.job_id, BatchRange(1, {(T, 0): 300}, {(T, 0): 20}))
+    assert new_plan.restarted == {(T, 0)}
+    trial_write(store, run, new_plan, dead_letters=[letter(b"new log")], writes=())  # the isolation's question
+    commit(store, run, new_plan, read={(T, 0): 20}, dead_letters=[letter(b"new log")], writes=())
+
+    with store.engine.connect() as conn:
+        live = conn.execute(select(schema.dead_letters)).all()
+        archived = conn.execute(select(schema.dead_letters_archive)).all()
+    assert [(r.offset, r.value, r.batch_id) for r in live] == [(5, b"new log", 1)]
+    assert [(r.offset, r.value, r.batch_id) for r in archived] == [(5, b"old log", 0)]
+    assert store.stored_offsets("job") == {(T, 0): 20}
 
 
 # -- real drivers -------------------------------------------------------------------------------------------
@@ -161,17 +185,34 @@ def _caught_up(runner, driver, *producers) -> None:
 
 
 # -- the Python source accepting data loss -------------------------------------------------------------------
+def _malformed_first(producer, count: int = 6) -> None:
+    """The log begins with malformed records, keyed, so that a recreated log that begins the same way holds
+    its own at the same positions: each of them is dead-lettered where an old dead letter was."""
+    for i in range(count):
+        value = MALFORMED_SAMPLES[i % len(MALFORMED_SAMPLES)]
+        producer.produced.malformed[producer.send_record(value, key=f"malformed-{i}".encode())] = value
+
+
 def _both_logs_applied_and_the_old_ones_rest_on_record(runner, producer, recreated, old) -> None:
     """Every event of the old log and of the recreated one is in the results, and the old log's rest (from
-    the stored offset on) is an accepted loss, with the partition resumed at the new log's start."""
+    the stored offset on) is an accepted loss, with the partition resumed at the new log's start.  The
+    dead letters are the recreated log's; the old log's are archived, byte for byte."""
+    def letters(table):
+        return {(r.partition, r.offset): r.value for r in conn.execute(
+            select(table).where(table.c.job_id == runner.spec.job_id))}
+
     with runner.store.engine.connect() as conn:
         stored_events = {r.event_id for r in conn.execute(text("SELECT event_id FROM events"))}
         losses = conn.execute(select(schema.accepted_losses).where(
             schema.accepted_losses.c.job_id == runner.spec.job_id)).all()
+        dead, archived = letters(schema.dead_letters), letters(schema.dead_letters_archive)
     assert stored_events == set(producer.produced.events) | set(recreated.produced.events)
     assert {(r.topic, r.partition): (r.start_offset, r.resume_offset) for r in losses} == {
         tp: (o, 0) for tp, o in old.items()
     }
+    assert dead == recreated.produced.malformed
+    assert archived == producer.produced.malformed
+    assert set(dead) & set(archived), "no new dead letter took an old one's position: the test shows nothing"
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -179,6 +220,7 @@ def test_python_source_skips_lost_ranges_when_loss_is_accepted(broker, topic, ru
     _small_batches(runner, fail_on_data_loss=False)
     assert runner.spec.kafka.source == "python"
     producer = EventProducer(broker, topic)
+    _malformed_first(producer)
     producer.send(600)
     runner.process_backlog(_end(producer))
     old = runner.store.stored_offsets(runner.spec.job_id)
@@ -188,6 +230,7 @@ def test_python_source_skips_lost_ranges_when_loss_is_accepted(broker, topic, ru
     broker.create_topic(topic, 3)
     recreated = EventProducer(broker, topic, seed=99)
     recreated.sent = 100_000
+    _malformed_first(recreated)
     recreated.send(60)
     driver = runner.start()
     runner.wait_caught_up(_end(recreated), driver)
@@ -209,6 +252,7 @@ def test_a_topic_deleted_under_a_running_job_is_read_again_from_its_new_start(br
     seconds instead of holding the job."""
     _small_batches(runner, fail_on_data_loss=False)
     producer = EventProducer(broker, topic)
+    _malformed_first(producer)
     producer.send(600)
     driver = runner.start()
     runner.wait_caught_up(_end(producer), driver)
@@ -227,6 +271,7 @@ def test_a_topic_deleted_under_a_running_job_is_read_again_from_its_new_start(br
         broker.create_topic(topic, 3)
     recreated = EventProducer(broker, topic, seed=99)
     recreated.sent = 100_000
+    _malformed_first(recreated)
     recreated.send(60)
     runner.wait_caught_up(_end(recreated), driver)
     assert runner.stop(driver) == failures.EXIT_STOPPED, runner.log_tail(driver)

@@ -42,6 +42,35 @@ def test_an_accepted_loss_moves_the_offsets_with_its_record_in_one_transaction(s
     assert all("accepted: upgrade to 2.0" in r["reason"] for r in rows)
 
 
+def _dead_letter(partition: int, offset: int, value: bytes) -> dict:
+    return {"job_id": "job", "topic": "t", "partition": partition, "offset": offset, "key": None, "value": value,
+            "error": "malformed", "generation": 1, "batch_id": 3, "recorded_at": 1.0}
+
+
+def test_an_accepted_loss_archives_the_dead_letters_of_a_log_that_is_gone(state_store):
+    """A recreated topic numbers its records from the old log's positions again: the old log's dead letters
+    there move to the archive, byte for byte, so the new log's own can be recorded at the same positions.
+    A log that only fell out of retention keeps its dead letters: no new record will take their positions."""
+    state_store.begin_run("job", 1, "1.0")
+    with state_store.engine.begin() as conn:
+        conn.execute(schema.offsets.insert(), [
+            {"job_id": "job", "topic": "t", "partition": p, "next_offset": 300, "generation": 1, "batch_id": 4}
+            for p in (0, 1, 2)])
+        conn.execute(schema.dead_letters.insert(), [_dead_letter(p, o, b"old \xff") for p in (0, 1, 2) for o in (5, 20)])
+    lost = [LostRange("t", 0, 300, 350, "fell out of retention (earliest available offset is 350)"),
+            LostRange("t", 1, 15, 300, "offsets went backwards"),
+            LostRange("t", 2, 300, None, "partition no longer exists in Kafka")]
+    state_store.accept_loss("job", 2, lost, {("t", 0): 350, ("t", 1): 10}, "topic recreated")
+
+    with state_store.engine.connect() as conn:
+        live = {(r.partition, r.offset) for r in conn.execute(schema.dead_letters.select())}
+        archived = conn.execute(schema.dead_letters_archive.select().order_by("partition", "offset")).all()
+    assert live == {(0, 5), (0, 20), (1, 5)}  # below the recreated log's start, a position it will not reuse
+    assert [(r.partition, r.offset, r.value, r.batch_id) for r in archived] == [
+        (1, 20, b"old \xff", 3), (2, 5, b"old \xff", 3), (2, 20, b"old \xff", 3)]
+    assert all(r.archived_at > 1.0 for r in archived)
+
+
 def _a_run_whose_driver_is_gone(state_store):
     """A run of ``job`` whose query ran, on this host, whose driver's process has exited."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])

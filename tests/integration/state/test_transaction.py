@@ -166,11 +166,12 @@ def test_trial_write_answers_without_writing(store, results_table):
 
     run = _run(store)
     letter = {"topic": T, "partition": 0, "offset": 1, "key": None, "value": b"x", "error": "bad"}
-    trial_write(store, run, 0, dead_letters=[letter], writes=[Write(results_table, [{"k": "a", "n": 1}], ("k",))])
+    first = plan(store, "job", _batch(0, 0, 2))
+    trial_write(store, run, first, dead_letters=[letter], writes=[Write(results_table, [{"k": "a", "n": 1}], ("k",))])
     assert _totals(store, results_table) == {} and store.count(schema.dead_letters) == 0
     refused = Write(results_table, [{"k": None, "n": 1}], ("k",))  # NULL in a primary key column
     with pytest.raises(Exception) as caught:
-        trial_write(store, run, 0, dead_letters=[letter], writes=[refused])
+        trial_write(store, run, first, dead_letters=[letter], writes=[refused])
     assert is_data_error(caught.value), caught.value
     assert store.count(schema.dead_letters) == 0
 
@@ -194,7 +195,7 @@ def test_a_large_postgresql_write_goes_through_copy_with_the_same_upsert_and_err
     assert len(totals) == n and totals["key-7"] == (14, "second") and totals[f"key-{n - 1}"] == (2 * (n - 1), "second")
     refused = Write(results_table, [{"k": None, "n": 1}] + [{"k": f"x{i}", "n": 1} for i in range(n)], ("k",))
     with pytest.raises(Exception) as caught:
-        trial_write(store, run, 2, dead_letters=[], writes=[refused])
+        trial_write(store, run, plan(store, "job", _batch(2, 2 * n, 3 * n)), dead_letters=[], writes=[refused])
     assert dialect.is_data_error(caught.value), repr(caught.value)
     with store.engine.connect() as conn:
         staged = conn.exec_driver_sql("SELECT count(*) FROM pg_class WHERE relname LIKE 'stream_stage_%%'").scalar()
