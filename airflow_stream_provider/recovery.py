@@ -27,8 +27,8 @@ DATA_LOSS, POISON
 
 While an upgrade stops, starts, verifies or rolls back the job (``UPGRADE_IN_CHARGE``), a recovery does
 nothing: the upgrade's own task acts on the job, and a recovery beside it would start a second driver on the
-same checkpoint.  An upgrade whose record has not moved for ``UPGRADE_STALE_S`` lost its task; recoveries
-act again.
+same checkpoint.  An upgrade whose record has not moved for ``UPGRADE_STALE_S`` (``state.upgrades``) lost
+its task; recoveries act again.
 
 A restart or a reset is first weighed against the restart budget (``budget.py``): out of budget
 (``max_restarts`` restarts within the window whose run never committed a batch), the recovery fails and
@@ -51,9 +51,6 @@ ON_INCOMPATIBLE = ("reset", "fail")
 #: The phases in which an upgrade's task stops, starts, verifies or rolls back the job itself.
 UPGRADE_IN_CHARGE = (UpgradePhase.STOPPING, UpgradePhase.STARTING, UpgradePhase.VERIFYING,
                      UpgradePhase.ROLLING_BACK)
-#: Longer than any one phase takes (its stop, its start, its verification: minutes each): an upgrade whose
-#: record has not moved for this long lost its task, and no longer keeps recoveries away.
-UPGRADE_STALE_S = 1800.0
 
 
 class RecoveryAction(StrEnum):
@@ -94,7 +91,7 @@ def history_since(budget: RestartBudget, now: float) -> float:
 
 def upgrade_in_charge(upgrade: UpgradeRecord | None, now: float) -> bool:
     """Whether ``upgrade`` (the job's latest) is acting on the job now: see ``UPGRADE_IN_CHARGE``."""
-    return upgrade is not None and upgrade.phase in UPGRADE_IN_CHARGE and now - upgrade.updated_at < UPGRADE_STALE_S
+    return upgrade is not None and upgrade.phase in UPGRADE_IN_CHARGE and not upgrade.stale(now)
 
 
 def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBudget,

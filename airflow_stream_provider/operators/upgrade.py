@@ -118,10 +118,19 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         except TaskDeferred:
             raise
         except BaseException:
-            found = self.upgrades.latest(self.new_spec.job_id)
-            if found is not None and found.detail.get("successor"):
-                self.controller.end_successor(found.detail["successor"], "the upgrade failed before releasing it")
+            self._end_unreleased_successor("the upgrade failed before releasing it")
             raise
+
+    def on_kill(self) -> None:
+        """Also end the successor the upgrade has not released.  A task killed while deferred does not
+        come here: its successor ends by itself once the upgrade's record goes stale (``runtime.standby``)."""
+        super().on_kill()
+        self._end_unreleased_successor("its upgrade task was killed")
+
+    def _end_unreleased_successor(self, why: str) -> None:
+        found = self.upgrades.latest(self.new_spec.job_id)
+        if found is not None and found.successor_id:
+            self.controller.end_successor(found.detail["successor"], why)
 
     def _phase(self, ctx: dict[str, Any], phase: UpgradePhase, result: str | None = None) -> None:
         ctx["phase"] = phase.value

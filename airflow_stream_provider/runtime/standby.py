@@ -19,6 +19,8 @@ A standby does not replace a run that FAILED: that is the recovery's call, insid
 A successor is an upgrade's new version warmed up the same way while the old version still runs.  It
 takes nothing over by itself: the upgrade stops the old run, then releases the successor with the
 generation to run (the same, or n+1 after a reset) and the epoch it saw, and the successor starts at once.
+A successor no upgrade will release ends by itself: its upgrade finished without releasing it, or lost its
+task (a killed task whose ``on_kill`` never ran, as a deferred one's does not), or none held it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.standbys import STANDBY, SUCCESSOR, StandbyLog, StandbyStatus
 from airflow_stream_provider.state.store import RunTicket, StateStore
+from airflow_stream_provider.state.upgrades import UPGRADE_STALE_S, UpgradeLog, UpgradePhase
 from airflow_stream_provider.takeover import Verdict, decide
 
 log = logging.getLogger("airflow_stream_provider.standby")
@@ -74,6 +77,8 @@ class Standby:
         self.host, self.pid, self.log_path = socket.gethostname(), pid, log_path
         self.successor = successor
         self.log = StandbyLog(store)
+        self.upgrades = UpgradeLog(store) if successor else None
+        self._began = time.monotonic()
         self._query: Callable[[str], object] | None = None
         self._warmed_at = 0.0
         self._rewarm: threading.Thread | None = None
@@ -136,14 +141,15 @@ class Standby:
         while True:
             if stop_signalled():
                 return self._end(Verdict("end", "SIGTERM"))
-            if time.monotonic() >= next_heartbeat:
+            beat = time.monotonic() >= next_heartbeat
+            if beat:
                 next_heartbeat = time.monotonic() + spec.heartbeat_seconds
                 status = self.log.heartbeat(self.standby_id)
                 if status is not None and not status.live:
                     record = self.log.get(self.standby_id)
                     return Verdict("end", f"asked to end ({record.message if record else status.value})")
             if self.successor:
-                took = self._released()
+                took = self._released() or (self._unheld() if beat else None)
                 if took is not None:
                     return took
                 self._keep_warm()
@@ -196,6 +202,25 @@ class Standby:
         log.warning("successor %s starts job %s version %s on generation %s with epoch %s", self.standby_id,
                     spec.job_id, spec.version, spec.generation, ticket.epoch)
         return Takeover(ticket, None, why, spec)
+
+    def _unheld(self) -> Verdict | None:
+        """Why no upgrade will release this successor, if none will: the job's latest upgrade, which holds
+        it until the release, finished or stopped moving; or no upgrade took it within ``UPGRADE_STALE_S``
+        (its task failed before recording it).  Checked at each heartbeat, after the release: the upgrade
+        releases it before it lets go of it in its record."""
+        upgrade = self.upgrades.latest(self.spec.job_id)
+        if upgrade is None or upgrade.successor_id != self.standby_id:
+            if time.monotonic() - self._began < UPGRADE_STALE_S:
+                return None  # its upgrade records it right after starting it
+            why = f"no upgrade of job {self.spec.job_id} holds it after {UPGRADE_STALE_S:.0f} s"
+        elif upgrade.phase == UpgradePhase.DONE:
+            why = f"upgrade {upgrade.upgrade_id} ended ({upgrade.result}) without releasing it"
+        elif upgrade.stale(time.time()):
+            why = (f"upgrade {upgrade.upgrade_id} has stayed in phase {upgrade.phase.value} for "
+                   f"{UPGRADE_STALE_S:.0f} s: its task is gone")
+        else:
+            return None
+        return self._end(Verdict("end", why))
 
     def _end(self, verdict: Verdict) -> Verdict:
         status = StandbyStatus.REFUSED if verdict.action == "refuse" else StandbyStatus.ENDED

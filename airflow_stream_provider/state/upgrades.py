@@ -25,6 +25,12 @@ class UpgradePhase(enum.StrEnum):
     DONE = "DONE"
 
 
+#: Longer than any one phase takes (its stop, its start, its verification: minutes each): an upgrade whose
+#: record has not moved for this long lost its task.  It no longer keeps recoveries away, and the successor
+#: it holds ends.
+UPGRADE_STALE_S = 1800.0
+
+
 upgrades = Table(
     "stream_upgrades",
     schema.metadata,
@@ -53,6 +59,15 @@ class UpgradeRecord:
     detail: dict[str, Any]
     started_at: float
     updated_at: float
+
+    def stale(self, now: float) -> bool:
+        """Its record has not moved for ``UPGRADE_STALE_S``: its task is gone."""
+        return now - self.updated_at >= UPGRADE_STALE_S
+
+    @property
+    def successor_id(self) -> str | None:
+        """The prewarmed successor the upgrade holds, until it releases it."""
+        return (self.detail.get("successor") or {}).get("standby_id")
 
 
 class UpgradeLog:

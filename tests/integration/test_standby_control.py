@@ -102,3 +102,73 @@ def test_a_successor_is_released_once_and_is_no_standby_to_the_health_check(stat
         process.kill()
     log.took_over("succ", None, "released by the upgrade")
     assert not log.release("succ", 3, None, 8), "an ended successor is not released again"
+
+
+def _successor(store, database_url, standby_id: str):
+    """A successor's own side (``runtime.standby``) registered in the state database, without its Spark
+    session: what is checked is when its wait ends, which reads the database only."""
+    import os
+
+    from airflow_stream_provider.runtime.standby import Standby
+
+    spec = StreamJobSpec("orders", "2.0", KafkaSpec("127.0.0.1:9092", ("orders",)), "/tmp/ckpt", database_url)
+    successor = Standby(store, spec, standby_id, pid=os.getpid(), log_path=None, successor=True)
+    assert successor.register()
+    return successor
+
+
+def _polls(count: int):
+    """A wait's ``stop_signalled`` that signals after ``count`` polls (of ``POLL_S``): a successor that
+    does not end by itself ends there, as SIGTERM."""
+    left = iter(range(count))
+    return lambda: next(left, None) is None
+
+
+def _upgrade_holding(store, standby_id: str) -> str:
+    from airflow_stream_provider.state.upgrades import UpgradeLog
+
+    return UpgradeLog(store).begin("orders", "1.0", "2.0", {"successor": {"standby_id": standby_id}})
+
+
+def test_a_successor_no_upgrade_will_release_ends_by_itself(store, database_url, monkeypatch):
+    """An upgrade task killed while deferred never runs ``on_kill``: its successor would wait for a release
+    without end, holding a driver's memory.  It ends once its upgrade finished without releasing it, or
+    stopped moving, or when no upgrade took it; a live upgrade's successor waits, and a released one
+    starts even if its upgrade finished meanwhile."""
+    from sqlalchemy import update
+
+    from airflow_stream_provider.runtime import standby as standby_module
+    from airflow_stream_provider.runtime.standby import Takeover
+    from airflow_stream_provider.state.upgrades import UPGRADE_STALE_S, UpgradeLog, UpgradePhase, upgrades
+
+    log, upgrade_log = StandbyLog(store), UpgradeLog(store)
+    waiting = _successor(store, database_url, "succ-waits")
+    _upgrade_holding(store, "succ-waits")
+    assert waiting.wait(_polls(3)).why == "SIGTERM", "a live upgrade's successor waits"
+
+    finished = _successor(store, database_url, "succ-finished")
+    upgrade_id = _upgrade_holding(store, "succ-finished")
+    upgrade_log.move(upgrade_id, UpgradePhase.DONE, {"successor": {"standby_id": "succ-finished"}}, "failed")
+    assert "ended (failed) without releasing it" in finished.wait(_polls(25)).why
+    assert log.get("succ-finished").status == StandbyStatus.ENDED
+
+    stale = _successor(store, database_url, "succ-stale")
+    upgrade_id = _upgrade_holding(store, "succ-stale")
+    with store.engine.begin() as conn:  # its task was killed half an hour ago
+        conn.execute(update(upgrades).where(upgrades.c.upgrade_id == upgrade_id)
+                     .values(updated_at=upgrades.c.updated_at - UPGRADE_STALE_S - 1))
+    assert "has stayed in phase PREFLIGHT" in stale.wait(_polls(25)).why
+    assert log.get("succ-stale").status == StandbyStatus.ENDED
+
+    unheld = _successor(store, database_url, "succ-unheld")
+    monkeypatch.setattr(standby_module, "UPGRADE_STALE_S", 0.0)  # as if it had waited that long
+    assert "no upgrade of job orders holds it" in unheld.wait(_polls(25)).why
+    monkeypatch.undo()
+
+    released = _successor(store, database_url, "succ-released")
+    ticket = store.begin_run("orders", 1, "1.0")
+    upgrade_id = _upgrade_holding(store, "succ-released")
+    assert log.release("succ-released", 1, None, ticket.epoch)
+    upgrade_log.move(upgrade_id, UpgradePhase.DONE, {}, "upgraded")
+    took = released.wait(_polls(25))
+    assert isinstance(took, Takeover) and took.ticket.epoch > ticket.epoch

@@ -174,6 +174,31 @@ def test_an_upgrade_failing_before_it_releases_its_successor_ends_it(state_store
     assert ended.status == StandbyStatus.ENDED and "the upgrade failed before releasing it" in ended.message
 
 
+def test_a_killed_upgrade_task_ends_its_unreleased_successor(state_store, tmp_path):
+    """Airflow kills the upgrade's task (marked failed, timed out) while it runs in its worker: ``on_kill``
+    ends the successor the upgrade holds.  One the upgrade released is the job's run by then: left alone."""
+    from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
+    from airflow_stream_provider.state.standbys import SUCCESSOR, StandbyLog, StandbyStatus
+    from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
+
+    standbys, upgrades = StandbyLog(state_store), UpgradeLog(state_store)
+    spec = {"job_id": "job", "version": "2.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    operator = UpgradeStreamingJobOperator(task_id="upgrade", spec=spec, application="job.py", prewarm=True)
+    for standby_id in ("held", "released"):
+        standbys.register(standby_id, "job", "2.0", 1, host=socket.gethostname(), pid=4242, log_path=None,
+                          role=SUCCESSOR)
+    upgrade_id = upgrades.begin("job", "1.0", "2.0", {"successor": {"standby_id": "released"}})
+    assert standbys.release("released", 1, None, 1)
+    upgrades.move(upgrade_id, UpgradePhase.STARTING, {})  # the release lets go of it in the record
+    operator.on_kill()
+    assert standbys.get("released").status != StandbyStatus.ENDED
+
+    upgrades.begin("job", "1.0", "2.0", {"successor": {"standby_id": "held"}})
+    operator.on_kill()
+    ended = standbys.get("held")
+    assert ended.status == StandbyStatus.ENDED and "its upgrade task was killed" in ended.message
+
+
 def test_a_lost_checkpoint_is_named_in_the_recovery_diagnosis(state_store, tmp_path):
     """A run that committed batches, then failed, on a generation whose checkpoint holds no batch any
     more: the recover task's diagnosis says the checkpoint was lost before it restarts."""
