@@ -38,6 +38,7 @@ from airflow_stream_provider.lifecycle.driver_log import log_tail
 from airflow_stream_provider.lifecycle.health import HealthProbe, standby_gone
 from airflow_stream_provider.lifecycle.waits import Outcome, RunWait, RunWatch
 from airflow_stream_provider.spec import StreamJobSpec
+from airflow_stream_provider.state.leases import Lease, LeaseLog
 from airflow_stream_provider.state.records import RunRecord, RunStatus
 from airflow_stream_provider.state.standbys import (
     STANDBY,
@@ -126,6 +127,14 @@ class StreamJobController:
     def latest_upgrade(self) -> UpgradeRecord | None:
         """The job's latest upgrade, finished or not (``recovery.upgrade_in_charge`` says if it acts now)."""
         return UpgradeLog(self.state.store).latest(self.job_id)
+
+    # -- the job's lease: one task at a time acts on the job (``state.leases``) --------------------------
+    def take_lease(self, owner: str, action: str, until: float) -> Lease | None:
+        """Hold the job's lease for ``owner`` until ``until``; None once held, else the other holder's."""
+        return LeaseLog(self.state.store).take(self.job_id, owner, action, until)
+
+    def release_lease(self, owner: str) -> None:
+        LeaseLog(self.state.store).release(self.job_id, owner)
 
     def caught_up(self) -> bool:
         return caught_up(self.state, self.kafka, self.job_id, self.spec.kafka.topics)

@@ -22,7 +22,7 @@ from functools import cached_property
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException
+from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException, TaskDeferred
 
 from airflow_stream_provider import recovery
 from airflow_stream_provider.diagnosis import Diagnosis, Thresholds
@@ -34,6 +34,7 @@ from airflow_stream_provider.lifecycle.controller import STOP_STAGES, StreamJobC
 from airflow_stream_provider.lifecycle.waits import RunWait
 from airflow_stream_provider.links import STREAM_LINKS
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
+from airflow_stream_provider.state.leases import Lease
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.triggers.run import StreamRunTrigger
 
@@ -42,6 +43,10 @@ __all__ = ["StreamJobError", "StreamJobOperator"]
 #: The task-state key of a launch in flight: a retry after a worker crash picks that run up.
 LAUNCH_KEY = "stream_launch"
 STOP_OUTCOMES = ("stopped", "terminated", "killed")
+#: How long the job's lease holds for the work between two waits (a submit, a stop step, an archive)
+LEASE_STEP_S = 300.0
+#: How long it holds past a wait's deadline: the task's resume on a worker once its trigger fired
+LEASE_GRACE_S = 120.0
 
 
 class StreamJobOperator(BaseOperator):
@@ -69,6 +74,8 @@ class StreamJobOperator(BaseOperator):
     #: Once a launched query runs, how long the flow may wait for the run's first batch to be over before it
     #: goes on (``RunWait.settle_s``); 0: it goes on at once.
     launch_settle_s: float = 0.0
+    #: What this task does to the job, as its lease names it (``state.leases``): one task acts at a time.
+    lease_action: str = "act"
 
     template_fields: Sequence[str] = ("spec", "application", "conf", "env_vars", "py_files", "ready_timeout",
                                       "heartbeat_timeout", "stuck_after", "stop_timeout", "driver_log_dir",
@@ -104,6 +111,7 @@ class StreamJobOperator(BaseOperator):
         self.driver_log_dir = driver_log_dir
         self.deferrable = deferrable
         self._in_flight: dict[str, Any] | None = None
+        self._lease_owner: str | None = None
 
     @property
     def job_id(self) -> str | None:
@@ -184,8 +192,49 @@ class StreamJobOperator(BaseOperator):
     def live_run(self) -> RunRecord | None:
         return self.controller.live_run()
 
+    # -- the job's lease: taken on entry, extended over each wait, let go when the task ends ---------------
+    def _leased(self, context, step, *args: Any, resumed: bool = False) -> Any:
+        """Run ``step(*args)`` holding the job's lease; a deferral keeps it (extended over the wait by
+        ``_extend_lease``), anything else ends the task's hold on it."""
+        self._lease_owner = _lease_owner(context, self)
+        held = self.controller.take_lease(self._lease_owner, self.lease_action, time.time() + LEASE_STEP_S)
+        if held is not None:
+            if resumed:
+                raise StreamJobError(
+                    f"job {self.job.job_id}: while this task waited, its lease on the job ran out and "
+                    f"{held.describe(time.time())} took it; that task acts on the job now, so this one stops "
+                    "here. Look at what it did before running this again")
+            return self.lease_held(held)
+        try:
+            result = step(*args)
+        except TaskDeferred:
+            raise
+        except BaseException:
+            self.controller.release_lease(self._lease_owner)
+            raise
+        self.controller.release_lease(self._lease_owner)
+        return result
+
+    def lease_held(self, held: Lease) -> Any:
+        """Another task holds the job's lease: nothing is done (a recover overrides this)."""
+        raise AirflowFailException(
+            f"job {self.job.job_id}: {held.describe(time.time())} acts on the job now, and a {self.lease_action} "
+            "beside it could start or stop a driver under it. Nothing was done: run this again once that task "
+            "has ended (stream_leases in the state database shows who holds the job)")
+
+    def _extend_lease(self, until: float) -> None:
+        if self._lease_owner is None:  # a flow method called outside execute (a test driving it directly)
+            return
+        held = self.controller.take_lease(self._lease_owner, self.lease_action, until + LEASE_GRACE_S)
+        if held is not None:
+            raise StreamJobError(f"job {self.job.job_id}: this task's lease on the job ran out and "
+                                 f"{held.describe(time.time())} took it; this task stops here")
+
     # -- execute: pick up a launch an earlier try left running, else start ------------------------------
     def execute(self, context) -> Any:
+        return self._leased(context, self._execute, context)
+
+    def _execute(self, context) -> Any:
         pending = _task_state(context, LAUNCH_KEY)
         if pending:
             run = self.controller.get_run(pending["launch"]["run_id"])
@@ -200,14 +249,18 @@ class StreamJobOperator(BaseOperator):
         raise NotImplementedError
 
     def on_kill(self) -> None:
-        """Stop what this task started and was waiting on: a half-started run, a dry run."""
+        """Stop what this task started and was waiting on: a half-started run, a dry run; let go of the
+        job's lease."""
         if self._in_flight:
             self.controller.abandon(self._in_flight, "its task was killed")
+        if self._lease_owner is not None:
+            self.controller.release_lease(self._lease_owner)
 
     # -- waiting ----------------------------------------------------------------------------------------
     def wait_then(self, context, wait: RunWait, method: str, **state: Any) -> Any:
         """Wait for ``wait``, then continue in ``method(context, event, **state)``: in the triggerer when
         deferrable, else here."""
+        self._extend_lease(wait.deadline + wait.settle_s)
         if self.deferrable:
             self._defer(wait, 0.0, method, state)
         outcome = self.controller.block(wait)
@@ -215,6 +268,7 @@ class StreamJobOperator(BaseOperator):
 
     def pause_then(self, context, seconds: float, method: str, **state: Any) -> Any:
         """Wait ``seconds`` (a backoff), then continue in ``method(context, None, **state)``."""
+        self._extend_lease(time.time() + seconds + LEASE_STEP_S)
         if seconds > 0 and self.deferrable:
             self._defer(None, seconds, method, state)
         waits.pause(seconds)
@@ -228,6 +282,9 @@ class StreamJobOperator(BaseOperator):
 
     def execute_complete(self, context, event: dict[str, Any]) -> Any:
         """Where every deferral comes back: the event names the method the flow continues in."""
+        return self._leased(context, self._resumed, context, event, resumed=True)
+
+    def _resumed(self, context, event: dict[str, Any]) -> Any:
         resume = event.pop("resume")
         if event["outcome"] == "paused":
             event = None
@@ -392,6 +449,14 @@ def _still_starting(run: RunRecord | None, launch: dict[str, Any]) -> bool:
     # Started from another host: only its registration or the launch wait's deadline can tell.
     return bool(launch.get("pid")) and local_driver.launch_alive(
         launch["pid"], launch.get("host"), launch.get("submitted_at")) is not False
+
+
+def _lease_owner(context, task: BaseOperator) -> str:
+    """The task instance, whatever its try or resume: a retry and a resumed deferral hold the same lease."""
+    ti = context.get("ti") if context else None
+    if ti is None:  # called outside a task run (a test driving the operator): this operator object
+        return f"{task.task_id}@{id(task):x}"
+    return f"{ti.dag_id}/{ti.run_id}/{ti.task_id}/{getattr(ti, 'map_index', -1)}"
 
 
 def _task_state(context, key: str) -> Any:

@@ -26,6 +26,8 @@ class RecoverStreamingJobOperator(StreamJobOperator):
     ========================  =========================================================================
     STARTING, HEALTHY         nothing
     STOPPED                   nothing: a clean stop was asked for by someone
+    anything, while another   nothing: that task holds the job's lease (``state.leases``)
+    task acts on the job
     anything, while an        nothing: the upgrade's task acts on the job (``recovery.UPGRADE_IN_CHARGE``)
     upgrade stops, starts,
     verifies or rolls back
@@ -54,6 +56,8 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         (leave it to a person) when the checkpoint cannot be read by the job's code.
     """
 
+    lease_action = "recover"
+
     #: The task resumes on a worker after the restarted run's first batch, not in the middle of it.
     launch_settle_s = 20.0
 
@@ -75,6 +79,13 @@ class RecoverStreamingJobOperator(StreamJobOperator):
     def budget(self) -> RestartBudget:
         return RestartBudget(int(self.max_restarts), float(self.restart_window), float(self.backoff_base),
                              float(self.backoff_max), float(self.healthy_reset))
+
+    def lease_held(self, held) -> dict[str, Any]:
+        """Another task acts on the job (a submit, a stop, a restart, an upgrade): a recovery beside it
+        could start a second driver, so this one leaves the job to it, as it does during an upgrade."""
+        why = f"{held.describe(time.time())} acts on the job now: the recovery leaves it to that task"
+        self.log.info("Not recovering: %s", why)
+        return {"action": "none", "why": why}
 
     def start(self, context) -> dict[str, Any]:
         try:

@@ -18,6 +18,8 @@ class ResetStreamingJobOperator(StreamJobOperator):
     :param reason: why the reset was made, recorded with the archived generation.
     """
 
+    lease_action = "reset"
+
     template_fields = (*StreamJobOperator.template_fields, "reason", "allow_data_loss")
 
     def __init__(self, *, allow_data_loss: bool = False, reason: str = "manual reset", **kwargs):

@@ -10,6 +10,8 @@ from airflow_stream_provider.operators.base import StreamJobOperator
 class RestartStreamingJobOperator(StreamJobOperator):
     """Stop the live run if any (gracefully), then start a new run on the same checkpoint generation."""
 
+    lease_action = "restart"
+
     def start(self, context) -> dict[str, Any]:
         self.refuse_during_upgrade("restart")
         last = self.state.latest_run(self.job.job_id)

@@ -12,6 +12,7 @@ class StopStreamingJobOperator(StreamJobOperator):
     then a kill only after ``stop_timeout``.  The job's standbys end first.  Stopping a job that is not running
     is a no-op that says so."""
 
+    lease_action = "stop"
     launches = False
 
     def start(self, context) -> dict[str, Any]:

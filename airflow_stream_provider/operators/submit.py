@@ -21,6 +21,8 @@ class SubmitStreamingJobOperator(StreamJobOperator):
         older run.
     """
 
+    lease_action = "submit"
+
     template_fields = (*StreamJobOperator.template_fields, "if_running")
 
     def __init__(self, *, if_running: str = "fail", **kwargs):

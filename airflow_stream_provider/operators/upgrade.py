@@ -72,6 +72,8 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         replaced by a cold start.
     """
 
+    lease_action = "upgrade"
+
     template_fields = (*StreamJobOperator.template_fields, "version", "reset_policy", "previous_application",
                        "preflight_timeout", "verify_timeout", "prewarm")
     ui_color = "#fdf2e0"

@@ -261,6 +261,58 @@ def test_a_recovery_a_restart_or_a_reset_leaves_a_job_to_the_upgrade_that_is_sta
     assert state_store.current_generation("job") == 1
 
 
+def test_one_task_at_a_time_acts_on_a_job(state_store, tmp_path):
+    """A submit from the deploy DAG holds the job's lease through its launch: the health DAG's recover
+    beside it leaves the job alone and says why, and a person's restart fails before doing anything.  A
+    task that ends lets go of it, failing or not; a task resumed after its lease was taken stops."""
+    import time
+
+    import pytest
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_stream_provider.lifecycle.controller import StreamJobError
+    from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
+    from airflow_stream_provider.operators.restart import RestartStreamingJobOperator
+    from airflow_stream_provider.state.leases import LeaseLog
+
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path / "checkpoints"),
+            "kafka": {"topics": ["events"]}}
+    ticket = state_store.begin_run("job", 1, "1.0")
+    state_store.finish_run(ticket.run_id, status="FAILED", exit_code=1, failure_kind="TRANSIENT", message="gone")
+    leases = LeaseLog(state_store)
+    submit_owner = "stream_deploy/manual__1/submit/-1"
+    assert leases.take("job", submit_owner, "submit", time.time() + 300) is None  # its driver is starting
+
+    outcome = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="job.py").execute({})
+    assert outcome["action"] == "none" and f"task {submit_owner} (submit" in outcome["why"], outcome
+    with pytest.raises(AirflowFailException, match=rf"task {submit_owner} \(submit.* acts on the job now, and a "
+                                                   "restart beside it could start or stop a driver"):
+        RestartStreamingJobOperator(task_id="restart", spec=spec, application="job.py").execute({})
+    assert [r.run_id for r in state_store.runs("job")] == [ticket.run_id]  # nothing started
+    assert state_store.restarts_since("job", 0) == []
+    assert leases.get("job").owner == submit_owner
+
+    # a task resumed from its trigger after its lease ran out and another task took it stops there
+    recover = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="job.py")
+    event = {"outcome": "paused", "resume": {"method": "_act", "state": {"action": "restart", "reason": "x",
+                                                                        "outcome": {}}}}
+    with pytest.raises(StreamJobError, match="while this task waited, its lease on the job ran out"):
+        recover.execute_complete({}, event)
+    assert [r.run_id for r in state_store.runs("job")] == [ticket.run_id]
+
+    leases.release("job", submit_owner)  # the submit ended
+    from airflow_stream_provider.operators.stop import StopStreamingJobOperator
+    from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
+
+    StopStreamingJobOperator(task_id="stop", spec=spec).execute({})  # nothing runs: a no-op that succeeds
+    assert leases.get("job") is None
+    upgrades = UpgradeLog(state_store)
+    upgrades.move(upgrades.begin("job", "1.0", "2.0", {}), UpgradePhase.STARTING, {})
+    with pytest.raises(AirflowFailException, match="is in phase STARTING"):  # a task failing lets go too
+        RestartStreamingJobOperator(task_id="restart", spec=spec, application="job.py").execute({})
+    assert leases.get("job") is None
+
+
 def test_a_state_database_of_an_older_release_gains_the_new_columns_in_place(store):
     """An older release created ``stream_runs`` without ``ui_url``: the next start adds the column, and
     the runs recorded before read it as None.  A second start (or a racing one) changes nothing."""
