@@ -194,8 +194,8 @@ class StreamJobOperator(BaseOperator):
 
     # -- the job's lease: taken on entry, extended over each wait, let go when the task ends ---------------
     def _leased(self, context, step, *args: Any, resumed: bool = False) -> Any:
-        """Run ``step(*args)`` holding the job's lease; a deferral keeps it (extended over the wait by
-        ``_extend_lease``), anything else ends the task's hold on it."""
+        """Run ``step(*args)`` holding the job's lease; a deferral keeps it (held over the wait by
+        ``_hold_lease``), anything else ends the task's hold on it."""
         self._lease_owner = _lease_owner(context, self)
         held = self.controller.take_lease(self._lease_owner, self.lease_action, time.time() + LEASE_STEP_S)
         if held is not None:
@@ -222,10 +222,12 @@ class StreamJobOperator(BaseOperator):
             "beside it could start or stop a driver under it. Nothing was done: run this again once that task "
             "has ended (stream_leases in the state database shows who holds the job)")
 
-    def _extend_lease(self, until: float) -> None:
+    def _hold_lease(self, until: float) -> None:
+        """Keep the job's lease until ``until``: over a wait (its deadline plus ``LEASE_GRACE_S``), or for
+        the step after one."""
         if self._lease_owner is None:  # a flow method called outside execute (a test driving it directly)
             return
-        held = self.controller.take_lease(self._lease_owner, self.lease_action, until + LEASE_GRACE_S)
+        held = self.controller.take_lease(self._lease_owner, self.lease_action, until)
         if held is not None:
             raise StreamJobError(f"job {self.job.job_id}: this task's lease on the job ran out and "
                                  f"{held.describe(time.time())} took it; this task stops here")
@@ -260,18 +262,20 @@ class StreamJobOperator(BaseOperator):
     def wait_then(self, context, wait: RunWait, method: str, **state: Any) -> Any:
         """Wait for ``wait``, then continue in ``method(context, event, **state)``: in the triggerer when
         deferrable, else here."""
-        self._extend_lease(wait.deadline + wait.settle_s)
+        self._hold_lease(wait.deadline + wait.settle_s + LEASE_GRACE_S)
         if self.deferrable:
             self._defer(wait, 0.0, method, state)
         outcome = self.controller.block(wait)
+        self._hold_lease(time.time() + LEASE_STEP_S)
         return getattr(self, method)(context, {"outcome": outcome, "run_id": wait.run_id}, **state)
 
     def pause_then(self, context, seconds: float, method: str, **state: Any) -> Any:
         """Wait ``seconds`` (a backoff), then continue in ``method(context, None, **state)``."""
-        self._extend_lease(time.time() + seconds + LEASE_STEP_S)
+        self._hold_lease(time.time() + seconds + LEASE_GRACE_S)
         if seconds > 0 and self.deferrable:
             self._defer(None, seconds, method, state)
         waits.pause(seconds)
+        self._hold_lease(time.time() + LEASE_STEP_S)
         return getattr(self, method)(context, None, **state)
 
     def _defer(self, wait: RunWait | None, pause_s: float, method: str, state: dict[str, Any]) -> None:

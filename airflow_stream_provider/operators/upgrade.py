@@ -101,13 +101,14 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         return UpgradeLog(self.state.store)
 
     # -- a prewarmed successor never outlives the upgrade's failure ---------------------------------------
-    def execute(self, context) -> Any:
+    # (inside the job's lease: a refused lease is another task's upgrade, and its successor is not ours)
+    def _execute(self, context) -> Any:
         with self._successor_ended_on_failure():
-            return super().execute(context)
+            return super()._execute(context)
 
-    def execute_complete(self, context, event: dict[str, Any]) -> Any:
+    def _resumed(self, context, event: dict[str, Any]) -> Any:
         with self._successor_ended_on_failure():
-            return super().execute_complete(context, event)
+            return super()._resumed(context, event)
 
     @contextmanager
     def _successor_ended_on_failure(self) -> Iterator[None]:

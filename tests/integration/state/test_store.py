@@ -199,6 +199,30 @@ def test_a_killed_upgrade_task_ends_its_unreleased_successor(state_store, tmp_pa
     assert ended.status == StandbyStatus.ENDED and "its upgrade task was killed" in ended.message
 
 
+def test_an_upgrade_refused_by_another_tasks_lease_leaves_that_upgrades_successor_alone(state_store, tmp_path):
+    """A second upgrade triggered while the first one runs fails on the job's lease, before anything: the
+    first upgrade's successor is the first upgrade's to release or end."""
+    import time
+
+    import pytest
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
+    from airflow_stream_provider.state.leases import LeaseLog
+    from airflow_stream_provider.state.standbys import SUCCESSOR, StandbyLog, StandbyStatus
+    from airflow_stream_provider.state.upgrades import UpgradeLog
+
+    standbys = StandbyLog(state_store)
+    standbys.register("first", "job", "2.0", 1, host=socket.gethostname(), pid=4242, log_path=None, role=SUCCESSOR)
+    UpgradeLog(state_store).begin("job", "1.0", "2.0", {"successor": {"standby_id": "first"}})
+    assert LeaseLog(state_store).take("job", "stream_upgrade/first/upgrade/-1", "upgrade", time.time() + 300) is None
+    spec = {"job_id": "job", "version": "2.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    second = UpgradeStreamingJobOperator(task_id="upgrade", spec=spec, application="job.py", prewarm=True)
+    with pytest.raises(AirflowFailException, match="stream_upgrade/first/upgrade/-1 \\(upgrade"):
+        second.execute({})
+    assert standbys.get("first").status == StandbyStatus.WARMING
+
+
 def test_a_lost_checkpoint_is_named_in_the_recovery_diagnosis(state_store, tmp_path):
     """A run that committed batches, then failed, on a generation whose checkpoint holds no batch any
     more: the recover task's diagnosis says the checkpoint was lost before it restarts."""
