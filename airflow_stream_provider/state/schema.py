@@ -163,23 +163,14 @@ dead_letters = Table(
 )
 
 #: Dead letters of a log that is gone: a topic recreated or truncated, a partition deleted.  Moved here, byte
-#: for byte, in the transaction that records the loss, because the new log numbers its records from the
-#: old log's positions again and ``dead_letters`` is keyed by position.  A position may be archived once
-#: per log that held it, hence the row id.
+#: for byte (the columns of ``dead_letters``), in the transaction that records the loss, because the new log
+#: numbers its records from the old log's positions again and ``dead_letters`` is keyed by position.  A
+#: position may be archived once per log that held it, hence the row id.
 dead_letters_archive = Table(
     "dead_letters_archive",
     metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("job_id", String(100), nullable=False, index=True),
-    Column("topic", String(249), nullable=False),
-    Column("partition", Integer, nullable=False),
-    Column("offset", BigInteger, nullable=False),
-    Column("key", LargeBinary),
-    Column("value", LargeBinary),
-    Column("error", Text, nullable=False),
-    Column("generation", Integer),
-    Column("batch_id", BigInteger),
-    Column("recorded_at", Float),
+    *(Column(c.name, c.type, nullable=c.nullable, index=c.name == "job_id") for c in dead_letters.columns),
     Column("archived_at", Float, nullable=False),
 )
 
