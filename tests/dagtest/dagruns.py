@@ -7,6 +7,7 @@ Imported by conftest before Airflow is configured, so Airflow modules are import
 from __future__ import annotations
 
 import copy
+import datetime
 import signal
 
 from airflow_stream_provider.state.records import RunRecord
@@ -58,10 +59,14 @@ def runs(state, job_id: str) -> list[RunRecord]:
 _DECLARED: dict[str, dict] = {}
 
 
-def run_dag(dag, params: dict, **overrides):
-    """Trigger ``dag`` with the job's params; return (state, {task_id: (state, xcom)})."""
+def run_dag(dag, params: dict, *, logical_date: str | None = None, **overrides):
+    """Trigger ``dag`` with the job's params; return (state, {task_id: (state, xcom)}).  ``logical_date``
+    (ISO 8601): the run's, and so its run id; a second run with the same one replaces the first, with the
+    same task instances, as Airflow's retry of a killed task runs the same task instance again."""
     declared = _DECLARED.setdefault(dag.dag_id, copy.deepcopy(dag.params.dump()))
-    dag_run = dag.test(run_conf={**declared, **params, **overrides})
+    at = datetime.datetime.fromisoformat(logical_date) if logical_date else None
+    when = {"logical_date": at, "run_after": at} if at else {}  # the run id is made of run_after
+    dag_run = dag.test(run_conf={**declared, **params, **overrides}, **when)
     tasks = {ti.task_id: (ti.state, ti.xcom_pull(task_ids=ti.task_id)) for ti in dag_run.get_task_instances()}
     return dag_run.state, tasks
 

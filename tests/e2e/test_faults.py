@@ -8,6 +8,7 @@ the job; the recovering driver carries the next fault.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -106,7 +107,7 @@ _RESET_IN_A_CHILD = (
     "import json, sys\n"
     "from tests.dags.reset_scenario import reset\n"
     "from tests.dagtest.dagruns import run_dag\n"
-    "print(run_dag(reset, json.loads(sys.argv[1])))\n"
+    "print(run_dag(reset, json.loads(sys.argv[1]), logical_date=sys.argv[2]))\n"
 )
 
 
@@ -124,8 +125,10 @@ def test_reset_killed_between_archive_and_start_is_completed_by_the_next_attempt
     first = tasks["submit"][1]
     caught_up(state, job_id, producer)
 
+    killed_run = datetime.datetime.now(datetime.UTC).isoformat()  # the retry below is the same task instance
     with open(stream["tmp"] / "killed-reset.log", "wb") as output:
-        child = subprocess.run([sys.executable, "-c", _RESET_IN_A_CHILD, json.dumps({**params, "reason": "test"})],
+        child = subprocess.run([sys.executable, "-c", _RESET_IN_A_CHILD, json.dumps({**params, "reason": "test"}),
+                                killed_run],
                                env={**os.environ, "STREAM_FAULT": "reset_after_archive"}, cwd=REPO,
                                stdout=output, stderr=subprocess.STDOUT, timeout=600)
     assert child.returncode == -signal.SIGKILL, (stream["tmp"] / "killed-reset.log").read_text()[-3000:]
@@ -140,7 +143,12 @@ def test_reset_killed_between_archive_and_start_is_completed_by_the_next_attempt
     stored = state.stored_offsets(job_id)
 
     producer.send(700)  # arrives while no driver runs
-    status, tasks = run_dag(reset_scenario.reset, params, reason="retry of the killed reset")
+    # the killed task still holds the job's lease: another task (a new run of the DAG) is refused, and
+    # does nothing; the killed task's own retry holds the same lease
+    status, tasks = run_dag(reset_scenario.reset, params, reason="another reset beside the killed one")
+    assert status == "failed" and tasks["reset"][0] == "failed", tasks
+    assert state.store.get_generation(job_id, 2) is None and len(runs(state, job_id)) == 1
+    status, tasks = run_dag(reset_scenario.reset, params, logical_date=killed_run, reason="retry of the killed reset")
     assert status == "success", tasks
     done = tasks["reset"][1]
     assert (done["generation"], done["archived_generation"], done["archive_path"]) == (2, 1, str(archive)), done
