@@ -1,7 +1,7 @@
 """``python -m airflow_stream_provider``: a job's state at a glance, for on-call, without a running Airflow.
 
 ``status`` reads the state database (the password, if any, from STREAM_DATABASE_PASSWORD): the latest
-runs with their health inputs, the latest upgrade's phase, the generations and the stored offsets; with ``--checkpoint-root`` also
+runs with their health inputs, the latest upgrade's phase, the task acting on the job, the generations and the stored offsets; with ``--checkpoint-root`` also
 what each generation's checkpoint holds (last batch, committed or not, its offsets).  ``prune`` applies a
 retention policy to a job's archived generations (never to active ones).
 """
@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import sys
+import time
 from collections.abc import Sequence
 
 from airflow_stream_provider import diagnosis, kafka_offsets
 from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.standbys import StandbyLog
 from airflow_stream_provider.state.store import StateStore
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase, UpgradeRecord
@@ -44,6 +46,10 @@ def status(store: StateStore, job_id: str, runs: int = 5) -> str:
     upgrade = UpgradeLog(store).latest(job_id)
     if upgrade is not None:
         out.append(_upgrade_line(upgrade))
+    lease = LeaseLog(store).get(job_id)
+    now = time.time()
+    if lease is not None and lease.until >= now:
+        out.append(f"acting on the job: {lease.describe(now)}")
     standbys = StandbyLog(store)
     for standby in standbys.live(job_id) or standbys.recent(job_id, 1):
         out.append(standby.describe())

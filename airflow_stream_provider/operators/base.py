@@ -220,7 +220,7 @@ class StreamJobOperator(BaseOperator):
         raise AirflowFailException(
             f"job {self.job.job_id}: {held.describe(time.time())} acts on the job now, and a {self.lease_action} "
             "beside it could start or stop a driver under it. Nothing was done: run this again once that task "
-            "has ended (stream_leases in the state database shows who holds the job)")
+            "has ended (`python -m airflow_stream_provider status` names the task acting on the job)")
 
     def _hold_lease(self, until: float) -> None:
         """Keep the job's lease until ``until``: over a wait (its deadline plus ``LEASE_GRACE_S``), or for

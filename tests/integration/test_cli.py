@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 from airflow_stream_provider.__main__ import main
+from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.store import StateStore
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 
@@ -41,9 +44,14 @@ def test_status_shows_where_an_upgrade_stands(tmp_path, capsys):
     assert "upgrade 1.0 -> 2.0 in progress: VERIFYING" in capsys.readouterr().out
 
     log.move(upgrade_id, UpgradePhase.DONE, {}, result="rolled back")
+    assert main(["status", "--database-url", url, "--job-id", "orders"]) == 0
+    out = capsys.readouterr().out
+    assert "last upgrade 1.0 -> 2.0: rolled back" in out and "acting on the job" not in out
+
+    LeaseLog(store).take("orders", "stream_stop/manual__1/stop/-1", "stop", time.time() + 60)
     store.dispose()
     assert main(["status", "--database-url", url, "--job-id", "orders"]) == 0
-    assert "last upgrade 1.0 -> 2.0: rolled back" in capsys.readouterr().out
+    assert "acting on the job: task stream_stop/manual__1/stop/-1 (stop, for 0 s" in capsys.readouterr().out
 
 
 def test_status_on_a_database_without_stream_state_says_so(tmp_path, capsys):
