@@ -36,10 +36,12 @@ def test_the_first_driver_gets_an_archive_written_and_the_next_one_maps_it(broke
     assert "SharedArchiveFile" not in Path(first.log_path).read_text().splitlines()[0]
     runner.wait_caught_up(_end(producer), first)
     epoch = runner.run_row(first).epoch
-    archive = wait_until(lambda: [p for p in archives.glob("driver-*.jsa") if ".tmp." not in p.name], 300,
-                         "the warm-up-only run to write the archive",
+    # the run's wrapper moves the written archive into place, then removes its lock: wait for both
+    archive = wait_until(lambda: not list(archives.glob("*.lock"))
+                         and [p for p in archives.glob("driver-*.jsa") if ".tmp." not in p.name], 300,
+                         "the warm-up-only run to write the archive and let go of its lock",
                          on_timeout=lambda: "\n".join(p.read_text()[-3000:] for p in tmp_path.rglob("warm-up-*.log")))[0]
-    assert not list(archives.glob("*.lock")) and not list(archives.glob("*.tmp.jsa"))
+    assert not list(archives.glob("*.tmp.jsa"))
     # the warm-up-only run took no epoch, registered no run, committed nothing
     assert runner.store.current_epoch(runner.spec.job_id) == epoch
     assert {r.run_id for r in runner.store.runs(runner.spec.job_id)} == {first.run_id}
