@@ -129,12 +129,16 @@ class StreamJobController:
         return UpgradeLog(self.state.store).latest(self.job_id)
 
     # -- the job's lease: one task at a time acts on the job (``state.leases``) --------------------------
+    @cached_property
+    def leases(self) -> LeaseLog:
+        return LeaseLog(self.state.store)
+
     def take_lease(self, owner: str, action: str, until: float) -> Lease | None:
         """Hold the job's lease for ``owner`` until ``until``; None once held, else the other holder's."""
-        return LeaseLog(self.state.store).take(self.job_id, owner, action, until)
+        return self.leases.take(self.job_id, owner, action, until)
 
     def release_lease(self, owner: str) -> None:
-        LeaseLog(self.state.store).release(self.job_id, owner)
+        self.leases.release(self.job_id, owner)
 
     def caught_up(self) -> bool:
         return caught_up(self.state, self.kafka, self.job_id, self.spec.kafka.topics)

@@ -502,9 +502,9 @@ def plain_text(text: str) -> str:
 
 
 def archive_dead_letters(conn, job_id: str, topic: str, partition: int, from_offset: int | None,
-                         now: float) -> int:
+                         now: float) -> None:
     """Move a gone log's dead letters of one partition, from ``from_offset`` on (None: all of them), to
-    ``dead_letters_archive``; return how many moved.  Called in the transaction that records the loss:
+    ``dead_letters_archive``.  Called in the transaction that records the loss:
     the new log numbers its records from there again, and one of them dead-lettered at a position an old
     dead letter holds would otherwise collide with it and stop the job."""
     live, archive = schema.dead_letters, schema.dead_letters_archive
@@ -514,4 +514,4 @@ def archive_dead_letters(conn, job_id: str, topic: str, partition: int, from_off
     kept = [c.name for c in live.columns]
     conn.execute(archive.insert().from_select(
         [*kept, "archived_at"], select(*live.columns, literal(now, Float)).where(*where)))
-    return conn.execute(live.delete().where(*where)).rowcount
+    conn.execute(live.delete().where(*where))

@@ -212,7 +212,8 @@ def commit(
             outcome.skipped_replay = True
             return outcome
         ledger_batch = _ledger_batch_id(conn, run, batch_plan.range.batch_id)
-        _record_restarts(conn, run, batch_plan, stored, now)  # before the batch's dead letters: see there
+        _record_restarts(conn, run, batch_plan, stored, now)
+        _archive_gone_logs(conn, run, batch_plan, now)  # before the batch writes its own at those positions
         began = time.perf_counter()
         for write in writes:
             write_rows(conn, write.table, write.key, write.increments, write.rows)
@@ -264,8 +265,7 @@ def trial_write(
     with store.engine.connect() as conn:
         tx = conn.begin()
         try:
-            for tp in batch_plan.restarted:
-                archive_dead_letters(conn, run.job_id, *tp, batch_plan.apply_from.get(tp), time.time())
+            _archive_gone_logs(conn, run, batch_plan, time.time())
             for write in writes:
                 write_rows(conn, write.table, write.key, write.increments, write.rows)
             if dead_letters:
@@ -322,8 +322,7 @@ def _ledger_batch_id(conn, run: RunContext, batch_id: int) -> int:
 def _record_restarts(conn, run: RunContext, batch_plan: BatchPlan, stored: Offsets, now: float) -> None:
     """A restarted partition's records from its stored offset to the end of the old log are gone: the job
     accepts that (failOnDataLoss=false), and the loss is recorded in the transaction that moves the stored
-    offset back, so results, ledger and accepted losses still add up to the stored offsets.  The old log's
-    dead letters from the new start on are archived before the batch writes its own at those positions."""
+    offset back, so results, ledger and accepted losses still add up to the stored offsets."""
     for tp in sorted(batch_plan.restarted):
         position = stored.get(tp)
         if position is None:
@@ -341,6 +340,12 @@ def _record_restarts(conn, run: RunContext, batch_plan: BatchPlan, stored: Offse
                 reason=reason, accepted_at=now,
             )
         )
+
+
+def _archive_gone_logs(conn, run: RunContext, batch_plan: BatchPlan, now: float) -> None:
+    """A restarted partition's old dead letters, from the new log's start on, move to the archive: the new
+    log numbers its records from those positions again."""
+    for tp in sorted(batch_plan.restarted):
         archive_dead_letters(conn, run.job_id, *tp, batch_plan.apply_from[tp], now)
 
 
