@@ -13,6 +13,7 @@ import time
 
 from sqlalchemy import text
 
+from airflow_stream_provider.state.leases import LeaseLog
 from stack.deployment import StreamDeployment, epoch, kill_driver
 from stack.events import EventProducer, Trickle
 from stack.jobs import REPO, check_exactly_once, wait_until
@@ -105,9 +106,11 @@ def test_an_incompatible_upgrade_through_the_api_resets_exactly_once(deployment,
     producer.send(1500)
     _deploy(deployment, producer)
     with Trickle(producer, chunk=10, pause_s=1.0):
-        tasks = deployment.trigger("stream_upgrade", timeout=900,
-                                   application=str(REPO / "spark_jobs" / "events_job_v2.py"), version="2.0")
-    state, run_id = tasks["_run"]
+        run_id = deployment.airflow.trigger_dag(
+            "stream_upgrade", {"application": str(REPO / "spark_jobs" / "events_job_v2.py"), "version": "2.0"})
+        _a_stop_beside_the_upgrade_is_refused(deployment)
+        state = deployment.airflow.wait_dag_run("stream_upgrade", run_id, 900)["state"]
+    tasks = deployment.tasks("stream_upgrade", run_id)
     assert state == "success", deployment.explain("stream_upgrade", run_id)
     upgraded = tasks["upgrade"][1]
     assert upgraded["preflight"]["verdict"] == "incompatible", upgraded
@@ -121,6 +124,19 @@ def test_an_incompatible_upgrade_through_the_api_resets_exactly_once(deployment,
                 and deployment.tasks("stream_health", r["dag_run_id"]).get("recover", (None,))[0] == "success"], \
         "an upgrade is not a failure: the watcher must not have restarted anything"
     figures.record("real airflow incompatible upgrade", error_class=upgraded["preflight"]["error_class"], **counts)
+
+
+def _a_stop_beside_the_upgrade_is_refused(deployment: StreamDeployment) -> None:
+    """A person triggers ``stream_stop`` while the upgrade runs its preflight: the upgrade holds the job's
+    lease, so the stop fails at once, names the upgrade, and stops nothing."""
+    leases = LeaseLog(deployment.store)
+    wait_until(lambda: (lease := leases.get(deployment.job_id)) is not None and lease.action == "upgrade"
+               and any(r.dry_run for r in deployment.store.runs(deployment.job_id)), 300,
+               "the upgrade to hold the job's lease and start its preflight")
+    stop = deployment.trigger("stream_stop")
+    assert stop["stop"][0] == "failed", stop
+    log = deployment.airflow.task_log("stream_stop", stop["_run"][1], "stop")
+    assert "(upgrade, for" in log and "Nothing was done" in log, log[-3000:]
 
 
 def test_a_crash_loop_ends_in_the_budgets_clear_failure(deployment, broker, topic):
