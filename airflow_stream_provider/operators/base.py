@@ -31,6 +31,7 @@ from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle import waits
 from airflow_stream_provider.lifecycle.controller import STOP_STAGES, StreamJobController, StreamJobError
+from airflow_stream_provider.lifecycle.killed import KilledTask
 from airflow_stream_provider.lifecycle.waits import RunWait
 from airflow_stream_provider.links import STREAM_LINKS
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
@@ -281,8 +282,14 @@ class StreamJobOperator(BaseOperator):
     def _defer(self, wait: RunWait | None, pause_s: float, method: str, state: dict[str, Any]) -> None:
         trigger = StreamRunTrigger(wait=wait and wait.to_dict(), state_conn_id=self.state_conn_id,
                                    kafka_conn_id=self.kafka_conn_id, topics=list(self.job.kafka.topics),
-                                   pause_s=pause_s, resume={"method": method, "state": state})
+                                   pause_s=pause_s, resume={"method": method, "state": state},
+                                   killed=self.killed_task().to_dict())
         self.defer(trigger=trigger, method_name="execute_complete")
+
+    def killed_task(self) -> KilledTask:
+        """What ``on_kill`` would undo, for the trigger to undo when the task is killed while deferred."""
+        launch = self._in_flight and {k: self._in_flight.get(k) for k in ("run_id", "pid", "host", "submitted_at")}
+        return KilledTask(self.job.job_id, lease_owner=self._lease_owner, launch=launch)
 
     def execute_complete(self, context, event: dict[str, Any]) -> Any:
         """Where every deferral comes back: the event names the method the flow continues in."""

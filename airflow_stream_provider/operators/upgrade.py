@@ -17,6 +17,7 @@ from airflow_stream_provider import spec as spec_module
 from airflow_stream_provider.failures import FailureKind
 from airflow_stream_provider.lifecycle.controller import StreamJobError
 from airflow_stream_provider.lifecycle.driver_log import log_tail
+from airflow_stream_provider.lifecycle.killed import KilledTask, end_unreleased_successor
 from airflow_stream_provider.lifecycle.waits import RunWait
 from airflow_stream_provider.operators.base import (
     LAUNCH_KEY,
@@ -126,14 +127,18 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
 
     def on_kill(self) -> None:
         """Also end the successor the upgrade has not released.  A task killed while deferred does not
-        come here: its successor ends by itself once the upgrade's record goes stale (``runtime.standby``)."""
+        come here: its trigger does it (``lifecycle.killed``), and where Airflow does not tell the trigger,
+        the successor ends by itself once the upgrade's record goes stale (``runtime.standby``)."""
         super().on_kill()
         self._end_unreleased_successor("its upgrade task was killed")
 
+    def killed_task(self) -> KilledTask:
+        return replace(super().killed_task(), upgrade=True)
+
     def _end_unreleased_successor(self, why: str) -> None:
-        found = self.upgrades.latest(self.new_spec.job_id)
-        if found is not None and found.successor_id:
-            self.controller.end_successor(found.detail["successor"], why)
+        ended = end_unreleased_successor(self.state.store, self.new_spec.job_id, why)
+        if ended:
+            self.log.info("Asked successor %s of job %s to end: %s", ended, self.new_spec.job_id, why)
 
     def _phase(self, ctx: dict[str, Any], phase: UpgradePhase, result: str | None = None) -> None:
         ctx["phase"] = phase.value

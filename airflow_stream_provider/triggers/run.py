@@ -2,8 +2,8 @@
 batch, it ended), without holding a worker slot.
 
 The decision is :class:`~airflow_stream_provider.lifecycle.waits.RunWatch`'s, the same one the blocking path uses;
-this class only runs it in a thread of the triggerer's event loop.  No side effects: a trigger may run
-twice.
+this class only runs it in a thread of the triggerer's event loop.  No side effects while it waits: a
+trigger may run twice.  A person killing the deferred task is the one exception (:meth:`on_kill`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from airflow_stream_provider.hooks.state import StreamStateHook
+from airflow_stream_provider.lifecycle.killed import KilledTask, undo
 from airflow_stream_provider.lifecycle.waits import POLL_INTERVAL_S, RunWait
 
 
@@ -25,10 +27,13 @@ class StreamRunTrigger(BaseTrigger):
 
     ``resume`` is the deferred flow's own state (the method to continue in and its arguments), carried in
     the event: ``dag.test()`` hands the resumed method the event alone, not the deferral's kwargs.
+    ``killed`` is what the task leaves behind if a person kills it while it waits here
+    (``lifecycle.killed``): Airflow then calls :meth:`on_kill`, never the operator's.
     """
 
     def __init__(self, *, wait: dict[str, Any] | None, state_conn_id: str, kafka_conn_id: str,
-                 topics: list[str] | None = None, pause_s: float = 0.0, resume: dict[str, Any] | None = None):
+                 topics: list[str] | None = None, pause_s: float = 0.0, resume: dict[str, Any] | None = None,
+                 killed: dict[str, Any] | None = None):
         super().__init__()
         self.wait = RunWait.from_dict(wait) if wait else None
         self.state_conn_id = state_conn_id
@@ -36,12 +41,13 @@ class StreamRunTrigger(BaseTrigger):
         self.topics = list(topics or [])
         self.pause_s = float(pause_s)
         self.resume = resume or {}
+        self.killed = KilledTask.from_dict(killed) if killed else None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}", {
             "wait": self.wait and self.wait.to_dict(), "state_conn_id": self.state_conn_id,
             "kafka_conn_id": self.kafka_conn_id, "topics": self.topics, "pause_s": self.pause_s,
-            "resume": self.resume})
+            "resume": self.resume, "killed": self.killed and self.killed.to_dict()})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         if self.wait is None:
@@ -72,3 +78,17 @@ class StreamRunTrigger(BaseTrigger):
                 await asyncio.sleep(POLL_INTERVAL_S)
         finally:
             close()
+
+    async def on_kill(self) -> None:
+        """A person marked the deferred task failed or succeeded, or cleared it: undo what its operator's
+        ``on_kill`` would have (Airflow 3.3 on; a triggerer restart does not come here)."""
+        if self.killed is None:
+            return
+        await asyncio.to_thread(self._undo)
+
+    def _undo(self) -> None:
+        state = StreamStateHook(self.state_conn_id)
+        try:
+            undo(state.store, self.killed, "its task was killed while deferred", self.log)
+        finally:
+            state.close()

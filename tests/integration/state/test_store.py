@@ -199,6 +199,69 @@ def test_a_killed_upgrade_task_ends_its_unreleased_successor(state_store, tmp_pa
     assert ended.status == StandbyStatus.ENDED and "its upgrade task was killed" in ended.message
 
 
+def test_a_task_killed_while_deferred_is_undone_by_its_trigger(state_store, tmp_path):
+    """A person marks a deferred upgrade failed: no worker runs the operator's ``on_kill``, Airflow calls its
+    trigger's instead (a real triggerer does, in ``tests/e2e/real_airflow``).  The trigger, rebuilt from its
+    serialized kwargs as a triggerer rebuilds it, kills the driver the task waited on (one on another host
+    is asked to stop through its row), ends the unreleased successor and lets go of the lease."""
+    import asyncio
+    import time
+
+    import pytest
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from airflow_stream_provider.lifecycle.waits import RunWait
+    from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
+    from airflow_stream_provider.state.leases import LeaseLog
+    from airflow_stream_provider.state.standbys import SUCCESSOR, StandbyLog, StandbyStatus
+    from airflow_stream_provider.state.upgrades import UpgradeLog
+    from airflow_stream_provider.triggers.run import StreamRunTrigger
+
+    spec = {"job_id": "job", "version": "2.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    operator = UpgradeStreamingJobOperator(task_id="upgrade", spec=spec, application="job.py", prewarm=True,
+                                           deferrable=True)
+    operator._lease_owner = "stream_upgrade/manual__1/upgrade/-1"
+    leases, standbys = LeaseLog(state_store), StandbyLog(state_store)
+    here = socket.gethostname()
+
+    def killed_while_deferred(run_id: str, pid: int, host: str = here) -> None:
+        operator._in_flight = {"run_id": run_id, "pid": pid, "host": host, "submitted_at": time.time()}
+        with pytest.raises(TaskDeferred) as caught:
+            operator.wait_then(None, RunWait(job_id="job", run_id=run_id, until="ended",
+                                             deadline=time.time() + 600), "_dry_run_waited", ctx={})
+        assert leases.get("job").owner == operator._lease_owner
+        _, kwargs = caught.value.trigger.serialize()
+        asyncio.run(StreamRunTrigger(**kwargs).on_kill())
+        assert leases.get("job") is None
+
+    def driver() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+
+    standbys.register("held", "job", "2.0", 1, host=here, pid=4242, log_path=None, role=SUCCESSOR)
+    UpgradeLog(state_store).begin("job", "1.0", "2.0", {"successor": {"standby_id": "held"}})
+    drivers = [driver(), driver()]
+    try:
+        # the preflight's dry run, registered, on this host
+        dry = state_store.begin_run("job", 1, "2.0", host=here, pid=drivers[0].pid, dry_run=True)
+        killed_while_deferred(dry.run_id, drivers[0].pid)
+        assert drivers[0].wait(10) == -9
+        assert state_store.get_run(dry.run_id).status == "DEAD"
+        ended = standbys.get("held")
+        assert ended.status == StandbyStatus.ENDED and "killed while deferred" in ended.message
+
+        # a driver still starting, not registered: killed where it runs
+        killed_while_deferred("not-registered", drivers[1].pid)
+        assert drivers[1].wait(10) == -9
+    finally:
+        for process in drivers:
+            process.kill()
+
+    # a driver on another host: asked to stop through its row
+    elsewhere = state_store.begin_run("job", 1, "2.0", host="another-host", pid=4343, dry_run=True)
+    killed_while_deferred(elsewhere.run_id, 4343, "another-host")
+    assert state_store.get_run(elsewhere.run_id).stop_requested_at is not None
+
+
 def test_an_upgrade_refused_by_another_tasks_lease_leaves_that_upgrades_successor_alone(state_store, tmp_path):
     """A second upgrade triggered while the first one runs fails on the job's lease, before anything: the
     first upgrade's successor is the first upgrade's to release or end."""

@@ -1,0 +1,100 @@
+"""A task killed while it was deferred: what its trigger undoes in its place.
+
+A person marking a deferred task failed or succeeded, or clearing it, ends the task with no worker to run the
+operator's ``on_kill``.  Airflow (3.3 on) calls the trigger's ``on_kill`` instead, and only then: not when a
+triggerer restarts or hands its triggers to another.  The trigger does what the operator would have done, from
+the state database and this host: the driver the task started and waited on is killed (asked to stop through
+its row where it runs elsewhere), an upgrade's unreleased successor is ended, and the job's lease is let go at
+once instead of when the wait's deadline passes.  Where Airflow does not call it (3.1, 3.2), the lease's
+expiry and the successor's own check remain.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from airflow_stream_provider import local_driver
+from airflow_stream_provider.state.leases import LeaseLog
+from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
+from airflow_stream_provider.state.store import StateStore
+from airflow_stream_provider.state.upgrades import UpgradeLog
+
+
+@dataclass(frozen=True)
+class KilledTask:
+    """What a deferred task would leave behind if it were killed; travels in its trigger's kwargs."""
+
+    job_id: str
+    #: the task's hold on the job's lease (``operators.base``: dag / run / task / map index)
+    lease_owner: str | None = None
+    #: the driver it started and is waiting on: run_id, pid, host, submitted_at
+    launch: dict[str, Any] | None = None
+    #: an upgrade: its prewarmed successor, until released, waits on it
+    upgrade: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KilledTask:
+        return cls(**data)
+
+
+def end_unreleased_successor(store: StateStore, job_id: str, why: str) -> str | None:
+    """End the successor the job's latest upgrade holds and has not released; its id if one was ended."""
+    found = UpgradeLog(store).latest(job_id)
+    if found is None or not found.successor_id:
+        return None
+    return found.successor_id if StandbyLog(store).end(found.successor_id, StandbyStatus.ENDED, why) else None
+
+
+def undo(store: StateStore, killed: KilledTask, why: str, log: logging.Logger) -> None:
+    """Undo what ``killed`` leaves behind; each step on its own, so that one failing leaves the rest done."""
+    steps = [(_end_launch, killed.launch)] if killed.launch else []
+    if killed.upgrade:
+        steps.append((_end_successor, None))
+    if killed.lease_owner:
+        steps.append((_release_lease, killed.lease_owner))
+    for step, arg in steps:
+        try:
+            step(store, killed.job_id, arg, why, log)
+        except Exception:
+            log.warning("job %s: %s after its task was killed failed", killed.job_id, step.__name__, exc_info=True)
+
+
+def _end_launch(store: StateStore, job_id: str, launch: dict[str, Any], why: str, log: logging.Logger) -> None:
+    """As ``StreamJobController.abandon``: a driver on this host is killed outright; one elsewhere (another
+    host, a cluster) is asked to stop through its row, which its heartbeat reads."""
+    run = store.get_run(launch["run_id"])
+    if run is not None:
+        if not run.active:
+            return
+        if local_driver.run_alive(run):
+            log.warning("job %s: killing run %s (pid %s): %s", job_id, run.run_id, run.pid, why)
+            local_driver.signal_group(os.getpgid(run.pid), signal.SIGKILL)
+            store.mark_dead(run.run_id, f"abandoned: {why}")
+        elif store.request_stop(run.run_id):
+            log.warning("job %s: asked run %s on %s to stop: %s", job_id, run.run_id, run.host, why)
+    elif local_driver.launch_alive(launch.get("pid"), launch.get("host"), launch.get("submitted_at")):
+        log.warning("job %s: killing the driver of run %s (pid %s) before it registered: %s", job_id,
+                    launch["run_id"], launch["pid"], why)
+        local_driver.signal_group(launch["pid"], signal.SIGKILL)
+    elif launch.get("pid"):
+        log.warning("job %s: run %s (pid %s on %s) has not registered, and only its host can kill it: if it "
+                    "still starts, stop it there (%s)", job_id, launch["run_id"], launch["pid"], launch.get("host"),
+                    why)
+
+
+def _end_successor(store: StateStore, job_id: str, _: None, why: str, log: logging.Logger) -> None:
+    ended = end_unreleased_successor(store, job_id, why)
+    if ended:
+        log.warning("job %s: asked the upgrade's successor %s to end: %s", job_id, ended, why)
+
+
+def _release_lease(store: StateStore, job_id: str, owner: str, why: str, log: logging.Logger) -> None:
+    LeaseLog(store).release(job_id, owner)
+    log.info("job %s: let go of the lease of %s (%s)", job_id, owner, why)
