@@ -361,6 +361,11 @@ class RealAirflow:
                 raise RuntimeError(f"{dag_id} {run_id} still {run['state']} after {timeout:.0f}s; tasks: {tasks}")
             time.sleep(0.5)
 
+    def set_task_state(self, dag_id: str, run_id: str, task_id: str, state: str) -> None:
+        """Mark a task instance ``state`` as a person does in the UI (mark failed / success)."""
+        self._request("PATCH", f"/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}/taskInstances/{_q(task_id)}",
+                      json={"new_state": state})
+
     def task_instances(self, dag_id: str, run_id: str) -> list[dict]:
         return self._get(f"/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}/taskInstances",
                          limit=100)["task_instances"]

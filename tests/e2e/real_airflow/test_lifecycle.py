@@ -14,6 +14,7 @@ import time
 from sqlalchemy import text
 
 from airflow_stream_provider.state.leases import LeaseLog
+from airflow_stream_provider.state.standbys import SUCCESSOR, StandbyLog, StandbyStatus
 from stack.deployment import StreamDeployment, epoch, kill_driver
 from stack.events import EventProducer, Trickle
 from stack.jobs import REPO, check_exactly_once, wait_until
@@ -137,6 +138,47 @@ def _a_stop_beside_the_upgrade_is_refused(deployment: StreamDeployment) -> None:
     assert stop["stop"][0] == "failed", stop
     log = deployment.airflow.task_log("stream_stop", stop["_run"][1], "stop")
     assert "(upgrade, for" in log and "Nothing was done" in log, log[-3000:]
+
+
+def test_an_upgrade_marked_failed_while_deferred_leaves_nothing_behind(deployment, broker, topic):
+    """A person marks the upgrade's task failed while it waits in the triggerer on its preflight (a new
+    version whose batch hangs).  No worker runs the operator's ``on_kill``; the triggerer calls the trigger's:
+    the dry run is killed, the prewarmed successor ends, and the job's lease is let go at once instead of
+    minutes later, so the stop that follows is not refused.  The old version runs on throughout."""
+    producer = EventProducer(broker, topic, seed=9)
+    producer.send(600)
+    _deploy(deployment, producer)
+    live = deployment.latest_run()
+    leases, standbys = LeaseLog(deployment.store), StandbyLog(deployment.store)
+    run_id = deployment.airflow.trigger_dag("stream_upgrade", {
+        "application": str(FIXTURE_JOBS / "stuck_on_batch.py"), "version": "1.1", "prewarm": True})
+
+    def upgrade_task() -> dict:
+        return next(ti for ti in deployment.airflow.task_instances("stream_upgrade", run_id)
+                    if ti["task_id"] == "upgrade")
+
+    def dry_runs() -> list:
+        return [r for r in deployment.store.runs(deployment.job_id) if r.dry_run]
+
+    wait_until(lambda: upgrade_task()["state"] == "deferred" and any(r.active for r in dry_runs())
+               and standbys.live(deployment.job_id, SUCCESSOR), 300,
+               "the upgrade to wait in the triggerer on its preflight, its successor warming")
+    (successor,) = standbys.live(deployment.job_id, SUCCESSOR)
+    assert leases.get(deployment.job_id).action == "upgrade"
+    deployment.airflow.set_task_state("stream_upgrade", run_id, "upgrade", "failed")
+
+    wait_until(lambda: leases.get(deployment.job_id) is None, 60, "the killed upgrade's lease to be let go")
+    wait_until(lambda: not any(r.active for r in dry_runs()), 60, "the preflight's dry run to end")
+    (dry,) = dry_runs()
+    assert dry.status == "DEAD" and "killed while deferred" in dry.termination_message, dry
+    ended = standbys.get(successor.standby_id)
+    assert ended.status == StandbyStatus.ENDED and "killed while deferred" in ended.message, ended
+    assert deployment.store.get_run(live.run_id).status == "RUNNING"
+
+    producer.send(300)
+    deployment.wait_caught_up(producer.produced)
+    assert deployment.trigger("stream_stop")["stop"][0] == "success"
+    check_exactly_once(deployment.store, deployment.job_id, producer.produced)
 
 
 def test_a_crash_loop_ends_in_the_budgets_clear_failure(deployment, broker, topic):
