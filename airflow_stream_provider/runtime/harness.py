@@ -49,6 +49,7 @@ from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state import store as state
 from airflow_stream_provider.state import transaction
 from airflow_stream_provider.state.standbys import StandbyStatus
+from airflow_stream_provider.takeover import Verdict
 
 log = logging.getLogger("airflow_stream_provider.harness")
 
@@ -301,8 +302,10 @@ class StreamHarness:
             refused = self.standby.refusal()
             if refused is not None:
                 return failures.EXIT_CONFIG
-            self.standby.warm_up(lambda checkpoint: self._warm_up_query(transform, results, checkpoint))
-            outcome = self.standby.wait(lambda: self._stop_signalled)
+            outcome = self.standby.warm_up(lambda checkpoint: self._warm_up_query(transform, results, checkpoint),
+                                           lambda: self._stop_signalled)
+            if not isinstance(outcome, Verdict):
+                outcome = self.standby.wait(lambda: self._stop_signalled)
         except BaseException as err:
             self.standby.log.end(self.run_id, StandbyStatus.ENDED, f"failed while standing by: {err!r}")
             raise

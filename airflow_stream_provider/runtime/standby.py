@@ -20,7 +20,9 @@ A successor is an upgrade's new version warmed up the same way while the old ver
 takes nothing over by itself: the upgrade stops the old run, then releases the successor with the
 generation to run (the same, or n+1 after a reset) and the epoch it saw, and the successor starts at once.
 A successor no upgrade will release ends by itself: its upgrade finished without releasing it, or lost its
-task (a killed task whose ``on_kill`` never ran, as a deferred one's does not), or none held it.
+task (one that died without either its operator's or its trigger's ``on_kill``), or none held it.  One
+ended by someone else (an abort, a killed upgrade task, a stop of the job) sees it at its next heartbeat,
+its warm-up included.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ log = logging.getLogger("airflow_stream_provider.standby")
 POLL_S = 0.2
 #: The warm-up query gives up after this; the standby still waits (cold parts are then paid at takeover).
 WARM_UP_TIMEOUT_S = 120.0
+#: How long the warm-up's stop may take before the standby stops waiting for it: a batch stuck in the job's
+#: own code keeps ``StreamingQuery.stop`` from returning.
+WARM_UP_STOP_S = 30.0
 #: A waiting standby runs its warm-up query again this often, in the background.  Spark retires the idle
 #: Python workers of each worker kind after a minute without use (PythonWorkerFactory), and a query start
 #: uses several kinds (data source lookup, creation, read planning, the reads): a standby that waited
@@ -96,12 +101,35 @@ class Standby:
                  spec.generation, self.standby_id)
         return True
 
-    def warm_up(self, query: Callable[[str], object]) -> float:
+    def warm_up(self, query: Callable[[str], object],
+                stop_signalled: Callable[[], bool] = lambda: False) -> float | Verdict:
         """Run ``query(checkpoint_dir)`` (the harness's throw-away query over the job's code, which returns
         a started ``StreamingQuery``) until one batch went through, then stop it.  Best effort: a failed
         warm-up is logged and the standby waits anyway.  While it waits, it runs it again every
-        ``REWARM_S``."""
-        seconds = self._run(query)
+        ``REWARM_S``.
+
+        The warm-up runs beside the standby's heartbeat: a standby ended meanwhile (an aborted upgrade, a
+        stop of the job, a task killed) returns its end :class:`Verdict` at once.  Job code that never
+        returns holds a query no stop interrupts; after ``WARM_UP_TIMEOUT_S`` plus ``WARM_UP_STOP_S`` the
+        standby waits without it."""
+        began = time.monotonic()
+        self._rewarm = threading.Thread(target=self._run, args=(query,), name="standby-warm-up", daemon=True)
+        self._rewarm.start()
+        next_heartbeat = 0.0
+        while self._rewarm.is_alive():
+            if stop_signalled():
+                return self._end(Verdict("end", "SIGTERM"))
+            if time.monotonic() >= next_heartbeat:
+                next_heartbeat = time.monotonic() + self.spec.heartbeat_seconds
+                ended = self._asked_to_end()
+                if ended is not None:
+                    return ended
+            if time.monotonic() - began > WARM_UP_TIMEOUT_S + WARM_UP_STOP_S:
+                log.warning("standby %s: its warm-up query has not stopped %.0fs after it began (the job's "
+                            "code does not return?): waiting without it", self.standby_id, time.monotonic() - began)
+                break
+            self._rewarm.join(POLL_S)
+        seconds = time.monotonic() - began
         self._query = query
         self.log.ready(self.standby_id)
         log.info("standby %s is warm after %.1fs: waiting for run of job %s to need it", self.standby_id, seconds,
@@ -144,10 +172,9 @@ class Standby:
             beat = time.monotonic() >= next_heartbeat
             if beat:
                 next_heartbeat = time.monotonic() + spec.heartbeat_seconds
-                status = self.log.heartbeat(self.standby_id)
-                if status is not None and not status.live:
-                    record = self.log.get(self.standby_id)
-                    return Verdict("end", f"asked to end ({record.message if record else status.value})")
+                ended = self._asked_to_end()
+                if ended is not None:
+                    return ended
             if self.successor:
                 took = self._released() or (self._unheld() if beat else None)
                 if took is not None:
@@ -202,6 +229,17 @@ class Standby:
         log.warning("successor %s starts job %s version %s on generation %s with epoch %s", self.standby_id,
                     spec.job_id, spec.version, spec.generation, ticket.epoch)
         return Takeover(ticket, None, why, spec)
+
+    def _asked_to_end(self) -> Verdict | None:
+        """Beat; the end its record holds if something ended this standby (an upgrade's abort or its killed
+        task, a stop of the job, a newer standby's start)."""
+        status = self.log.heartbeat(self.standby_id)
+        if status is None or status.live:
+            return None
+        record = self.log.get(self.standby_id)
+        verdict = Verdict("end", f"asked to end ({record.message if record else status.value})")
+        log.info("standby %s ends: %s", self.standby_id, verdict.why)
+        return verdict
 
     def _unheld(self) -> Verdict | None:
         """Why no upgrade will release this successor, if none will: the job's latest upgrade, which holds

@@ -131,8 +131,9 @@ def _upgrade_holding(store, standby_id: str) -> str:
 
 
 def test_a_successor_no_upgrade_will_release_ends_by_itself(store, database_url, monkeypatch):
-    """An upgrade task killed while deferred never runs ``on_kill``: its successor would wait for a release
-    without end, holding a driver's memory.  It ends once its upgrade finished without releasing it, or
+    """An upgrade task that died without running either ``on_kill`` (its worker and triggerer lost, or a
+    deferred one on Airflow before 3.3): its successor would wait for a release without end, holding a
+    driver's memory.  It ends once its upgrade finished without releasing it, or
     stopped moving, or when no upgrade took it; a live upgrade's successor waits, and a released one
     starts even if its upgrade finished meanwhile."""
     from sqlalchemy import update
@@ -172,3 +173,37 @@ def test_a_successor_no_upgrade_will_release_ends_by_itself(store, database_url,
     upgrade_log.move(upgrade_id, UpgradePhase.DONE, {}, "upgraded")
     took = released.wait(_polls(25))
     assert isinstance(took, Takeover) and took.ticket.epoch > ticket.epoch
+
+
+def test_a_standby_ended_while_its_warm_up_hangs_in_the_job_code_ends(store, database_url, monkeypatch):
+    """The new version's code never returns (a hung call in its results), so the warm-up query over it
+    neither finishes nor stops.  Ended meanwhile (the upgrade aborted, its task killed), the successor
+    ends at its next heartbeat instead of holding a driver until the call returns; not ended, it waits
+    without its warm-up once that has had its time."""
+    import threading
+    import time
+
+    from airflow_stream_provider.runtime import standby as standby_module
+
+    hung = threading.Event()  # the job's code: returns only when the test ends
+
+    def warm_up_query(checkpoint: str):
+        hung.wait()
+
+    log = StandbyLog(store)
+    try:
+        ended = _successor(store, database_url, "succ-hung")
+        threading.Timer(1.0, log.end, ("succ-hung", StandbyStatus.ENDED, "the upgrade was aborted")).start()
+        began = time.monotonic()
+        verdict = ended.warm_up(warm_up_query, _polls(200))
+        assert "asked to end (the upgrade was aborted)" in verdict.why, verdict
+        assert time.monotonic() - began < 10
+
+        monkeypatch.setattr(standby_module, "WARM_UP_TIMEOUT_S", 0.5)
+        monkeypatch.setattr(standby_module, "WARM_UP_STOP_S", 0.5)
+        waits = _successor(store, database_url, "succ-waits-without")
+        assert isinstance(waits.warm_up(warm_up_query, _polls(200)), float)
+        assert log.get("succ-waits-without").status == StandbyStatus.WAITING
+        assert waits.rewarming(), "the hung warm-up is the one in flight: no second one is started beside it"
+    finally:
+        hung.set()

@@ -13,6 +13,7 @@ import time
 
 from sqlalchemy import text
 
+from airflow_stream_provider.local_driver import process_alive
 from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.standbys import SUCCESSOR, StandbyLog, StandbyStatus
 from stack.deployment import StreamDeployment, epoch, kill_driver
@@ -173,6 +174,8 @@ def test_an_upgrade_marked_failed_while_deferred_leaves_nothing_behind(deploymen
     assert dry.status == "DEAD" and "killed while deferred" in dry.termination_message, dry
     ended = standbys.get(successor.standby_id)
     assert ended.status == StandbyStatus.ENDED and "killed while deferred" in ended.message, ended
+    # ended while it warms up on the new code (whose batch hangs there too): its driver exits all the same
+    wait_until(lambda: not process_alive(successor.pid), 60, "the ended successor's driver to exit")
     assert deployment.store.get_run(live.run_id).status == "RUNNING"
 
     producer.send(300)
