@@ -148,6 +148,18 @@ def run_alive(run: RunRecord | None) -> bool | None:
     return alive_on_this_host(run.pid, run.host, run.started_at, run.submission_id) if run else None
 
 
+def kill_unregistered(launch: Mapping[str, object], why: str, log) -> None:
+    """Kill the driver of a launch whose run has not registered yet (a task that no longer wants it): only
+    its own host can, by the pid it started; anywhere else say where to stop it."""
+    run_id, pid, host = launch["run_id"], launch.get("pid"), launch.get("host")
+    if launch_alive(pid, host, launch.get("submitted_at")):
+        log.warning("Killing the driver of run %s (pid %s) before it registered: %s", run_id, pid, why)
+        signal_group(pid, signal.SIGKILL)
+    elif pid:
+        log.warning("Run %s (pid %s on %s) is not registered and cannot be killed from %s: if it still starts, "
+                    "stop it there (%s)", run_id, pid, host, socket.gethostname(), why)
+
+
 def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)

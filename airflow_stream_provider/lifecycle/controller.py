@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
 import time
 import uuid
@@ -278,17 +277,12 @@ class StreamJobController:
     def abandon(self, launch: Mapping[str, Any], why: str) -> None:
         """End a driver this task started and no longer wants (a killed task, a dry run): kill it outright
         and record the run as DEAD, so nothing waits on it.  Before it registers, only its own host can."""
-        run_id, pid, host = launch["run_id"], launch.get("pid"), launch.get("host")
-        run = self.get_run(run_id)
-        if run is not None and run.active:
-            self.log.warning("Killing run %s: %s (%s)", run_id, why, self.driver.kill(run))
-            self.state.store.mark_dead(run_id, f"abandoned: {why}")
-        elif run is None and local_driver.launch_alive(pid, host, launch.get("submitted_at")):
-            self.log.warning("Killing the driver of run %s (pid %s) before it registered: %s", run_id, pid, why)
-            local_driver.signal_group(pid, signal.SIGKILL)
-        elif run is None and pid:
-            self.log.warning("Run %s (pid %s on %s) is not registered and cannot be killed from %s: if it still "
-                             "starts, stop it there (%s)", run_id, pid, host, socket.gethostname(), why)
+        run = self.get_run(launch["run_id"])
+        if run is None:
+            local_driver.kill_unregistered(launch, why, self.log)
+        elif run.active:
+            self.log.warning("Killing run %s: %s (%s)", run.run_id, why, self.driver.kill(run))
+            self.state.store.mark_dead(run.run_id, f"abandoned: {why}")
 
     # -- the warm standby ------------------------------------------------------------------------------
     @property

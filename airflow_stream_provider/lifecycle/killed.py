@@ -12,12 +12,12 @@ expiry and the successor's own check remain.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 from airflow_stream_provider import local_driver
+from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
 from airflow_stream_provider.state.store import StateStore
@@ -54,42 +54,33 @@ def end_unreleased_successor(store: StateStore, job_id: str, why: str) -> str | 
 
 def undo(store: StateStore, killed: KilledTask, why: str, log: logging.Logger) -> None:
     """Undo what ``killed`` leaves behind; each step on its own, so that one failing leaves the rest done."""
-    steps = [(_end_launch, killed.launch)] if killed.launch else []
+    steps = [partial(_end_launch, store, killed.launch)] if killed.launch else []
     if killed.upgrade:
-        steps.append((_end_successor, None))
+        steps.append(partial(_end_successor, store, killed.job_id))
     if killed.lease_owner:
-        steps.append((_release_lease, killed.lease_owner))
-    for step, arg in steps:
+        steps.append(partial(_release_lease, store, killed.job_id, killed.lease_owner))
+    for step in steps:
         try:
-            step(store, killed.job_id, arg, why, log)
+            step(why, log)
         except Exception:
-            log.warning("job %s: %s after its task was killed failed", killed.job_id, step.__name__, exc_info=True)
+            log.warning("job %s: %s after its task was killed failed", killed.job_id, step.func.__name__,
+                        exc_info=True)
 
 
-def _end_launch(store: StateStore, job_id: str, launch: dict[str, Any], why: str, log: logging.Logger) -> None:
-    """As ``StreamJobController.abandon``: a driver on this host is killed outright; one elsewhere (another
-    host, a cluster) is asked to stop through its row, which its heartbeat reads."""
+def _end_launch(store: StateStore, launch: dict[str, Any], why: str, log: logging.Logger) -> None:
+    """As ``StreamJobController.abandon``, but for a registered run on another host or a cluster: asked to
+    stop through its row, which its heartbeat reads (the trigger has no Spark connection to kill it by)."""
     run = store.get_run(launch["run_id"])
-    if run is not None:
-        if not run.active:
-            return
-        if local_driver.run_alive(run):
-            log.warning("job %s: killing run %s (pid %s): %s", job_id, run.run_id, run.pid, why)
-            local_driver.signal_group(os.getpgid(run.pid), signal.SIGKILL)
-            store.mark_dead(run.run_id, f"abandoned: {why}")
-        elif store.request_stop(run.run_id):
-            log.warning("job %s: asked run %s on %s to stop: %s", job_id, run.run_id, run.host, why)
-    elif local_driver.launch_alive(launch.get("pid"), launch.get("host"), launch.get("submitted_at")):
-        log.warning("job %s: killing the driver of run %s (pid %s) before it registered: %s", job_id,
-                    launch["run_id"], launch["pid"], why)
-        local_driver.signal_group(launch["pid"], signal.SIGKILL)
-    elif launch.get("pid"):
-        log.warning("job %s: run %s (pid %s on %s) has not registered, and only its host can kill it: if it "
-                    "still starts, stop it there (%s)", job_id, launch["run_id"], launch["pid"], launch.get("host"),
-                    why)
+    if run is None:
+        local_driver.kill_unregistered(launch, why, log)
+    elif run.active and local_driver.run_alive(run):
+        log.warning("Killing run %s: %s (%s)", run.run_id, why, StreamDriverHook().kill(run))
+        store.mark_dead(run.run_id, f"abandoned: {why}")
+    elif run.active and store.request_stop(run.run_id):
+        log.warning("Asked run %s on %s to stop: %s", run.run_id, run.host, why)
 
 
-def _end_successor(store: StateStore, job_id: str, _: None, why: str, log: logging.Logger) -> None:
+def _end_successor(store: StateStore, job_id: str, why: str, log: logging.Logger) -> None:
     ended = end_unreleased_successor(store, job_id, why)
     if ended:
         log.warning("job %s: asked the upgrade's successor %s to end: %s", job_id, ended, why)
