@@ -11,10 +11,20 @@ are short (young collections of 5-18 ms, a full one of 130 ms at 170 MB live, fo
 Measured draining 300,000 events in 100,000-record batches on 2 cores: the driver JVM's peak RSS
 810-925 MB with G1, 586-620 MB with these settings, at the same throughput; cold starts no slower.
 
+Survivor spaces of a sixth of the young generation each instead of a tenth (``-XX:SurvivorRatio=4``).  A
+driver's memory grows with its age, not with what it keeps: a running job's live heap stays at about 80 MB
+from its 38th batch to its 656th while the committed heap grows from 172 to 270 MB (``jcmd`` after a full
+collection).  A batch's working objects live for the batch, longer than a young collection; those that
+overflow a survivor space are promoted, and the old generation fills with dead objects, touching its pages,
+until a full collection.  With larger survivors fewer are promoted (late in a 600,000-event drain the heap
+held 96-110 MB after a young collection, against 180 MB), so fewer of the old generation's pages are ever
+touched: peak driver RSS draining 600,000 events 1,070-1,149 MB against 1,119-1,185, 300,000 events
+1,039-1,091 against 1,091-1,140, lower in each of 13 interleaved pairs, at the same rate.
+
 Only for drivers given at most ``MAX_HEAP_MB`` (``spark.driver.memory``, Spark's default 1g): a driver
 given more has a reason (large collects or broadcasts), and there G1's concurrent marking keeps the
-pauses short.  Java options that choose a collector or the heap's starting size themselves are left
-alone.  Executors on a cluster keep their own settings.
+pauses short.  Java options that choose a collector, the heap's starting size or its generations' sizes
+themselves are left alone.  Executors on a cluster keep their own settings.
 
 Pure (no airflow, no pyspark): the driver hook adds these to the driver's Java options.
 """
@@ -23,13 +33,14 @@ from __future__ import annotations
 
 import re
 
-SMALL_HEAP = ("-XX:+UseSerialGC", "-Xms32m")
+SMALL_HEAP = ("-XX:+UseSerialGC", "-Xms32m", "-XX:SurvivorRatio=4")
 #: Drivers given more heap than this keep the JVM's own collector (G1).
 MAX_HEAP_MB = 2048
 #: Spark's default ``spark.driver.memory``.
 DEFAULT_DRIVER_MEMORY = "1g"
 #: Java options by which a deployment chose its collector or heap sizing itself: left alone.
-OWN_CHOICE = re.compile(r"-XX:[+-]Use\w*GC\b|-Xms|-Xmn|InitialHeapSize|MinHeapSize|NewSize|HeapFreeRatio")
+OWN_CHOICE = re.compile(
+    r"-XX:[+-]Use\w*GC\b|-Xms|-Xmn|InitialHeapSize|MinHeapSize|NewSize|HeapFreeRatio|SurvivorRatio|NewRatio")
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)b?\s*$", re.IGNORECASE)
 _MB_PER_UNIT = {"": 1 / 2**20, "k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}
 

@@ -119,6 +119,6 @@ def test_the_serial_collector_on_a_growing_heap_for_drivers_of_at_most_2_gb():
     for memory in ("3g", "4096m", "1t", "lots"):
         assert jvm_heap.startup_options("-Xss4m", memory) == "-Xss4m", memory
     for own in ("-XX:+UseG1GC", "-XX:+UseParallelGC", "-XX:-UseSerialGC", "-XX:+UseZGC", "-Xms1g", "-Xmn64m",
-                "-XX:InitialHeapSize=64m", "-XX:MaxHeapFreeRatio=20"):
+                "-XX:InitialHeapSize=64m", "-XX:MaxHeapFreeRatio=20", "-XX:SurvivorRatio=8", "-XX:NewRatio=3"):
         assert jvm_heap.startup_options(f"-Xss4m {own}", "1g") == f"-Xss4m {own}", own
     assert jvm_heap.heap_mb("768m") == 768 and jvm_heap.heap_mb("2g") == 2048 and jvm_heap.heap_mb("1024") == 1024
