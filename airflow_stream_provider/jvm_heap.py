@@ -19,7 +19,7 @@ overflow a survivor space are promoted, and the old generation fills with dead o
 until a full collection.  With larger survivors fewer are promoted (late in a 600,000-event drain the heap
 held 96-110 MB after a young collection, against 180 MB), so fewer of the old generation's pages are ever
 touched: peak driver RSS draining 600,000 events 1,070-1,149 MB against 1,119-1,185, 300,000 events
-1,039-1,091 against 1,091-1,140, lower in each of 13 interleaved pairs, at the same rate.
+1,039-1,091 against 1,091-1,140, lower in each of 13 interleaved pairs, the rate within 1%.
 
 Only for drivers given at most ``MAX_HEAP_MB`` (``spark.driver.memory``, Spark's default 1g): a driver
 given more has a reason (large collects or broadcasts), and there G1's concurrent marking keeps the
