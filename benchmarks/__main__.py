@@ -32,13 +32,15 @@ PROFILES = {
                 "max_offsets": 100_000, "raw_repeats": 3, "rss_backlogs": [30_000, 150_000, 300_000],
                 "history": [10, 100, 1000], "partitions": [1, 8, 32], "real_airflow_kills": 10,
                 "batch_sizes": [10_000, 30_000, 100_000], "batch_backlog": 300_000, "standby_kills": 10,
-                "warm_backlog": 600_000, "life_minutes": 5},
+                "warm_backlog": 600_000, "life_minutes": 5,
+                "running_warm_up": 600_000, "running_burst": 300_000, "running_bursts": 2},
     "quick": {"cold": 1, "mttr": 1, "baseline": 1, "upgrade": 1, "throughput_repeats": 1, "eos_repeats": 1,
               "backlog": 6_000,
               "max_offsets": 2_000, "raw_repeats": 1, "rss_backlogs": [4_000, 6_000],
               "history": [5, 20], "partitions": [1, 4], "real_airflow_kills": 1,
               "batch_sizes": [1_000, 4_000], "batch_backlog": 12_000, "standby_kills": 2,
-              "warm_backlog": 12_000, "life_minutes": 1},
+              "warm_backlog": 12_000, "life_minutes": 1,
+              "running_warm_up": 12_000, "running_burst": 6_000, "running_bursts": 1},
 }
 
 
@@ -141,6 +143,13 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
             samples["scaling"]["cpu_per_100k"] = {"cores": len(os.sched_getaffinity(0)),
                                                   "eos/postgresql, warm": drained["warm_cpu_s"],
                                                   "raw kafka-python": raw_cpu}
+    if section("running", f"a running job: {profile['running_warm_up']:,} events drained, then "
+                          f"{profile['running_bursts']} bursts of {profile['running_burst']:,}, against raw kafka-python"):
+        samples["scaling"]["running"] = found = throughput.running_bursts(
+            stack, warm_up=profile["running_warm_up"], burst=profile["running_burst"],
+            bursts=profile["running_bursts"], max_offsets=profile["max_offsets"], total=total)
+        samples["eos_running_msgs_s"] = [rate for rate in found["msgs_s"] if rate]
+        samples["raw_running_msgs_s"] = found["raw_consume_msgs_s"]
     if section("rss", f"peak driver RSS for backlogs {profile['rss_backlogs']} (batches up to {profile['max_offsets']:,})"):
         rss = {"backlog": [], "peak_rss_mb": [], "jvm_mb": [], "python_mb": [], "pss_mb": [], "msgs_s": [],
                "max_offsets_per_trigger": profile["max_offsets"]}

@@ -50,6 +50,10 @@ def summarise(samples: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     result["eos_warm_msgs_s"] = median(samples.get("eos_warm_msgs_s", []))
     result["eos_warm_vs_raw"] = ratio(result["eos_warm_msgs_s"], raw)
     runs["eos_warm_msgs_s/postgresql"] = len(samples.get("eos_warm_msgs_s", []))
+    # a job that has run for a while, against raw kafka-python read in the same section
+    result["eos_running_msgs_s"] = median(samples.get("eos_running_msgs_s", []))
+    result["eos_running_vs_raw"] = ratio(result["eos_running_msgs_s"], median(samples.get("raw_running_msgs_s", [])))
+    runs["eos_running_msgs_s/postgresql"] = len(samples.get("eos_running_msgs_s", []))
     result["mttr_real_airflow"] = {
         variant: {"runs": len(values), "p50": percentile(values, 50), "p95": percentile(values, 95),
                   "max": percentile(values, 100), "measured": samples.get("mttr_real_airflow_measured", {}).get(variant),
@@ -97,8 +101,9 @@ SECTIONS = ("cold", "mttr", "baseline", "upgrade", "throughput", "rss", "batch",
 #: ten standbys warm up and wait one after the other; name ``cold`` with it for its ratio) would take the
 #: default profile past its budget; ``profile`` (about a minute) records a drain with Java Flight Recorder,
 #: which slows it, so it stays apart from ``throughput``; ``mttr_real_airflow`` takes about an hour, most of
-#: it waiting for the 5-minute polling DAG.
-OPTIONAL_SECTIONS = ("cold_cuts", "standby", "profile", "mttr_real_airflow")
+#: it waiting for the 5-minute polling DAG; ``running`` (about 3 minutes: producing and draining 1,200,000
+#: events, then reading them raw) measures a job that has run for a while, apart from ``throughput``'s drains.
+OPTIONAL_SECTIONS = ("cold_cuts", "standby", "profile", "mttr_real_airflow", "running")
 REAL_AIRFLOW_VARIANTS = ("watcher", "polling", "spark_submit")
 
 
@@ -238,6 +243,25 @@ def _warm_lines(r: dict[str, Any], warm: dict[str, Any]) -> list[str]:
             f"({_fmt(r['eos_warm_vs_raw'])} of raw kafka-python); its peak driver RSS {_fmt(warm['peak_rss_mb'])} MB "
             f"(JVM {_fmt(warm['peak_rss_jvm_mb'])}, Python {_fmt(warm['peak_rss_python_mb'])}; PSS "
             f"{_fmt(warm['peak_pss_mb'])}). The shorter drains above are mostly the JVM's warm-up."]
+
+
+def _running_lines(r: dict[str, Any], found: dict[str, Any]) -> list[str]:
+    """The ``running`` section: a job's bursts once it drained a warm-up, against raw on the same topic."""
+    if not r.get("eos_running_msgs_s"):
+        return []
+    rates = " / ".join(_fmt(rate) for rate in found["msgs_s"])
+    lines = ["", f"A job that has run for a while (`running`), exactly-once on PostgreSQL: after draining "
+             f"{found['warm_up']:,} events, bursts of {found['burst']:,} run at {rates} msgs/s "
+             f"({_fmt(r['eos_running_vs_raw'])} of raw kafka-python's {_fmt(found['raw_consume_msgs_s'][0])} on "
+             f"the same topic, in the same section); peak driver RSS "
+             f"{' / '.join(_fmt(mb) for mb in found['peak_rss_mb'])} MB."]
+    cpu = next((c for c in reversed(found["cpu_per_100k"]) if c), None)
+    if cpu and cpu.get("wall"):
+        spent = {kind: value for kind, value in cpu.items() if kind != "wall"}
+        lines[-1] += (" Its last burst's CPU s per 100,000 records: " +
+                      ", ".join(f"{kind} {value:.2f}" for kind, value in spent.items()) +
+                      f"; {sum(spent.values()) / cpu['wall']:.2f} cores busy.")
+    return lines
 
 
 #: Who spends CPU (``benchmarks.stack.tree_cpu`` and the raw consumer), in the table's order.
@@ -436,6 +460,7 @@ def markdown(r: dict[str, Any]) -> str:
         lines += ["", f"With the optional confluent-kafka reader (`kafka.reader`), exactly-once on PostgreSQL: "
                   f"{_fmt(r['eos_confluent_msgs_s'])} msgs/s, {_fmt(r['eos_confluent_vs_raw'])} of raw kafka-python."]
     lines += _warm_lines(r, r["scaling"].get("warm") or {})
+    lines += _running_lines(r, r["scaling"].get("running") or {})
     lines += _cpu_lines(r, r["scaling"].get("cpu_per_100k") or {})
     lines += _jvm_thread_lines(r["scaling"].get("jvm_thread_cpu_s") or {})
     lines += ["", f"Runs: {', '.join(f'{k} {v}' for k, v in runs.items() if '/' in k or k.startswith('raw'))}.", ""]

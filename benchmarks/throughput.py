@@ -70,10 +70,11 @@ class PeakRss(threading.Thread):
 
 
 def cpu_per_records(samples: list[tuple[float, dict[str, float]]], batches: list[tuple[int, float]],
-                    per: int = 100_000) -> dict[str, float] | None:
-    """CPU seconds by kind per ``per`` records over the warm batches (the window ``warm_rate`` times),
-    from the samples nearest its ends; ``wall`` is the window's length per ``per`` records."""
-    window = batches[WARM_UP_BATCHES - 1:]
+                    per: int = 100_000, skip: int | None = None) -> dict[str, float] | None:
+    """CPU seconds by kind per ``per`` records over the warm batches (the window ``warm_rate`` times; with
+    ``skip=0``, the one ``steady_rate`` times), from the samples nearest its ends; ``wall`` is the
+    window's length per ``per`` records."""
+    window = batches[WARM_UP_BATCHES - 1 if skip is None else skip:]
     if len(window) < 2 or len(samples) < 2:
         return None
     start, end = window[0][1], window[-1][1]
@@ -207,11 +208,7 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
     memory = PeakRss(driver.pid, stack.broker.process.pid if warm else None)
     memory.start()
     try:
-        deadline = time.monotonic() + 600
-        while sum(n for n, _ in _batches(job, exactly_once)) < produced.total:
-            if time.monotonic() > deadline or not driver.alive():
-                raise RuntimeError(f"{kind}/{database} did not drain {backlog} events\n{runner.log_tail(driver)}")
-            time.sleep(0.25)
+        _wait_applied(job, driver, runner, produced.total, f"{kind}/{database}", exactly_once)
     finally:
         memory.done.set()
         memory.join(5)
@@ -255,6 +252,69 @@ def say_cpu(kind: str, found: dict[str, float]) -> None:
     parts = ", ".join(f"{k} {v:.2f}" for k, v in found.items() if k != "wall")
     say(f"  {kind}: CPU s per 100,000 records {spent:.2f} ({parts}) in {found['wall']:.2f} s: "
         f"{spent / found['wall']:.2f} cores busy")
+
+
+def running_bursts(stack: Stack, *, warm_up: int, burst: int, bursts: int, max_offsets: int, total: Audit) -> dict:
+    """What a job that has run for a while sustains: one driver on a topic of its own drains ``warm_up``
+    events (its JVM compiles what the per-record and per-batch code needs, which the warm batches of a
+    single drain are still doing), then receives ``bursts`` bursts of ``burst`` events, each produced
+    while its process tree is paused so that it reads the burst in full batches.  Returns each burst's rate
+    (``steady_rate``), CPU per 100,000 records and peak RSS, and raw kafka-python reading the same topic."""
+    job = stack.new_job("running-postgresql", database="postgresql", max_offsets=max_offsets)
+    producer = stack.producer(job)
+    say(f"  producing the {warm_up:,}-event warm-up")
+    producer.send(warm_up)
+    spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url, stack.workdir / "checkpoints",
+                     trigger_interval="100 milliseconds", max_offsets_per_trigger=max_offsets)
+    runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id, application=EVENTS_JOB,
+                       conf=dict(stack.spark_conf))
+    driver = runner.start()
+    found: dict = {"warm_up": warm_up, "burst": burst, "msgs_s": [], "cpu_per_100k": [], "peak_rss_mb": []}
+    try:
+        _wait_applied(job, driver, runner, producer.produced.total)
+        say(f"  warm-up drained: {len(_batches(job, True))} batches")
+        for n in range(bursts):
+            before = len(_batches(job, True))
+            signal_driver_tree(driver.pid, signal.SIGSTOP)
+            try:
+                producer.send(burst)
+            finally:
+                signal_driver_tree(driver.pid, signal.SIGCONT)
+            memory = PeakRss(driver.pid, stack.broker.process.pid)
+            memory.start()
+            try:
+                _wait_applied(job, driver, runner, producer.produced.total)
+            finally:
+                memory.done.set()
+                memory.join(5)
+            batches = _batches(job, True)[before:]
+            found["msgs_s"].append(steady_rate(batches))
+            found["cpu_per_100k"].append(cpu_per_records(memory.cpu, batches, skip=0))
+            found["peak_rss_mb"].append(round(memory.peak / 2**20, 1))
+            say(f"  burst {n + 1}/{bursts}: {burst:,} events in {len(batches)} batches, {found['msgs_s'][-1]:.0f} "
+                f"msgs/s, peak driver RSS {found['peak_rss_mb'][-1]:.0f} MB")
+    finally:
+        code = runner.stop(driver)
+    if code != 0:
+        raise RuntimeError(f"running job: graceful stop ended with {code}\n{runner.log_tail(driver)}")
+    checked = audit(job.store, job.job_id, producer.produced)
+    say(f"  audit: {checked.produced} records produced, {checked.lost} lost, {checked.duplicated} duplicated")
+    total += checked
+    found["raw_consume_msgs_s"] = [raw_consume(stack, job.topic, producer.produced.total)]
+    say(f"  raw kafka-python, the same topic: {found['raw_consume_msgs_s'][-1]:.0f} msgs/s")
+    producer.close()
+    runner.store.dispose()
+    return found
+
+
+def _wait_applied(job: Job, driver, runner: JobRunner, records: int, what: str = "the running job",
+                  exactly_once: bool = True) -> None:
+    """Until the job's batches hold ``records`` records; a driver that ended or ten minutes fail it."""
+    deadline = time.monotonic() + 600
+    while sum(n for n, _ in _batches(job, exactly_once)) < records:
+        if time.monotonic() > deadline or not driver.alive():
+            raise RuntimeError(f"{what} did not apply {records} records\n{runner.log_tail(driver)}")
+        time.sleep(0.25)
 
 
 def raw_consume(stack: Stack, topic: str, expected: int, cpu: dict[str, float] | None = None) -> float:

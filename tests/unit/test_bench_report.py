@@ -90,6 +90,27 @@ def test_the_longer_drain_reports_its_warm_rate_and_counts_in_the_memory_targets
     assert verdicts["peak driver RSS flat across backlog sizes (largest / smallest)"][0] == round(1_300 / 900, 3)
 
 
+def test_a_running_job_is_judged_against_raw_read_in_its_own_section():
+    running = {"warm_up": 600_000, "burst": 300_000, "msgs_s": [30_000.0, 32_000.0], "peak_rss_mb": [1_050.0, 1_060.0],
+               "cpu_per_100k": [None, {"jvm": 1.0, "postgresql": 0.5, "wall": 1.0}],
+               "raw_consume_msgs_s": [60_000.0]}
+    samples = {**SAMPLES, "eos_running_msgs_s": running["msgs_s"], "raw_running_msgs_s": [60_000.0],
+               "scaling": {**SAMPLES["scaling"], "running": running}}
+    r = report.summarise(samples, {})
+    assert r["eos_running_msgs_s"] == 31_000.0
+    assert r["eos_running_vs_raw"] == round(31_000 / 60_000, 3)  # not the throughput section's raw (45,000)
+    text = report.markdown({**r, "meta": {}})
+    assert "bursts of 300,000 run at 30,000 / 32,000 msgs/s (0.52 of raw kafka-python's 60,000" in text
+    assert "jvm 1.00, postgresql 0.50; 1.50 cores busy." in text
+    assert "A job that has run for a while" not in report.markdown({**report.summarise(SAMPLES, {}), "meta": {}})
+
+
+def test_cpu_per_record_over_a_whole_burst_keeps_its_first_batch_as_the_start():
+    batches = [(100_000, 10.0), (100_000, 12.0), (100_000, 14.0)]
+    samples = [(t, {"jvm": 2.0 * t}) for t in (10.0, 12.0, 14.0)]
+    assert cpu_per_records(samples, batches, skip=0) == pytest.approx({"jvm": 2.0 * 4 / 2, "wall": 4 / 2})
+
+
 def test_cpu_per_record_is_taken_over_the_warm_rates_window():
     batches = [(10_000, 10.0), (100_000, 15.0), (100_000, 18.0), (100_000, 20.0), (100_000, 22.0)]
     samples = [(t, {"jvm": 2.0 * t, "postgresql": 0.5 * t}) for t in (9.9, 14.0, 18.1, 19.0, 21.9, 23.0)]
