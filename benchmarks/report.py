@@ -101,7 +101,7 @@ SECTIONS = ("cold", "mttr", "baseline", "upgrade", "throughput", "rss", "batch",
 #: ten standbys warm up and wait one after the other; name ``cold`` with it for its ratio) would take the
 #: default profile past its budget; ``profile`` (about a minute) records a drain with Java Flight Recorder,
 #: which slows it, so it stays apart from ``throughput``; ``mttr_real_airflow`` takes about an hour, most of
-#: it waiting for the 5-minute polling DAG; ``running`` (about 3 minutes: producing and draining 1,200,000
+#: it waiting for the 5-minute polling DAG; ``running`` (3-5 minutes: producing and draining 1,200,000
 #: events, then reading them raw) measures a job that has run for a while, apart from ``throughput``'s drains.
 OPTIONAL_SECTIONS = ("cold_cuts", "standby", "profile", "mttr_real_airflow", "running")
 REAL_AIRFLOW_VARIANTS = ("watcher", "polling", "spark_submit")
