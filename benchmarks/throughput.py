@@ -200,11 +200,7 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
         spawned = time.monotonic()
         runner.wait_running(driver)
         time.sleep(max(0.0, spawned + burst_after - time.monotonic()))
-        signal_driver_tree(driver.pid, signal.SIGSTOP)
-        try:
-            producer.send(backlog)
-        finally:
-            signal_driver_tree(driver.pid, signal.SIGCONT)
+        _send_paused(driver, producer, backlog)
     memory = PeakRss(driver.pid, stack.broker.process.pid if warm else None)
     memory.start()
     try:
@@ -275,11 +271,7 @@ def running_bursts(stack: Stack, *, warm_up: int, burst: int, bursts: int, max_o
         say(f"  warm-up drained: {len(_batches(job, True))} batches")
         for n in range(bursts):
             before = len(_batches(job, True))
-            signal_driver_tree(driver.pid, signal.SIGSTOP)
-            try:
-                producer.send(burst)
-            finally:
-                signal_driver_tree(driver.pid, signal.SIGCONT)
+            _send_paused(driver, producer, burst)
             memory = PeakRss(driver.pid, stack.broker.process.pid)
             memory.start()
             try:
@@ -305,6 +297,16 @@ def running_bursts(stack: Stack, *, warm_up: int, burst: int, bursts: int, max_o
     producer.close()
     runner.store.dispose()
     return found
+
+
+def _send_paused(driver, producer, events: int) -> None:
+    """Produce ``events`` while the driver's whole tree is stopped, so that it finds all of them at once and
+    reads them in full batches, as a driver started on them would."""
+    signal_driver_tree(driver.pid, signal.SIGSTOP)
+    try:
+        producer.send(events)
+    finally:
+        signal_driver_tree(driver.pid, signal.SIGCONT)
 
 
 def _wait_applied(job: Job, driver, runner: JobRunner, records: int, what: str = "the running job",
