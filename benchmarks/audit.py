@@ -28,6 +28,9 @@ class Audit:
         self.duplicated += other.duplicated
         return self
 
+    def __str__(self) -> str:
+        return f"{self.produced} records produced, {self.lost} lost, {self.duplicated} duplicated"
+
 
 def audit(store, job_id: str, produced) -> Audit:
     with store.engine.connect() as conn:

@@ -89,7 +89,7 @@ def measure(stack: Stack, repeats: int, total: Audit, kinds: tuple[str, ...] = V
         runner.store.dispose()
     producer.close()
     audited = audit(job.store, job.job_id, producer.produced)
-    say(f"  {job.job_id}: {audited.produced} records produced, {audited.lost} lost, {audited.duplicated} duplicated")
+    say(f"  {job.job_id}: {audited}")
     total += audited
     samples = {KEYS[kind]: values for kind, values in seconds.items()}
     samples["startup_s"] = {kind: _medians(lines) for kind, lines in phases.items()}

@@ -80,7 +80,7 @@ def running_life(stack: Stack, *, minutes: int, total: Audit) -> dict:
         raise RuntimeError(f"running job: graceful stop ended with {code}\n{runner.log_tail(driver)}")
     found["events"] = producer.produced.total
     checked = audit(job.store, job.job_id, producer.produced)
-    say(f"  audit: {checked.produced} records produced, {checked.lost} lost, {checked.duplicated} duplicated")
+    say(f"  audit: {checked}")
     total += checked
     producer.close()
     runner.store.dispose()

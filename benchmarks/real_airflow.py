@@ -88,7 +88,7 @@ def measure(stack: Stack, variant: str, kills: int, total: Audit, seed: int = 14
                 say(f"  {variant} kill -9 {attempt + 1}/{kills}: processing again after {seconds[-1]:.1f}s")
         deployment.wait_caught_up(producer.produced, timeout=RECOVERY_TIMEOUT_S)
         found = audit(deployment.store, job_id, producer.produced)
-        say(f"  {job_id}: {found.produced} records produced, {found.lost} lost, {found.duplicated} duplicated")
+        say(f"  {job_id}: {found}")
         total += found
     finally:
         producer.close()

@@ -79,7 +79,7 @@ class _Watching:
 
 def _audit(job: Job, producer, total: Audit) -> None:
     found = audit(job.store, job.job_id, producer.produced)
-    say(f"  {job.job_id}: {found.produced} records produced, {found.lost} lost, {found.duplicated} duplicated")
+    say(f"  {job.job_id}: {found}")
     total += found
 
 

@@ -215,7 +215,7 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
     batches = _batches(job, exactly_once)
     if exactly_once:
         found = audit(job.store, job.job_id, produced)
-        say(f"  audit: {found.produced} records produced, {found.lost} lost, {found.duplicated} duplicated")
+        say(f"  audit: {found}")
         total += found
     if producer is not None:
         producer.close()
@@ -290,7 +290,7 @@ def running_bursts(stack: Stack, *, warm_up: int, burst: int, bursts: int, max_o
     if code != 0:
         raise RuntimeError(f"running job: graceful stop ended with {code}\n{runner.log_tail(driver)}")
     checked = audit(job.store, job.job_id, producer.produced)
-    say(f"  audit: {checked.produced} records produced, {checked.lost} lost, {checked.duplicated} duplicated")
+    say(f"  audit: {checked}")
     total += checked
     found["raw_consume_msgs_s"] = [raw_consume(stack, job.topic, producer.produced.total)]
     say(f"  raw kafka-python, the same topic: {found['raw_consume_msgs_s'][-1]:.0f} msgs/s")
