@@ -50,17 +50,13 @@ def running_life(stack: Stack, *, minutes: int, total: Audit) -> dict:
     found = {"minutes": [], "peak_rss_mb": [], "jvm_mb": [], "python_mb": [], "jvm_threads": [], "batches": []}
     try:
         for minute in range(1, minutes + 1):
-            memory, ends = PeakRss(driver.pid), time.monotonic() + 60
-            memory.start()
-            try:
+            ends = time.monotonic() + 60
+            with PeakRss(driver.pid) as memory:
                 while time.monotonic() < ends:
                     if not driver.alive() or feed.done.is_set():
                         raise RuntimeError(f"the running job or its feed ended in minute {minute} "
                                            f"({feed.error!r})\n{runner.log_tail(driver)}")
                     time.sleep(0.25)
-            finally:
-                memory.done.set()
-                memory.join(5)
             peak, parts = memory.peak, memory.peak_parts
             found["minutes"].append(minute)
             found["peak_rss_mb"].append(round(peak / 2**20, 1))

@@ -68,6 +68,14 @@ class PeakRss(threading.Thread):
             rounds += 1
             self.done.wait(0.25)
 
+    def __enter__(self) -> PeakRss:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.join(5)
+
 
 def cpu_per_records(samples: list[tuple[float, dict[str, float]]], batches: list[tuple[int, float]],
                     per: int = 100_000, skip: int | None = None) -> dict[str, float] | None:
@@ -186,32 +194,17 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
         job = stack.new_job(f"{sink}-{database}", database=database, max_offsets=max_offsets)
         producer = stack.producer(job)
         produced = producer.produced
-    spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url, stack.workdir / "checkpoints",
-                     trigger_interval="100 milliseconds", max_offsets_per_trigger=max_offsets)
-    spec = dataclasses.replace(spec, kafka=dataclasses.replace(spec.kafka, reader=reader))
-    conf = dict(stack.spark_conf)
-    if java_options:
-        key = "spark.driver.extraJavaOptions"
-        conf[key] = f"{conf.get(key, '')} {java_options}".strip()
-    runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id,
-                       application=(application or EVENTS_JOB) if exactly_once else AT_LEAST_ONCE_JOB, conf=conf)
-    driver = runner.start()
+    runner, driver = _start(stack, job, max_offsets,
+                            (application or EVENTS_JOB) if exactly_once else AT_LEAST_ONCE_JOB, reader, java_options)
     if burst_after is not None:
         spawned = time.monotonic()
         runner.wait_running(driver)
         time.sleep(max(0.0, spawned + burst_after - time.monotonic()))
         _send_paused(driver, producer, backlog)
-    memory = PeakRss(driver.pid, stack.broker.process.pid if warm else None)
-    memory.start()
-    try:
+    with PeakRss(driver.pid, stack.broker.process.pid if warm else None) as memory:
         _wait_applied(job, driver, runner, produced.total, f"{kind}/{database}", exactly_once)
-    finally:
-        memory.done.set()
-        memory.join(5)
     jvm_cpu = jvm_thread_cpu(driver_processes(driver.pid))  # over the driver's life: its start, then the drain
-    code = runner.stop(driver)
-    if code != 0:
-        raise RuntimeError(f"{kind}/{database}: graceful stop ended with {code}\n{runner.log_tail(driver)}")
+    _stop(runner, driver, f"{kind}/{database}")
     batches = _batches(job, exactly_once)
     if exactly_once:
         found = audit(job.store, job.job_id, produced)
@@ -260,11 +253,7 @@ def running_bursts(stack: Stack, *, warm_up: int, burst: int, bursts: int, max_o
     producer = stack.producer(job)
     say(f"  producing the {warm_up:,}-event warm-up")
     producer.send(warm_up)
-    spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url, stack.workdir / "checkpoints",
-                     trigger_interval="100 milliseconds", max_offsets_per_trigger=max_offsets)
-    runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id, application=EVENTS_JOB,
-                       conf=dict(stack.spark_conf))
-    driver = runner.start()
+    runner, driver = _start(stack, job, max_offsets, EVENTS_JOB)
     found: dict = {"warm_up": warm_up, "burst": burst, "msgs_s": [], "cpu_per_100k": [], "peak_rss_mb": []}
     try:
         _wait_applied(job, driver, runner, producer.produced.total)
@@ -272,13 +261,8 @@ def running_bursts(stack: Stack, *, warm_up: int, burst: int, bursts: int, max_o
         for n in range(bursts):
             before = len(_batches(job, True))
             _send_paused(driver, producer, burst)
-            memory = PeakRss(driver.pid, stack.broker.process.pid)
-            memory.start()
-            try:
+            with PeakRss(driver.pid, stack.broker.process.pid) as memory:
                 _wait_applied(job, driver, runner, producer.produced.total)
-            finally:
-                memory.done.set()
-                memory.join(5)
             batches = _batches(job, True)[before:]
             found["msgs_s"].append(steady_rate(batches))
             found["cpu_per_100k"].append(cpu_per_records(memory.cpu, batches, skip=0))
@@ -286,9 +270,7 @@ def running_bursts(stack: Stack, *, warm_up: int, burst: int, bursts: int, max_o
             say(f"  burst {n + 1}/{bursts}: {burst:,} events in {len(batches)} batches, {found['msgs_s'][-1]:.0f} "
                 f"msgs/s, peak driver RSS {found['peak_rss_mb'][-1]:.0f} MB")
     finally:
-        code = runner.stop(driver)
-    if code != 0:
-        raise RuntimeError(f"running job: graceful stop ended with {code}\n{runner.log_tail(driver)}")
+        _stop(runner, driver, "running job")
     checked = audit(job.store, job.job_id, producer.produced)
     say(f"  audit: {checked}")
     total += checked
@@ -297,6 +279,28 @@ def running_bursts(stack: Stack, *, warm_up: int, burst: int, bursts: int, max_o
     producer.close()
     runner.store.dispose()
     return found
+
+
+def _start(stack: Stack, job: Job, max_offsets: int, application: str, reader: str = "kafka-python",
+           java_options: str = "") -> tuple[JobRunner, object]:
+    """A driver of ``application`` for ``job``, polling every 100 ms for at most ``max_offsets`` a batch;
+    ``java_options`` are added to the stack's."""
+    spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url, stack.workdir / "checkpoints",
+                     trigger_interval="100 milliseconds", max_offsets_per_trigger=max_offsets)
+    spec = dataclasses.replace(spec, kafka=dataclasses.replace(spec.kafka, reader=reader))
+    conf = dict(stack.spark_conf)
+    if java_options:
+        key = "spark.driver.extraJavaOptions"
+        conf[key] = f"{conf.get(key, '')} {java_options}".strip()
+    runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id, application=application, conf=conf)
+    return runner, runner.start()
+
+
+def _stop(runner: JobRunner, driver, what: str) -> None:
+    """Stop gracefully; a driver that does not end cleanly fails the section with its log's tail."""
+    code = runner.stop(driver)
+    if code != 0:
+        raise RuntimeError(f"{what}: graceful stop ended with {code}\n{runner.log_tail(driver)}")
 
 
 def _send_paused(driver, producer, events: int) -> None:
