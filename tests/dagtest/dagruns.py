@@ -75,3 +75,12 @@ def caught_up(state, job_id: str, producer, timeout: float = 240) -> None:
     wait_until(lambda: {p: o for (_, p), o in state.stored_offsets(job_id).items()}
                == dict(producer.produced.end_offsets), timeout, "the job to catch up",
                on_timeout=lambda: f"stored {state.stored_offsets(job_id)} vs {dict(producer.produced.end_offsets)}")
+
+
+def deployed(dag, params: dict, state, job_id: str, producer) -> dict:
+    """Run ``dag`` (the job's deploy DAG), which must succeed, and wait until the job has caught up with what
+    ``producer`` sent; returns what its ``submit`` task returned (the run it started)."""
+    status, tasks = run_dag(dag, params)
+    assert status == "success", tasks
+    caught_up(state, job_id, producer)
+    return tasks["submit"][1]

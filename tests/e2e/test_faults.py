@@ -24,7 +24,7 @@ from stack.events import EventProducer
 from stack.jobs import REPO, check_exactly_once, wait_until
 from tests.dags import provider_scenarios as dags
 from tests.dags import reset_scenario
-from tests.dagtest.dagruns import caught_up, run_dag, runs
+from tests.dagtest.dagruns import caught_up, deployed, run_dag, runs
 
 BATCH = 300
 
@@ -120,10 +120,7 @@ def test_reset_killed_between_archive_and_start_is_completed_by_the_next_attempt
     root = Path(params["spec"]["checkpoint_root"]) / job_id
     producer = EventProducer(broker, stream["topic"])
     producer.send(1500)
-    status, tasks = run_dag(dags.deploy, params)
-    assert status == "success", tasks
-    first = tasks["submit"][1]
-    caught_up(state, job_id, producer)
+    first = deployed(dags.deploy, params, state, job_id, producer)
 
     killed_run = datetime.datetime.now(datetime.UTC).isoformat()  # the retry below is the same task instance
     with open(stream["tmp"] / "killed-reset.log", "wb") as output:

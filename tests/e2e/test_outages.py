@@ -37,7 +37,7 @@ from stack.jobs import check_exactly_once, wait_until
 from stack.outages import KafkaProxy, PostgresServer
 from tests.dags import provider_scenarios as dags
 from tests.dagtest import airflow as airflow_stack
-from tests.dagtest.dagruns import caught_up, run_dag, runs
+from tests.dagtest.dagruns import caught_up, deployed, run_dag, runs
 
 #: Shorter than every kafka-python client timeout the job uses (request_timeout_ms, 30 s by default).
 SHORT_BROKER_OUTAGE_S = 8.0
@@ -85,10 +85,7 @@ def test_broker_outage_short_is_ridden_out_long_ends_transient_and_is_recovered(
     state, job_id, params = stream["state"], stream["job_id"], stream["params"]
     producer = EventProducer(broker, stream["topic"])
     producer.send(1500)
-    status, tasks = run_dag(dags.deploy, params)
-    assert status == "success", tasks
-    first = tasks["submit"][1]
-    caught_up(state, job_id, producer)
+    first = deployed(dags.deploy, params, state, job_id, producer)
 
     # A second submit of the running job follows the declared policy, the default if_running="fail": the
     # task fails naming the live run, and that run goes on undisturbed.
@@ -174,10 +171,7 @@ def test_database_crash_mid_batch_keeps_results_and_offsets_consistent(stream, b
     job_id, params = stream["job_id"], stream["params"]
     producer = EventProducer(broker, stream["topic"])
     producer.send(1200)
-    status, tasks = run_dag(dags.deploy, params)
-    assert status == "success", tasks
-    first = tasks["submit"][1]
-    caught_up(state, job_id, producer)
+    first = deployed(dags.deploy, params, state, job_id, producer)
     applied = _snapshot(producer.produced)
 
     # Hold the job's offset rows: the next batch's transaction writes its results, dead letters and

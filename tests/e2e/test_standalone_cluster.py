@@ -14,7 +14,7 @@ from stack.jobs import TEST_SPARK_CONF, check_exactly_once
 from stack.standalone import StandaloneCluster
 from tests.dags import provider_scenarios as dags
 from tests.dagtest import airflow as airflow_stack
-from tests.dagtest.dagruns import caught_up, run_dag
+from tests.dagtest.dagruns import caught_up, deployed, run_dag
 
 
 @pytest.fixture
@@ -34,10 +34,7 @@ def test_standalone_cluster_kill9_and_recover(stream, cluster, broker, monkeypat
     producer = EventProducer(broker, stream["topic"])
     producer.send(2000)
 
-    status, tasks = run_dag(dags.deploy, params)
-    assert status == "success", tasks
-    first = tasks["submit"][1]
-    caught_up(state, job_id, producer)
+    first = deployed(dags.deploy, params, state, job_id, producer)
     apps = cluster.state()["activeapps"]
     assert [a["name"] for a in apps] == [f"stream-{job_id}-1.0"], apps  # the executors run on the cluster
 
