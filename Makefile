@@ -41,7 +41,9 @@ $(SPARK_VENV)/.installed: pyproject.toml
 
 # The default test run: real Spark drivers, a real Kafka-protocol broker (Tansu), PostgreSQL and SQLite.
 # The fixtures start the broker and a fresh PostgreSQL database themselves.  Two pytest workers: most
-# of a driver scenario is waiting (start-up, triggers, polling), so two share the 2 cores well.
+# of a driver scenario is waiting (start-up, triggers, polling), so two share the 2 cores well.  Three are
+# no faster: 39:35 against 39:56 for the whole run on one machine (2026-12-01), as the drivers' starts
+# then wait for the cores instead.
 test: install browser
 	$(VENV)/bin/python -m pytest -m "not soak" -n 2 --dist worksteal --durations=15 $(PYTEST_ARGS)
 
