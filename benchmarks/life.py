@@ -15,9 +15,8 @@ import psutil
 
 from benchmarks.audit import Audit, audit
 from benchmarks.stack import EVENTS_JOB, Stack, driver_processes, say
-from benchmarks.throughput import PeakRss, _batches
+from benchmarks.throughput import PeakRss, _batches, start_driver, stop_driver
 from stack.events import BackgroundProducer
-from stack.jobs import JobRunner, make_spec
 
 #: The steady feed: 300 events every 0.1 s at most (the producer's own time comes on top), so the job runs
 #: a batch or more a second, each of a few hundred to a few thousand records.
@@ -39,11 +38,7 @@ def running_life(stack: Stack, *, minutes: int, total: Audit) -> dict:
     Python), the JVM's threads at the minute's end and the batches committed by then."""
     job = stack.new_job("life-postgresql", database="postgresql", max_offsets=100_000)
     producer = stack.producer(job)
-    spec = make_spec(job.job_id, stack.broker.bootstrap, job.topic, job.database_url, stack.workdir / "checkpoints",
-                     trigger_interval="100 milliseconds", max_offsets_per_trigger=100_000)
-    runner = JobRunner(spec, stack.workdir / "driver-logs" / job.job_id, application=EVENTS_JOB,
-                       conf=dict(stack.spark_conf))
-    driver = runner.start()
+    runner, driver = start_driver(stack, job, 100_000, EVENTS_JOB)
     runner.wait_running(driver)
     feed = BackgroundProducer(producer, total=10**9, chunk=FEED_CHUNK, pause_s=FEED_PAUSE_S)
     feed.start()
@@ -71,9 +66,7 @@ def running_life(stack: Stack, *, minutes: int, total: Audit) -> dict:
         feed.done.set()
         feed.join(30)
     job.wait_caught_up(producer.produced, alive_pid=driver.pid)
-    code = runner.stop(driver)
-    if code != 0:
-        raise RuntimeError(f"running job: graceful stop ended with {code}\n{runner.log_tail(driver)}")
+    stop_driver(runner, driver, "running job")
     found["events"] = producer.produced.total
     checked = audit(job.store, job.job_id, producer.produced)
     say(f"  audit: {checked}")

@@ -194,7 +194,7 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
         job = stack.new_job(f"{sink}-{database}", database=database, max_offsets=max_offsets)
         producer = stack.producer(job)
         produced = producer.produced
-    runner, driver = _start(stack, job, max_offsets,
+    runner, driver = start_driver(stack, job, max_offsets,
                             (application or EVENTS_JOB) if exactly_once else AT_LEAST_ONCE_JOB, reader, java_options)
     if burst_after is not None:
         spawned = time.monotonic()
@@ -204,7 +204,7 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
     with PeakRss(driver.pid, stack.broker.process.pid if warm else None) as memory:
         _wait_applied(job, driver, runner, produced.total, f"{kind}/{database}", exactly_once)
     jvm_cpu = jvm_thread_cpu(driver_processes(driver.pid))  # over the driver's life: its start, then the drain
-    _stop(runner, driver, f"{kind}/{database}")
+    stop_driver(runner, driver, f"{kind}/{database}")
     batches = _batches(job, exactly_once)
     if exactly_once:
         found = audit(job.store, job.job_id, produced)
@@ -253,7 +253,7 @@ def running_bursts(stack: Stack, *, warm_up: int, burst: int, bursts: int, max_o
     producer = stack.producer(job)
     say(f"  producing the {warm_up:,}-event warm-up")
     producer.send(warm_up)
-    runner, driver = _start(stack, job, max_offsets, EVENTS_JOB)
+    runner, driver = start_driver(stack, job, max_offsets, EVENTS_JOB)
     found: dict = {"warm_up": warm_up, "burst": burst, "msgs_s": [], "cpu_per_100k": [], "peak_rss_mb": []}
     try:
         _wait_applied(job, driver, runner, producer.produced.total)
@@ -270,7 +270,7 @@ def running_bursts(stack: Stack, *, warm_up: int, burst: int, bursts: int, max_o
             say(f"  burst {n + 1}/{bursts}: {burst:,} events in {len(batches)} batches, {found['msgs_s'][-1]:.0f} "
                 f"msgs/s, peak driver RSS {found['peak_rss_mb'][-1]:.0f} MB")
     finally:
-        _stop(runner, driver, "running job")
+        stop_driver(runner, driver, "running job")
     checked = audit(job.store, job.job_id, producer.produced)
     say(f"  audit: {checked}")
     total += checked
@@ -281,7 +281,7 @@ def running_bursts(stack: Stack, *, warm_up: int, burst: int, bursts: int, max_o
     return found
 
 
-def _start(stack: Stack, job: Job, max_offsets: int, application: str, reader: str = "kafka-python",
+def start_driver(stack: Stack, job: Job, max_offsets: int, application: str, reader: str = "kafka-python",
            java_options: str = "") -> tuple[JobRunner, object]:
     """A driver of ``application`` for ``job``, polling every 100 ms for at most ``max_offsets`` a batch;
     ``java_options`` are added to the stack's."""
@@ -296,7 +296,7 @@ def _start(stack: Stack, job: Job, max_offsets: int, application: str, reader: s
     return runner, runner.start()
 
 
-def _stop(runner: JobRunner, driver, what: str) -> None:
+def stop_driver(runner: JobRunner, driver, what: str) -> None:
     """Stop gracefully; a driver that does not end cleanly fails the section with its log's tail."""
     code = runner.stop(driver)
     if code != 0:
