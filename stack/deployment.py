@@ -84,12 +84,16 @@ class StreamDeployment:
             self.airflow.wait_dag(dag_id)
         return self
 
-    def stop(self) -> None:
-        """Every driver of the job, then every Airflow component (whole process groups)."""
+    def stop(self, *, graceful: bool = True) -> None:
+        """Every driver of the job, then every Airflow component (whole process groups); shut down
+        cleanly, or without ``graceful`` killed at once (a test's teardown)."""
         for run in self.runs():
             if run.pid and run.status in ACTIVE_STATUSES:
                 kill_driver(run.pid)
-        self.airflow.stop()
+        if graceful:
+            self.airflow.stop()
+        else:
+            self.airflow.stop(timeout=0)
         self.store.dispose()
 
     # -- driving it as a person would ----------------------------------------------------------------

@@ -19,4 +19,4 @@ def deployment(broker, topic, job_id, tmp_path, deployment_options):
     try:
         yield instance.start()
     finally:
-        instance.stop()
+        instance.stop(graceful=False)  # the test is over: its deployment needs no clean shutdown

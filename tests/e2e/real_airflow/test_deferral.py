@@ -50,7 +50,7 @@ def pooled(broker, topic, job_id, tmp_path):
     try:
         yield instance.start()
     finally:
-        instance.stop()
+        instance.stop(graceful=False)  # the test is over: its deployment needs no clean shutdown
 
 
 def _at(text: str) -> datetime:
