@@ -59,10 +59,30 @@ def kafka_properties(options: Mapping[str, str]) -> dict[str, str]:
 
 def client_options(options: Mapping[str, str]) -> dict[str, object]:
     """kafka-python keyword arguments from Spark-style ``kafka.*`` options (bootstrap handled apart)."""
-    return {
-        name.replace(".", "_"): int(value) if isinstance(value, str) and value.isdigit() else value
-        for name, value in kafka_properties(options).items()
-    }
+    return python_options(kafka_properties(options))
+
+
+def python_options(properties: Mapping[str, object]) -> dict[str, object]:
+    """kafka-python keyword arguments from Kafka client properties, in Kafka's own dotted names
+    (``request.timeout.ms``, as a job spec's ``kafka.client_options`` and Spark's connector take them) or
+    kafka-python's (``request_timeout_ms``).  A spec travels as JSON text, so numbers and booleans given
+    as text become numbers and booleans: kafka-python compares them."""
+    return {name.replace(".", "_"): _value(value) for name, value in properties.items()}
+
+
+def unknown_options(properties: Mapping[str, object]) -> list[str]:
+    """The properties kafka-python has no setting for (it refuses a consumer that names one)."""
+    from kafka import KafkaConsumer
+
+    return [name for name in properties if name.replace(".", "_") not in KafkaConsumer.DEFAULT_CONFIG]
+
+
+def _value(value: object) -> object:
+    if not isinstance(value, str):
+        return value
+    if value.isdigit():
+        return int(value)
+    return {"true": True, "false": False}.get(value.lower(), value)
 
 
 def read_failed(topic: str, partition: int, start: int, end: int, why: str) -> KafkaReadError:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from airflow_stream_provider import kafka_offsets
+from airflow_stream_provider import kafka_client, kafka_offsets
 
 DATABASE_PASSWORD_ENV = "STREAM_DATABASE_PASSWORD"
 CHECKPOINT_MANAGER_CONF = "spark.sql.streaming.checkpointFileManagerClass"
@@ -67,11 +67,19 @@ class KafkaSpec:
     #: where the read tasks' Python decoding and the JVM's work share the driver's cores; one task per
     #: partition elsewhere, as Spark's Kafka connector plans.
     read_tasks: int | None = None
-    #: Extra kafka client properties (security, timeouts), without the "kafka." prefix.
+    #: Extra Kafka client properties (security, timeouts) in Kafka's own names, without the "kafka."
+    #: prefix: ``{"security.protocol": "SSL", "request.timeout.ms": "15000"}``.  Spark's connector and
+    #: librdkafka take them as they are; kafka-python (the driver's own calls and the Python source) in its
+    #: spelling, ``python_options``.
     client_options: Mapping[str, str] = field(default_factory=dict)
 
     def consumer_group(self, job_id: str) -> str:
         return f"stream-{job_id}"
+
+    @property
+    def python_options(self) -> dict[str, object]:
+        """``client_options`` as kafka-python's keyword arguments."""
+        return kafka_client.python_options(self.client_options)
 
 
 @dataclass(frozen=True)
@@ -317,6 +325,22 @@ def _validate_kafka(kafka: KafkaSpec) -> None:
             f"{kafka.read_tasks!r} is not a positive integer or null",
             "Leave it null (half the cores in local mode, one task per partition on a cluster) or give "
             "the number of tasks that read a batch, e.g. 4",
+        )
+    if not isinstance(kafka.client_options, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str | int | float | bool) for k, v in kafka.client_options.items()
+    ):
+        raise SpecError(
+            "kafka.client_options",
+            f"{kafka.client_options!r} is not a mapping of property names to values",
+            'Give Kafka client properties by name, e.g. {"security.protocol": "SSL"}',
+        )
+    if unknown := kafka_client.unknown_options(kafka.client_options) if kafka.client_options else []:
+        raise SpecError(
+            "kafka.client_options",
+            f"kafka-python has no setting {', '.join(map(repr, unknown))}",
+            "The driver plans batches and commits the consumer group through kafka-python, whatever the source: "
+            "use the properties it knows (security.protocol, sasl.mechanism, sasl.plain.username, "
+            "ssl.cafile, request.timeout.ms, ...; its KafkaConsumer settings, with dots or underscores)",
         )
     if kafka.starting_offsets not in ("earliest", "latest"):
         try:

@@ -323,7 +323,7 @@ class StreamHarness:
         it plans the source, forks the Python workers and starts the ``foreachBatch`` callback server.
         Nothing is written; its checkpoint is a scratch directory."""
         kafka = self.spec.kafka
-        client = kafka_client.consumer(kafka.bootstrap_servers, dict(kafka.client_options))
+        client = kafka_client.consumer(kafka.bootstrap_servers, kafka.python_options)
         earliest, latest = kafka_client.watermarks(client, kafka.topics)
         start = {tp: max(earliest[tp], latest[tp] - 1) for tp in latest}
         self._warming.on = True
@@ -398,7 +398,7 @@ class StreamHarness:
 
     def _resolve_start(self, topics: Sequence[str], default: str, what: str) -> kafka_offsets.Offsets:
         spec = self.spec
-        client = kafka_client.consumer(spec.kafka.bootstrap_servers, dict(spec.kafka.client_options))
+        client = kafka_client.consumer(spec.kafka.bootstrap_servers, spec.kafka.python_options)
         try:
             earliest, latest = kafka_client.watermarks(client, topics)
         except Exception as err:
@@ -647,7 +647,7 @@ class StreamHarness:
             (r.topic, r.partition, r.offset, r.key, r.value,
              _EPOCH + dt.timedelta(milliseconds=r.timestamp) if r.timestamp >= 0 else None)
             for r in kafka_client.read_range(
-                kafka.bootstrap_servers, dict(kafka.client_options), topic, partition, start, end
+                kafka.bootstrap_servers, kafka.python_options, topic, partition, start, end
             )
         ]
 
@@ -663,7 +663,7 @@ class StreamHarness:
         try:  # make progress visible to standard Kafka lag tooling; the database stays the truth
             kafka_client.commit_group(
                 self.spec.kafka.bootstrap_servers,
-                dict(self.spec.kafka.client_options),
+                self.spec.kafka.python_options,
                 self.spec.kafka.consumer_group(self.spec.job_id),
                 outcome.committed_offsets,
             )

@@ -46,11 +46,25 @@ def test_good_spec_round_trips():
     ({"kafka_read_tasks": 0}, "kafka.read_tasks", "half the cores"),
     ({"kafka_read_tasks": "2"}, "kafka.read_tasks", "e.g. 4"),
     ({"generaton": 2}, "generaton", "Known fields"),
+    ({"kafka_client_options": {"sasl.jaas.config": "x"}}, "kafka.client_options", "security.protocol"),
+    ({"kafka_client_options": {"request.timeout.ms": ["15000"]}}, "kafka.client_options", "by name"),
 ])
 def test_bad_field_is_named_with_its_fix(changes, field, fix):
     with pytest.raises(SpecError) as err:
         StreamJobSpec.from_dict(_with(**changes))
     assert err.value.field == field and fix in str(err.value)
+
+
+def test_client_options_in_either_spelling_reach_kafka_python_as_its_keywords():
+    """A spec travels as JSON text: its options' numbers and booleans may come as text.  kafka-python
+    refuses a dotted name and compares a timeout given as text with a number, so the driver's own Kafka
+    calls take them converted."""
+    options = {"request.timeout.ms": "15000", "security_protocol": "PLAINTEXT", "ssl.check.hostname": "false",
+               "retry.backoff.ms": 200}
+    spec = StreamJobSpec.from_json(StreamJobSpec.from_dict(_with(kafka_client_options=options)).to_json())
+    assert spec.kafka.client_options == options
+    assert spec.kafka.python_options == {"request_timeout_ms": 15000, "security_protocol": "PLAINTEXT",
+                                         "ssl_check_hostname": False, "retry_backoff_ms": 200}
 
 
 @pytest.mark.parametrize(("root", "local"), [
