@@ -39,9 +39,14 @@ from tests.dags import provider_scenarios as dags
 from tests.dagtest import airflow as airflow_stack
 from tests.dagtest.dagruns import caught_up, deployed, run_dag, runs
 
-#: Shorter than every kafka-python client timeout the job uses (request_timeout_ms, 30 s by default).
+#: The job's Kafka request timeout, named in its spec's client options in Kafka's own spelling and as
+#: text (a spec is JSON), so that every Kafka call of the driver must take it converted.  kafka-python's
+#: default: at 15 s the long outage below ended by the read-stall path (4 x 30 s) in two runs of two,
+#: against the planning path (2 x 30 s) at 30 s.
+REQUEST_TIMEOUT_MS = 30_000
+#: Shorter than every kafka-python client timeout the job uses.
 SHORT_BROKER_OUTAGE_S = 8.0
-#: Longer than one kafka-python request's timeout (request_timeout_ms, 30 s), shorter than two.
+#: Longer than one kafka-python request's timeout, shorter than two.
 BROKER_STALL_S = 40.0
 DATABASE_OUTAGE_S = 10.0
 
@@ -83,6 +88,8 @@ def _alive(run: dict) -> bool:
 def test_broker_outage_short_is_ridden_out_long_ends_transient_and_is_recovered(stream, broker, proxy, figures,
                                                                                  capfd):
     state, job_id, params = stream["state"], stream["job_id"], stream["params"]
+    kafka = {**params["spec"]["kafka"], "client_options": {"request.timeout.ms": str(REQUEST_TIMEOUT_MS)}}
+    params = {**params, "spec": {**params["spec"], "kafka": kafka}}
     producer = EventProducer(broker, stream["topic"])
     producer.send(1500)
     first = deployed(dags.deploy, params, state, job_id, producer)
@@ -124,7 +131,7 @@ def test_broker_outage_short_is_ridden_out_long_ends_transient_and_is_recovered(
     assert [r.run_id for r in runs(state, job_id)] == [first["run_id"]]
 
     # A long outage: once the client gives up the query fails, and the driver records why.  Usually the
-    # driver's offset planning gives up first (after two request_timeout_ms); an outage that cuts a running
+    # driver's offset planning gives up first (after two request timeouts); an outage that cuts a running
     # read ends after Spark's task retries, each giving up after the read stalled for STALL_TIMEOUT_S.
     with Trickle(producer, chunk=20, pause_s=0.5):
         time.sleep(2)
@@ -141,9 +148,10 @@ def test_broker_outage_short_is_ridden_out_long_ends_transient_and_is_recovered(
     # The broker is back: the health DAG sees the TRANSIENT failure and restarts from the checkpoint.
     proxy.start()
     back = time.monotonic()
-    recovered_s, counts = _restarted_by_health_dag(state, stream, producer, first["run_id"], back, more=300)
-    figures.record("broker outage", short_outage_seconds=SHORT_BROKER_OUTAGE_S, driver_survived=True,
-                   stall_seconds=BROKER_STALL_S,
+    recovered_s, counts = _restarted_by_health_dag(state, job_id, params, producer, first["run_id"], back,
+                                                     more=300)
+    figures.record("broker outage", request_timeout_ms=REQUEST_TIMEOUT_MS,
+                   short_outage_seconds=SHORT_BROKER_OUTAGE_S, driver_survived=True, stall_seconds=BROKER_STALL_S,
                    long_outage_to_transient_seconds=round(gave_up_s, 1),
                    back_to_caught_up_seconds=round(recovered_s, 1), **counts)
 
@@ -209,17 +217,18 @@ def test_database_crash_mid_batch_keeps_results_and_offsets_consistent(stream, b
     before = check_exactly_once(state.store, job_id, applied)
 
     # The run's end reached the database once it was back: the health DAG restarts it from the checkpoint.
-    recovered_s, counts = _restarted_by_health_dag(state, stream, producer, first["run_id"], back, more=400)
+    recovered_s, counts = _restarted_by_health_dag(state, job_id, params, producer, first["run_id"], back,
+                                                     more=400)
     figures.record("database crash mid-batch", outage_seconds=DATABASE_OUTAGE_S,
                    driver_failed_after_seconds=round(driver_failed_s, 1),
                    read_before_crash=before["read"], back_to_caught_up_seconds=round(recovered_s, 1), **counts)
 
 
-def _restarted_by_health_dag(state, stream, producer, failed_run_id: str, back: float, *, more: int):
+def _restarted_by_health_dag(state, job_id: str, params: dict, producer, failed_run_id: str, back: float, *,
+                             more: int):
     """The health DAG finds the run FAILED/TRANSIENT and restarts it from the checkpoint; with ``more``
     events the job catches up and stops cleanly, exactly once.  ``state`` is the hook on the job's state
     database.  Returns (seconds from ``back`` to caught up, the exact counts)."""
-    job_id, params = stream["job_id"], stream["params"]
     status, tasks = run_dag(dags.health, params)
     assert status == "success", tasks
     found, recovered = tasks["health"][1], tasks["recover"][1]
