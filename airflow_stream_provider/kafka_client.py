@@ -67,14 +67,21 @@ def python_options(properties: Mapping[str, object]) -> dict[str, object]:
     (``request.timeout.ms``, as a job spec's ``kafka.client_options`` and Spark's connector take them) or
     kafka-python's (``request_timeout_ms``).  A spec travels as JSON text, so numbers and booleans given
     as text become numbers and booleans: kafka-python compares them."""
-    return {name.replace(".", "_"): _value(value) for name, value in properties.items()}
+    return {_keyword(name): _value(value) for name, value in properties.items()}
 
 
 def unknown_options(properties: Mapping[str, object]) -> list[str]:
-    """The properties kafka-python has no setting for (it refuses a consumer that names one)."""
+    """The properties kafka-python has no setting for (it refuses a consumer that names one).  kafka is
+    imported only when there are properties to check."""
+    if not properties:
+        return []
     from kafka import KafkaConsumer
 
-    return [name for name in properties if name.replace(".", "_") not in KafkaConsumer.DEFAULT_CONFIG]
+    return [name for name in properties if _keyword(name) not in KafkaConsumer.DEFAULT_CONFIG]
+
+
+def _keyword(name: str) -> str:
+    return name.replace(".", "_")
 
 
 def _value(value: object) -> object:

@@ -334,7 +334,7 @@ def _validate_kafka(kafka: KafkaSpec) -> None:
             f"{kafka.client_options!r} is not a mapping of property names to values",
             'Give Kafka client properties by name, e.g. {"security.protocol": "SSL"}',
         )
-    if unknown := kafka_client.unknown_options(kafka.client_options) if kafka.client_options else []:
+    if unknown := kafka_client.unknown_options(kafka.client_options):
         raise SpecError(
             "kafka.client_options",
             f"kafka-python has no setting {', '.join(map(repr, unknown))}",

@@ -41,8 +41,8 @@ from tests.dagtest.dagruns import caught_up, deployed, run_dag, runs
 
 #: The job's Kafka request timeout, named in its spec's client options in Kafka's own spelling and as
 #: text (a spec is JSON), so that every Kafka call of the driver must take it converted.  kafka-python's
-#: default: at 15 s the long outage below ended by the read-stall path (4 x 30 s) in two runs of two,
-#: against the planning path (2 x 30 s) at 30 s.
+#: default: at 15 s the long outage below met a running read in both of two runs and ended after Spark's
+#: read retries (4 x 30 s), where at 30 s the offset planning gives up first (2 x 30 s).
 REQUEST_TIMEOUT_MS = 30_000
 #: Shorter than every kafka-python client timeout the job uses.
 SHORT_BROKER_OUTAGE_S = 8.0
