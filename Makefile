@@ -43,7 +43,8 @@ $(SPARK_VENV)/.installed: pyproject.toml
 # The fixtures start the broker and a fresh PostgreSQL database themselves.  Two pytest workers: most
 # of a driver scenario is waiting (start-up, triggers, polling), so two share the 2 cores well.  Three are
 # no faster: 39:35 against 39:56 for the whole run on one machine (2026-12-01), as the drivers' starts
-# then wait for the cores instead.
+# then wait for the cores instead.  Variants marked `soak` (a scenario's second database, the demo, see
+# README "Tests") wait for `make soak`: the run stays within 35 minutes on 2 cores.
 test: install browser
 	$(VENV)/bin/python -m pytest -m "not soak" -n 2 --dist worksteal --durations=15 $(PYTEST_ARGS)
 
@@ -73,6 +74,7 @@ $(VENV)/.bench-installed: pyproject.toml $(VENV)/.installed
 	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[airflow,openlineage,test,bench]'
 	@touch $@
 
+# The default run's `soak` variants, then the soak itself (tests/e2e/test_soak.py), then ten standby kills.
 soak: install
 	$(VENV)/bin/python -m pytest -m soak $(PYTEST_ARGS)
 	STREAM_STANDBY_KILLS=10 $(VENV)/bin/python -m pytest tests/e2e/test_standby.py -k kill9 $(PYTEST_ARGS)

@@ -150,6 +150,9 @@ def test_no_path_or_host_is_hard_coded_in_a_dag_file(path):
         assert not re.search(r":\d{4,5}\b", value), f"hard-coded port in {value!r}"
 
 
+# In ``make soak`` (and ``make demo`` is the same run): every step of the demo is proven on a real Airflow
+# by ``real_airflow/``, whose deployments are the demo's own ``stack/`` code.
+@pytest.mark.soak
 def test_demo_tells_the_whole_story_exactly_once(tmp_path):
     """``make demo``'s scenario on a real Airflow: deploy through the REST API, two SIGKILLs that Airflow
     notices and repairs by itself, an incompatible upgrade, a graceful stop; nothing left running."""

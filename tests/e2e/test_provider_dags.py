@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from airflow_stream_provider import failures
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from stack.events import EventProducer
@@ -107,6 +109,9 @@ def test_incompatible_checkpoint_is_reset_from_stored_offsets(stream, broker, fi
     figures.record("airflow incompatible checkpoint -> reset", archive=archive.name, **counts)
 
 
+# In ``make soak``: the real-Airflow tier proves this crash loop on Airflow's own terms
+# (``real_airflow/test_lifecycle.py``); the one before the query starts, below, has no twin there.
+@pytest.mark.soak
 def test_crash_loop_ends_at_the_restart_budget(stream, broker):
     state, job_id = stream["state"], stream["job_id"]
     EventProducer(broker, stream["topic"]).send(200)

@@ -21,6 +21,7 @@ from airflow_stream_provider.runtime.harness import ARROW_POOL_ENV
 from airflow_stream_provider.runtime.planner_workers import planner_kind
 from stack.events import BackgroundProducer, EventProducer
 from stack.jobs import check_exactly_once, wait_until
+from tests.backends import POSTGRESQL_THEN_SQLITE_IN_SOAK
 
 
 def _end(producer) -> dict[int, int]:
@@ -68,6 +69,7 @@ def _jvm_thread_names(pid: int) -> list[str]:
     raise AssertionError(f"no JVM in the driver's process tree {pid}")
 
 
+@POSTGRESQL_THEN_SQLITE_IN_SOAK
 def test_graceful_stop_and_restart(broker, topic, runner, figures):
     producer = EventProducer(broker, topic)
     producer.send(3000)
@@ -110,6 +112,7 @@ def test_graceful_stop_and_restart(broker, topic, runner, figures):
     figures.record(f"graceful stop [{runner.store.dialect}]", stop_seconds=round(stop_s, 1), **counts)
 
 
+@POSTGRESQL_THEN_SQLITE_IN_SOAK
 def test_kill9_exactly_once(broker, topic, runner, figures):
     """SIGKILL the whole driver (JVM + Python) at random moments while 20,000 events arrive."""
     rng = random.Random(20261122)
@@ -145,6 +148,9 @@ def test_kill9_exactly_once(broker, topic, runner, figures):
                    produced=producer.sent, malformed=len(producer.produced.malformed), **counts)
 
 
+# In ``make soak``: the optional reader is not the tested default path; what it reads is proven against
+# kafka-python's reads by ``tests/integration/test_confluent_reader.py`` in the default run.
+@pytest.mark.soak
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_the_confluent_reader_is_exactly_once_through_kill9(broker, topic, runner, figures):
     """The optional fast reader (kafka.reader: confluent-kafka) through a SIGKILL in a batch: the replayed

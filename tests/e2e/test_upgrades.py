@@ -106,7 +106,10 @@ def _run_ids(stream) -> set[str]:
         # prewarm: the new version warmed up beside the old run, released onto generation 2
         pytest.param("running_count_by_user.py", "running_count_by_user_kind.py",
                      "STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE", True, id="aggregation-keys-changed-prewarmed"),
-        pytest.param(EVENTS_JOB, "with_control_topic.py", "STREAM_FAILED", False, id="second-source-added"),
+        # in ``make soak``: the same preflight, verdict and reset as the pair above, for another error class
+        # (its classification is proven against Spark's text in ``tests/unit/test_failures.py``)
+        pytest.param(EVENTS_JOB, "with_control_topic.py", "STREAM_FAILED", False, id="second-source-added",
+                     marks=pytest.mark.soak),
     ],
 )
 def test_incompatible_upgrade_resets_from_stored_offsets(stream, broker, figures, old, new, error_class, prewarm):

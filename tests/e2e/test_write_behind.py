@@ -21,6 +21,7 @@ from airflow_stream_provider.runtime.write_behind import MIN_RECORDS, REDO_DESCR
 from airflow_stream_provider.state import schema
 from stack.events import EventProducer
 from stack.jobs import check_exactly_once, wait_until
+from tests.backends import POSTGRESQL_THEN_SQLITE_IN_SOAK
 from tests.dagtest.dagruns import FIXTURE_JOBS
 
 CEILING = 25_000
@@ -48,6 +49,7 @@ def _marks(checkpoint: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) if folder.is_dir() else []
 
 
+@POSTGRESQL_THEN_SQLITE_IN_SOAK
 def test_kill9_with_spark_ahead_of_the_database(broker, topic, big_batches, figures):
     """Killed while batch 1's commit waits in the writer and batch 2 already runs: Spark's commit log holds
     batch 1, the database does not.  The next run applies batch 1 from Kafka before its query starts."""
