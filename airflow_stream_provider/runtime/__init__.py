@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from airflow_stream_provider.runtime.harness import StreamHarness
-    from airflow_stream_provider.runtime.sink import Result
+    from airflow_stream_provider.runtime.result_tables import Result
 
 __all__ = ["Result", "StreamHarness"]
-_EXPORTS = {"StreamHarness": "airflow_stream_provider.runtime.harness", "Result": "airflow_stream_provider.runtime.sink"}
+_EXPORTS = {"StreamHarness": "airflow_stream_provider.runtime.harness", "Result": "airflow_stream_provider.runtime.result_tables"}
 
 
 def __getattr__(name: str):

@@ -229,7 +229,7 @@ class StreamHarness:
 
         :param transform: turns the Kafka records (Spark's Kafka columns) into parsed records that keep
             topic/partition/offset/key/value and add an ``error`` column (null for a good record).
-        :param results: turns the good records into :class:`~airflow_stream_provider.runtime.sink.Result`
+        :param results: turns the good records into :class:`~airflow_stream_provider.runtime.result_tables.Result`
             tables.
         :param on_poison: what to do with a record the job's code fails on: ``dead_letter`` it and go on,
             or ``fail`` the run as POISON with the record's position (see ``sink``).

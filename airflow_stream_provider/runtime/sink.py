@@ -40,36 +40,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import reduce
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql import types as T
 from pyspark.util import inheritable_thread_target
-from sqlalchemy import (
-    BigInteger,
-    Boolean,
-    Date,
-    DateTime,
-    Float,
-    LargeBinary,
-    MetaData,
-    Numeric,
-    Table,
-    Text,
-)
-from sqlalchemy import Column as SqlColumn
+from sqlalchemy import MetaData, Table
 
 from airflow_stream_provider import faults
 from airflow_stream_provider.kafka_offsets import Offsets
 from airflow_stream_provider.runtime import write_behind
+from airflow_stream_provider.runtime.batch_range import BatchRangeError, Bounds, span, stats
 from airflow_stream_provider.runtime.checkpoint_log import OffsetLog
 from airflow_stream_provider.runtime.poison import (
     MAX_POISON_PER_BATCH,
@@ -86,6 +72,7 @@ from airflow_stream_provider.runtime.poison import (
     positions,
     reason,
 )
+from airflow_stream_provider.runtime.result_tables import Result, table_for
 from airflow_stream_provider.runtime.write_behind import REDO_DESCRIPTION, WriteBehind
 from airflow_stream_provider.state import schema, transaction
 from airflow_stream_provider.state.dialect import is_data_error
@@ -95,26 +82,7 @@ log = logging.getLogger(__name__)
 
 PROVENANCE = ("topic", "partition", "offset")
 DEAD_LETTER_COLUMNS = ("topic", "partition", "offset", "key", "value", "error")
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-
-TopicPartition = tuple[str, int]
-
-
-class BatchRangeError(RuntimeError):
-    """The offsets log cannot say which records a batch holds: an entry is missing, or the records Spark
-    handed the batch lie outside the range it gives (``[STREAM_OFFSET_LOG_MISSING]``,
-    ``[STREAM_BATCH_RANGE_MISMATCH]``).  Nothing of the batch is written.  Not a record's fault."""
-
-
-@dataclass(frozen=True)
-class Result:
-    """One result table the job writes: ``frame``'s rows are upserted on ``key``; ``increments`` columns
-    are added to what is stored (per-batch partial aggregates), the others overwritten."""
-
-    table: str
-    frame: DataFrame
-    key: tuple[str, ...]
-    increments: tuple[str, ...] = ()
+TopicPartition = transaction.TopicPartition
 
 
 ResultsFn = Callable[[DataFrame], Sequence[Result]]
@@ -141,7 +109,7 @@ class TransactionalSink:
 
     A job file does not build it: :class:`~airflow_stream_provider.runtime.harness.StreamHarness` does,
     from the job's spec and its ``results`` function, and a job only returns
-    :class:`~airflow_stream_provider.runtime.sink.Result` tables::
+    :class:`~airflow_stream_provider.runtime.result_tables.Result` tables::
 
         def results(events: DataFrame) -> list[Result]:
             return [Result("events", events.select(...), key=("event_id",)),
@@ -350,7 +318,7 @@ class TransactionalSink:
             return
         # a log rewritten to end below the stored offsets makes a batch look committed: the records it
         # holds beyond that end would be skipped for good
-        _Bounds(plan, self.stateful).check(_span(table), self.run.job_id)
+        Bounds(plan, self.stateful).check(span(table), self.run.job_id)
 
     def _batch_range(self, batch_id: int) -> transaction.BatchRange:
         end = self.offset_log.source_offsets(batch_id)
@@ -387,7 +355,7 @@ class TransactionalSink:
         its positions, taken already; ``behind``: the commit may go to the writer (then None is returned,
         and the writer reports the outcome)."""
         batch_id = plan.range.batch_id
-        bounds = _Bounds(plan, self.stateful)
+        bounds = Bounds(plan, self.stateful)
         poison: list[Poison] = []
         fresh = bounds.select(handed)
         source: Source = Source(fresh.where)
@@ -497,7 +465,7 @@ class TransactionalSink:
             self.after_commit(outcome)
         return outcome
 
-    def _compute(self, frame: DataFrame, bounds: _Bounds, tally: _Tally | None = None) -> _Computed:
+    def _compute(self, frame: DataFrame, bounds: Bounds, tally: _Tally | None = None) -> _Computed:
         """Evaluate records: counts, dead letters, result rows.  Nothing is written."""
         tally = _tally(frame, bounds) if tally is None else tally
         good = frame.where(F.col("error").isNull())
@@ -570,7 +538,7 @@ class TransactionalSink:
         """
         batch_id = plan.range.batch_id
         space = PositionSpace(plan)
-        bounds = _Bounds(plan, self.stateful)
+        bounds = Bounds(plan, self.stateful)
         log.warning(
             "batch %s failed while %s (%s); isolating the record(s) it fails on among %s positions",
             batch_id,
@@ -718,30 +686,7 @@ class TransactionalSink:
         """The SQL table for a result, created from the frame's Spark schema on first use."""
         table = self._tables.get(result.table)
         if table is None:
-            for name in (result.table, *(f.name for f in result.frame.schema.fields)):
-                if not _IDENTIFIER.match(name):
-                    raise ValueError(
-                        f"result table/column name {name!r} is not a plain SQL identifier "
-                        f"(letters, digits, underscore; not starting with a digit)"
-                    )
-            missing = set(result.key) - set(result.frame.columns)
-            if missing:
-                raise ValueError(
-                    f"result {result.table!r}: key columns {sorted(missing)} are not in the frame"
-                )
-            table = Table(
-                result.table,
-                self._metadata,
-                *[
-                    SqlColumn(
-                        f.name,
-                        _sql_type(f.dataType),
-                        primary_key=f.name in result.key,
-                        nullable=f.name not in result.key,
-                    )
-                    for f in result.frame.schema.fields
-                ],
-            )
+            table = table_for(result, self._metadata)
             if not self.dry_run:
                 self.store.ensure_table(table)
             self._tables[result.table] = table
@@ -776,89 +721,6 @@ class BatchClock:
         self.phases[phase] = round(self.phases[phase] - seconds, 4)
 
 
-class _Bounds:
-    """Which of the rows Spark hands a batch the sink applies, from the batch's range and plan.
-
-    Per partition of the range [start, end): records at or past the plan's first offset are applied,
-    those below it are replays.  A stateful query may also emit rows of records read by earlier batches
-    (outer-join rows, closed windows, timers: its state releases them now), so rows below ``start`` are
-    its output, not replays.  No query can hand over a record at or past ``end``: Spark has not read it.
-    """
-
-    def __init__(self, plan: transaction.BatchPlan, stateful: bool):
-        self.range = plan.range
-        self.stateful = stateful
-        # a range ending below its start is a log that went backwards (recreated topic), read from its
-        # beginning: no lower bound
-        self.start = {
-            tp: start if start <= end else 0
-            for tp, end in plan.range.end.items()
-            for start in [plan.range.start.get(tp, 0)]
-        }
-        self.first = {tp: plan.apply_from.get(tp, end) for tp, end in plan.range.end.items()}
-        #: some partition's range holds replayed records: drop them (usually every record is fresh)
-        self.needs_filter = any(
-            self.first[tp] != self.start[tp] for tp, end in plan.range.end.items() if end > self.start[tp]
-        )
-
-    def check(self, span: dict[TopicPartition, tuple[int, int]], job_id: str) -> None:
-        """Refuse the batch when its records' lowest/highest offset per partition contradict the range:
-        the offsets log does not describe what Spark read (e.g. rewritten by a second driver), and
-        committing would store offsets that do not match the results."""
-        for tp, (low, high) in sorted(span.items(), key=str):
-            if tp[0] is None or tp[1] is None or low is None:
-                continue  # no record's row (a stateful operator's own output): no position to check
-            end = self.range.end.get(tp)
-            if end is not None and high < end and (self.stateful or low >= self.start[tp]):
-                continue
-            batch = self.range.batch_id
-            logged = (
-                "no range for this partition"
-                if end is None
-                else f"[{self.start[tp]}, {end}) "
-                + (f"(offsets/{batch - 1} to offsets/{batch})" if batch else "(generation start to offsets/0)")
-            )
-            raise BatchRangeError(
-                f"[STREAM_BATCH_RANGE_MISMATCH] job {job_id} batch {batch}: partition {tp[0]}-{tp[1]}: the "
-                f"offsets log gives the batch {logged} but the records Spark handed it span offsets {low} to "
-                f"{high}. The offsets log does not describe what Spark read (rewritten, e.g. by a second "
-                f"driver on this checkpoint); nothing was written and the stored offsets did not move. Make "
-                f"sure only one driver runs on this checkpoint, then reset the job to a new generation from "
-                f"the stored offsets (or restart it: Spark replays the batch with the logged range)."
-            )
-
-    def select(self, records: DataFrame) -> DataFrame:
-        """The rows to apply (after ``check``): all of them unless a range holds replayed records."""
-        if not self.needs_filter:
-            return records
-        offset = F.col("offset")
-        conditions: list[Column] = [offset.isNull()] if self.stateful else []
-        for (topic, partition), end in self.range.end.items():
-            keep = (offset >= self.first[(topic, partition)]) & (offset < end)
-            if self.stateful:
-                keep = keep | (offset < self.start[(topic, partition)])
-            conditions.append((F.col("topic") == topic) & (F.col("partition") == partition) & keep)
-        return records.where(reduce(lambda a, b: a | b, conditions) if conditions else F.lit(False))
-
-    def mask(self, table: pa.Table) -> pa.ChunkedArray | pa.Array:
-        """``select`` on rows already on the driver."""
-        tps = list(self.range.end)
-        names = pa.array([f"{t}\x00{p}" for t, p in tps], pa.string())
-        keys = pc.binary_join_element_wise(
-            pc.cast(table["topic"], pa.string()), pc.cast(table["partition"], pa.string()), "\x00"
-        )
-        index = pc.index_in(keys, value_set=names)
-
-        def per_row(values: dict[TopicPartition, int]):
-            return pc.take(pa.array([values[tp] for tp in tps], pa.int64()), index)
-
-        offset = table["offset"]
-        keep = pc.and_(pc.greater_equal(offset, per_row(self.first)), pc.less(offset, per_row(self.range.end)))
-        if self.stateful:
-            keep = pc.or_kleene(pc.or_kleene(keep, pc.less(offset, per_row(self.start))), pc.is_null(offset))
-        return pc.fill_null(keep, False)
-
-
 @dataclass(frozen=True)
 class _Tally:
     read: dict[TopicPartition, int]
@@ -867,17 +729,17 @@ class _Tally:
     span: dict[TopicPartition, tuple[int, int]]
 
 
-def _tally(frame: DataFrame, bounds: _Bounds, table: pa.Table | None = None) -> _Tally:
+def _tally(frame: DataFrame, bounds: Bounds, table: pa.Table | None = None) -> _Tally:
     """Records per partition, the dead letters and each partition's offset span, from the frame's
     ``_positions`` (``table``, when taken already).  Counts and dead letters cover the rows the sink
     applies (``bounds``)."""
     table = _positions(frame) if table is None else table
-    stats = _stats(table, "count", "min", "max")
+    found = stats(table, "count", "min", "max")
     kept = table.filter(bounds.mask(table)) if bounds.needs_filter else table
-    counts = _stats(kept, "count") if bounds.needs_filter else stats
+    counts = stats(kept, "count") if bounds.needs_filter else found
     read = {tp: row["offset_count"] for tp, row in counts.items()}
     dead = kept.filter(pc.is_valid(kept["error"])).to_pylist()
-    return _Tally(read, [_dead_letter(row) for row in dead], _span(table, stats))
+    return _Tally(read, [_dead_letter(row) for row in dead], span(table, found))
 
 
 def _positions(frame: DataFrame) -> pa.Table:
@@ -904,16 +766,6 @@ def _log_committed(outcome: transaction.BatchOutcome, poison: Sequence[Poison], 
     )
 
 
-def _stats(table: pa.Table, *aggregates: str) -> dict[TopicPartition, dict]:
-    rows = table.group_by(["topic", "partition"]).aggregate([("offset", a) for a in aggregates]).to_pylist()
-    return {(row["topic"], row["partition"]): row for row in rows}
-
-
-def _span(table: pa.Table, stats: dict[TopicPartition, dict] | None = None) -> dict[TopicPartition, tuple[int, int]]:
-    stats = _stats(table, "min", "max") if stats is None else stats
-    return {tp: (row["offset_min"], row["offset_max"]) for tp, row in stats.items()}
-
-
 def _dead_letter(row: dict) -> dict:
     """A dead-letter row as the table takes it: raw bytes as they are, the reason as plain text."""
     error = plain_text(str(row["error"]))
@@ -934,26 +786,3 @@ def _arrow(frame: DataFrame) -> pa.Table:
         if pa.types.is_timestamp(field.type) and field.type.tz is not None:
             table = table.set_column(index, field.name, pc.cast(table.column(index), pa.timestamp(field.type.unit)))
     return table
-
-
-def _sql_type(spark_type: T.DataType):
-    if isinstance(spark_type, T.StringType):
-        return Text()
-    if isinstance(spark_type, T.LongType | T.IntegerType | T.ShortType | T.ByteType):
-        return BigInteger()
-    if isinstance(spark_type, T.DoubleType | T.FloatType):
-        return Float(53)
-    if isinstance(spark_type, T.DecimalType):
-        return Numeric(spark_type.precision, spark_type.scale)
-    if isinstance(spark_type, T.BooleanType):
-        return Boolean()
-    if isinstance(spark_type, T.TimestampType | T.TimestampNTZType):
-        return DateTime()
-    if isinstance(spark_type, T.DateType):
-        return Date()
-    if isinstance(spark_type, T.BinaryType):
-        return LargeBinary()
-    raise ValueError(
-        f"result column type {spark_type.simpleString()} has no SQL mapping; cast it to a "
-        f"string, number, boolean, date, timestamp or binary column"
-    )

@@ -22,7 +22,8 @@ from sqlalchemy import BigInteger, Column, Float, MetaData, Table, insert
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # spark_jobs/ (driver side only: no UDFs)
 
 from airflow_stream_provider.runtime import StreamHarness
-from airflow_stream_provider.runtime.sink import DEAD_LETTER_COLUMNS, _collect, _sql_type
+from airflow_stream_provider.runtime.result_tables import sql_type
+from airflow_stream_provider.runtime.sink import DEAD_LETTER_COLUMNS, _collect
 from spark_jobs.events_job import parse, results
 
 #: One row per batch, so throughput is measured the same way as from the exactly-once ledger.
@@ -41,7 +42,7 @@ class AppendSink:
 
     def _table(self, name: str, frame: DataFrame) -> Table:
         if name not in self.tables:
-            table = Table(name, self.metadata, *[Column(f.name, _sql_type(f.dataType)) for f in frame.schema.fields])
+            table = Table(name, self.metadata, *[Column(f.name, sql_type(f.dataType)) for f in frame.schema.fields])
             table.create(self.engine, checkfirst=True)
             self.tables[name] = table
         return self.tables[name]

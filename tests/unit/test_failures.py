@@ -424,7 +424,7 @@ PYTHON_PROXY = (
         ),
         ("RuntimeError: [STREAM_POISON_RECORD] events/0:57", FailureKind.POISON, "poison-record"),
         (
-            "airflow_stream_provider.runtime.sink.BatchRangeError: [STREAM_BATCH_RANGE_MISMATCH] job j batch 7",
+            "airflow_stream_provider.runtime.batch_range.BatchRangeError: [STREAM_BATCH_RANGE_MISMATCH] job j batch 7",
             FailureKind.CHECKPOINT_INCOMPATIBLE,
             "offsets-log-mismatch",
         ),
