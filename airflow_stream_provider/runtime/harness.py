@@ -39,11 +39,12 @@ from airflow_stream_provider.runtime.checkpoint_log import (
     WriteBehindMarks,
     remove_unfinished_first_entry,
 )
+from airflow_stream_provider.runtime.generation_start import GenerationStart
 from airflow_stream_provider.runtime.listener import StateListener
 from airflow_stream_provider.runtime.poison import POISON_POLICIES, keeps_state
 from airflow_stream_provider.runtime.sink import DEAD_LETTER_COLUMNS, ResultsFn, TransactionalSink
 from airflow_stream_provider.runtime.standby import Standby, Takeover, run_warm_up
-from airflow_stream_provider.runtime.startup import StartupClock
+from airflow_stream_provider.runtime.startup import StartupClock, StartupError
 from airflow_stream_provider.runtime.write_behind import WriteBehind
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state import store as state
@@ -81,15 +82,6 @@ _LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)\])?$")
 def unless_submitted(defaults: dict[str, str], submitted: SparkConf) -> dict[str, str]:
     """The harness's defaults that spark-submit's conf leaves unset: a deployment's own settings win."""
     return {key: value for key, value in defaults.items() if not submitted.contains(key)}
-
-
-class StartupError(Exception):
-    """The job cannot start; carries the exit code and a message that says what to fix."""
-
-    def __init__(self, kind: failures.FailureKind | None, message: str, exit_code: int | None = None):
-        self.kind = kind
-        self.exit_code = exit_code if exit_code is not None else failures.exit_code_for(kind)
-        super().__init__(message)
 
 
 class StreamHarness:
@@ -155,12 +147,8 @@ class StreamHarness:
                                              log_path=log_path))
         self.startup.done("state_database")
         self.spark: SparkSession | None = None
-        self._generation_start: kafka_offsets.Offsets = {}
-        #: the generation's recorded start (None: not recorded yet) and what to record once every stream
-        #: resolved its start; whether the checkpoint lost every batch the generation committed
-        self._recorded_start: kafka_offsets.Offsets | None = None
-        self._start_to_record: kafka_offsets.Offsets = {}
-        self._checkpoint_lost = False
+        #: where each stream's batch 0 starts; made once the spec is final (a standby's takeover names it)
+        self.start: GenerationStart | None = None
         #: What the sink needs to isolate a poison record (see ``run`` and ``sink``).
         self.on_poison = "dead_letter"
         self._transform: Callable[[DataFrame], DataFrame] | None = None
@@ -252,9 +240,11 @@ class StreamHarness:
                 ended = self._stand_by(transform, results)
                 if ended is not None:
                     return ended
-            self._generation_start = self._resolve_generation_start()
-            records = transform(self._source())
-            self._record_generation_start()
+            self.start = GenerationStart(self.spec, self.store,
+                                         OffsetLog(self.spark, self.spec.checkpoint_path).newest_position)
+            records = transform(self._stream(self.spec.kafka.topics,
+                                             kafka_offsets.to_spark_json(self.start.job_topics())))
+            self.start.record()
             missing = [c for c in DEAD_LETTER_COLUMNS if c not in records.columns]
             if missing:
                 raise StartupError(
@@ -368,141 +358,6 @@ class StreamHarness:
         if ui_url and not self.warm_up_only:  # for the operators' "Spark UI" link and the status page
             self.store.record_ui_url(self.run_id, ui_url)
 
-    def _resolve_generation_start(self) -> kafka_offsets.Offsets:
-        """The concrete offsets where this generation's batch 0 starts for the job's own topics.
-
-        Recorded once per generation with every other stream's start (``_record_generation_start``):
-        that makes a restart before batch 0 committed plan the same batch again, and gives the sink the
-        start of batch 0.  A new generation's offsets are checked against what Kafka still holds
-        (invariant 5): a position out of retention is DATA_LOSS with the exact ranges.
-        """
-        spec = self.spec
-        known = self.store.get_generation(spec.job_id, spec.generation)
-        if known is not None and known["starting_offsets"]:
-            self._recorded_start = kafka_offsets.from_spark_json(known["starting_offsets"])
-            self._check_checkpoint(self._recorded_start)
-        return self._stream_start(spec.kafka.topics, spec.kafka.starting_offsets, "kafka.topics: topics")
-
-    def _stream_start(self, topics: Sequence[str], default: str, what: str) -> kafka_offsets.Offsets:
-        """Where one stream's batch 0 starts: the recorded start, else resolved from the spec's explicit
-        starting offsets for these topics (a reset names every topic the sink accounted for), else from
-        the stream's own ``default``.  With a lost checkpoint, from the stored offsets past it."""
-        recorded = {tp: o for tp, o in (self._recorded_start or {}).items() if tp[0] in topics}
-        start = recorded or self._resolve_start(topics, default, what)
-        if not recorded:
-            self._start_to_record.update(start)
-        if self._checkpoint_lost:  # the stored offsets say what was applied; the records below are replays
-            stored = self.store.stored_offsets(self.spec.job_id)
-            start = {tp: max(o, stored.get(tp, o)) for tp, o in start.items()}
-        return start
-
-    def _resolve_start(self, topics: Sequence[str], default: str, what: str) -> kafka_offsets.Offsets:
-        spec = self.spec
-        client = kafka_client.consumer(spec.kafka.bootstrap_servers, spec.kafka.python_options)
-        try:
-            earliest, latest = kafka_client.watermarks(client, topics)
-        except Exception as err:
-            raise StartupError(
-                failures.FailureKind.TRANSIENT,
-                f"cannot read partitions of {list(topics)} from "
-                f"kafka.bootstrap_servers={spec.kafka.bootstrap_servers}: {err!r}. Check the broker "
-                f"list and that the brokers are up",
-            ) from err
-        present = {topic for topic, _ in latest}
-        absent = [t for t in topics if t not in present]
-        if absent:
-            raise StartupError(
-                None,
-                f"{what} {absent} do not exist on {spec.kafka.bootstrap_servers}. Create them or fix the job spec",
-                failures.EXIT_CONFIG,
-            )
-        requested: str | kafka_offsets.Offsets = default
-        if spec.kafka.starting_offsets not in ("earliest", "latest"):
-            # stored offsets name every stream's topics: each stream takes its own part
-            named = {
-                tp: o
-                for tp, o in kafka_offsets.from_spark_json(spec.kafka.starting_offsets).items()
-                if tp[0] in topics
-            }
-            if named or list(topics) == list(spec.kafka.topics):
-                requested = named
-        if requested not in ("earliest", "latest") and isinstance(requested, str):
-            requested = kafka_offsets.from_spark_json(requested)
-        resolved = kafka_offsets.resolve(requested, earliest, latest)
-        lost = kafka_offsets.find_lost_ranges(resolved, earliest, latest)
-        if lost and spec.kafka.fail_on_data_loss:
-            raise StartupError(
-                failures.FailureKind.DATA_LOSS,
-                "[KAFKA_DATA_LOSS.START_OFFSET_RESET] the starting offsets of generation "
-                f"{spec.generation} are no longer in Kafka: "
-                + "; ".join(r.describe() for r in lost)
-                + ". Decide whether to accept the loss (failOnDataLoss=false) or restore the data",
-            )
-        if lost:
-            log.warning(
-                "starting offsets no longer in Kafka, skipped (failOnDataLoss=false): %s",
-                "; ".join(r.describe() for r in lost),
-            )
-        return resolved
-
-    def _record_generation_start(self) -> None:
-        """Record where every stream of a new generation starts, before its query starts."""
-        spec = self.spec
-        if spec.kafka.starting_offsets not in ("earliest", "latest"):
-            read = {topic for topic, _ in self._generation_start}
-            unread = sorted({t for t, _ in kafka_offsets.from_spark_json(spec.kafka.starting_offsets)} - read)
-            if unread:  # e.g. a reset after an upgrade that dropped a second stream
-                log.warning("kafka.starting_offsets names topics no stream of this job reads: %s", unread)
-        if self._recorded_start is None and not spec.dry_run:  # a preflight must not record anything
-            self.store.ensure_generation(
-                spec.job_id, spec.generation, spec.checkpoint_path, kafka_offsets.to_spark_json(self._start_to_record)
-            )
-        elif self._start_to_record and not spec.dry_run:
-            log.warning(
-                "generation %s recorded no start for %s (recorded by an older version): batch 0 starts "
-                "them at %s", spec.generation, sorted({t for t, _ in self._start_to_record}),
-                kafka_offsets.to_spark_json(self._start_to_record),
-            )
-
-    def _check_checkpoint(self, recorded: kafka_offsets.Offsets) -> None:
-        """Compare the checkpoint with the stored offsets.  A checkpoint that was lost, or restored from an
-        older copy, makes Spark number its batches again and re-plan ranges the sink already applied: the
-        stored offsets, not the checkpoint, say what was applied.  A lost one starts at the stored
-        offsets; an older one replays, and the sink skips whatever lies below the stored offsets."""
-        spec = self.spec
-        try:
-            position = OffsetLog(self.spark, spec.checkpoint_path).newest_position()
-        except Exception as err:  # Spark itself reports an unreadable checkpoint, with its own error
-            log.warning("could not read the offsets log of %s: %r", spec.checkpoint_path, err)
-            return
-        stored = self.store.stored_offsets(spec.job_id)
-        topics = {t for t, _ in recorded}
-        if position is None:
-            ahead = {tp: o for tp, o in stored.items() if tp[0] in topics and o > recorded.get(tp, 0)}
-            if ahead:
-                self._checkpoint_lost = True
-                log.warning(
-                    "the checkpoint %s of generation %s is behind the stored offsets: it holds no batch "
-                    "although the generation committed up to %s (lost or deleted). The query starts again "
-                    "from the stored offsets; records below them are replays of applied batches and are not "
-                    "applied again",
-                    spec.checkpoint_path, spec.generation, kafka_offsets.to_spark_json(ahead),
-                )
-            return
-        behind = {tp: o for tp, o in stored.items() if tp in position and o > position[tp]}
-        if behind:
-            log.warning(
-                "the checkpoint %s of generation %s is behind the stored offsets (restored from an older "
-                "copy?): its newest batch ends at %s, the results cover up to %s. Batches below the stored "
-                "offsets are replays and are skipped; the records past them are applied once",
-                spec.checkpoint_path, spec.generation,
-                kafka_offsets.to_spark_json({tp: position[tp] for tp in behind}),
-                kafka_offsets.to_spark_json(behind),
-            )
-
-    def _source(self) -> DataFrame:
-        return self._stream(self.spec.kafka.topics, kafka_offsets.to_spark_json(self._generation_start))
-
     def kafka_stream(self, topics: Sequence[str], starting_offsets: str = "earliest") -> DataFrame:
         """A Kafka stream with the job's brokers, client options and source kind.
 
@@ -521,8 +376,7 @@ class StreamHarness:
             return self._stream(topics, "latest")
         if set(topics) - set(self.spec.kafka.topics):
             self._second_stream = True
-            start = self._stream_start(topics, starting_offsets, "topics of the job's second stream")
-            self._generation_start.update(start)
+            start = self.start.stream(topics, starting_offsets, "topics of the job's second stream")
             starting_offsets = kafka_offsets.to_spark_json(start)
         return self._stream(topics, starting_offsets)
 
@@ -627,7 +481,7 @@ class StreamHarness:
             store=self.store,
             run=run,
             offset_log=offset_log,
-            generation_start=self._generation_start,
+            generation_start=self.start.offsets,
             results=results,
             dry_run=self.spec.dry_run,
             after_commit=self._after_commit,

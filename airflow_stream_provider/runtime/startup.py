@@ -26,9 +26,19 @@ import time
 
 import psutil
 
+from airflow_stream_provider import failures
 from airflow_stream_provider.local_driver import process_started
 
 log = logging.getLogger("airflow_stream_provider.harness")
+
+class StartupError(Exception):
+    """The job cannot start; carries the exit code and a message that says what to fix."""
+
+    def __init__(self, kind: failures.FailureKind | None, message: str, exit_code: int | None = None):
+        self.kind = kind
+        self.exit_code = exit_code if exit_code is not None else failures.exit_code_for(kind)
+        super().__init__(message)
+
 
 PHASES = ("launch", "python", "state_database", "spark_session", "source", "query_start", "first_batch")
 
