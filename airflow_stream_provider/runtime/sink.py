@@ -30,7 +30,8 @@ policy:
 
 The batch also fails with ``[STREAM_POISON_RECORD]`` when the record cannot be dead-lettered: its dead
 letter is refused by the database, or the transform that fails on it keeps state (a stateful query's
-batch cannot be completed without one of its records).  The driver then ends with the POISON exit code
+batch cannot be completed without one of its records, nor outside the stream that holds its state: when
+no record alone reproduces the failure, the batch fails with it).  The driver then ends with the POISON exit code
 and the provider reports the position instead of restarting blindly.  A failure that is no record's
 fault (the code fails on no data at all, or on no single record; an outage; more than
 ``MAX_POISON_PER_BATCH`` records) fails the batch as before.
@@ -64,6 +65,7 @@ from airflow_stream_provider.runtime.poison import (
     RAW_SCHEMA,
     NotIsolated,
     Poison,
+    PoisonRecordError,
     PositionSpace,
     RawReader,
     Source,
@@ -365,10 +367,12 @@ class TransactionalSink:
             if not may_be_record_error(err):
                 raise
             source = self._raw_source(fresh, plan, err)
+            if self.stateful:
+                blamed = self._blame_in_state(source, plan, err)
+                if blamed is None:
+                    raise
+                raise blamed from err
             poison, computed = self._isolate(source, plan, err, trial_write=False, in_transform=True)
-            if poison and self.stateful:
-                raise poison_error(poison, "the query keeps state, so its batch cannot be completed without "
-                                    "the record") from err
         else:
             clock.lap("read_parse")
             bounds.check(tally.span, self.run.job_id)  # before anything is computed from the records
@@ -429,6 +433,29 @@ class TransactionalSink:
         faults.maybe_crash("after_db_commit", batch_id)
         _log_committed(outcome, poison, clock.phases)
         return outcome
+
+    def _blame_in_state(self, source: Source, plan: transaction.BatchPlan, failure: Exception) -> Exception | None:
+        """The transform of a query that keeps state failed on its batch.  The batch's state is the stream's:
+        results computed from the batch's records outside the stream hold none of it, and Spark would find
+        no state for the batch, so nothing but the stream may complete it.  What isolation can still do is
+        name a record that alone reproduces the failure (POISON, its position); None: the failure itself
+        ends the batch, and the restart's stream runs it again."""
+        batch_id = plan.range.batch_id
+        try:
+            poison, _ = self._isolate(source, plan, failure, trial_write=False, in_transform=True)
+        except PoisonRecordError as named:  # the job's policy is on_poison='fail'
+            return named
+        except Exception as err:
+            if err is not failure:  # the job's code cannot run outside the stream (applyInPandasWithState)
+                log.warning("batch %s: the record it fails on cannot be looked for outside the stream: %s",
+                            batch_id, reason(err))
+            return None
+        if poison:
+            return poison_error(poison, "the query keeps state, so its batch cannot be completed without the "
+                                "record")
+        log.warning("batch %s: no record reproduces the failure outside the stream, and a query that keeps "
+                    "state completes a batch only inside it: the batch fails", batch_id)
+        return None
 
     def _goes_behind(self, plan: transaction.BatchPlan, computed: _Computed) -> bool:
         """Large fresh batches of a query without state; not a batch that moves a stored offset back."""

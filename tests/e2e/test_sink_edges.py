@@ -18,11 +18,12 @@ from airflow_stream_provider.state import schema
 from airflow_stream_provider.state.store import StateStore
 from airflow_stream_provider.state.transaction import BatchRange, RunContext, Write, commit, plan
 from stack.events import EventProducer
-from stack.jobs import check_exactly_once, wait_until
+from stack.jobs import JOB_DEPS, check_exactly_once, wait_until
 
 JOBS = Path(__file__).resolve().parents[1] / "fixtures" / "jobs"
 TAMPER_JOB = str(JOBS / "tampered_offsets_log.py")
 JOIN_JOB = str(JOBS / "payments_left_join.py")
+FLAKY_STATEFUL_JOB = str(JOBS / "flaky_running_count.py")
 T = "events-topic"
 
 
@@ -185,6 +186,50 @@ def test_output_of_batches_that_read_nothing_is_committed_once(broker, topic, ru
     empty = {r.batch_id for r in ledger if r.start_offset == r.end_offset}
     assert {1, 3} <= empty, f"batches that read nothing are in the ledger: {sorted(empty)}"
     assert all(r.start_offset == r.end_offset for r in ledger if r.batch_id in (1, 3))
+
+
+# -- 4. a stateful query's batch its code failed on is completed by the stream alone -----------------------
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("state", ["count", "dedup"])
+def test_stateful_batch_the_code_failed_on_is_not_completed_outside_the_stream(broker, topic, runner, tmp_path,
+                                                                              state):
+    """The job's code fails on a batch inside the stream (every attempt of its task) and not when
+    isolation runs it again on the batch's records, outside the stream: no record is to blame.  Results
+    computed that way hold none of the stream's state (a running count would start again at 1), and
+    Spark would find no state for the batch; a running count's code cannot run outside a stream at all.
+    So the run fails with the job's own error, and the restart's stream completes the batch."""
+    runner.application = FLAKY_STATEFUL_JOB
+    producer = EventProducer(broker, topic, malformed_ratio=0)
+    producer.send(300)
+    count = tmp_path / "flaky-failures"
+    env = {"STREAM_TEST_FLAKY_COUNT": str(count), "STREAM_TEST_FLAKY_STATE": state,
+           "PYTHONPATH": str(JOB_DEPS)}  # the job's own pandas
+    first = runner.start(env=env)
+    runner.wait_caught_up(_end(producer), first)
+    stored = runner.stored_offsets()
+    flaky = {"event_id": "e-flaky", "user_id": "u-1", "kind": "FLAKY", "amount": 1.0, "ts": "2026-11-22T10:00:00Z"}
+    producer.send_record(json.dumps(flaky).encode(), key=b"u-1")
+    producer.produced.events[flaky["event_id"]] = flaky
+    assert first.wait(180) == failures.EXIT_FAILED, runner.log_tail(first)
+    assert count.stat().st_size == 4, "the job's code did not fail every attempt of its task"
+    assert runner.stored_offsets() == stored, "a batch its stateful code failed on was committed"
+    row = runner.run_row(first)
+    assert row.failure_kind == "USER_CODE", row
+    assert "failed on this batch once more" in row.termination_message, row.termination_message[:3000]
+
+    producer.send(100)
+    second = runner.start(env=env)
+    runner.wait_caught_up(_end(producer), second)
+    assert runner.stop(second) == failures.EXIT_STOPPED, runner.log_tail(second)
+    check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
+    if state == "count":
+        with runner.store.engine.connect() as conn:
+            numbers: dict[str, list[int]] = {}
+            for r in conn.execute(text("SELECT user_id, user_event_number FROM numbered")):
+                numbers.setdefault(r.user_id, []).append(r.user_event_number)
+        wrong = {u: sorted(n) for u, n in numbers.items() if sorted(n) != list(range(1, len(n) + 1))}
+        assert not wrong, f"users whose events are not numbered 1..n from the stream's state: {wrong}"
+        assert sum(map(len, numbers.values())) == len(producer.produced.events)
 
 
 # -- the commit of a batch that read nothing, on both databases, without Spark --------------------------
