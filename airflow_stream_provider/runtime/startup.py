@@ -35,8 +35,10 @@ class StartupError(Exception):
     """The job cannot start; carries the exit code and a message that says what to fix."""
 
     def __init__(self, kind: failures.FailureKind | None, message: str, exit_code: int | None = None):
-        self.kind = kind
         self.exit_code = exit_code if exit_code is not None else failures.exit_code_for(kind)
+        #: what the run records: a configuration error (``EXIT_CONFIG``) is the job author's to fix, and a
+        #: run recorded without a kind would be diagnosed UNKNOWN
+        self.kind = kind if kind is not None else failures.kind_for_exit_code(self.exit_code)
         super().__init__(message)
 
 

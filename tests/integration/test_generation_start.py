@@ -131,6 +131,7 @@ def test_a_topic_that_does_not_exist_is_a_configuration_error_that_names_it(spec
     with pytest.raises(StartupError) as raised:
         GenerationStart(missing, store, _no_batch).job_topics()
     assert raised.value.exit_code == failures.EXIT_CONFIG
+    assert raised.value.kind is failures.FailureKind.USER_CODE, "the run would be recorded without a kind"
     assert "kafka.topics: topics ['no-such-topic'] do not exist" in str(raised.value)
     assert store.get_generation(spec.job_id, spec.generation) is None
 
