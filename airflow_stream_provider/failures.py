@@ -219,6 +219,15 @@ SIGNATURES: tuple[Signature, ...] = (
         "batch is replayed by the current run, so nothing was lost.",
     ),
     Signature(
+        name="concurrent-commit",
+        kind=FailureKind.CONCURRENT,
+        error_classes=("STREAM_CONCURRENT_COMMIT",),
+        patterns=(),
+        advice="The job's stored offsets changed under a run that still holds its epoch: a second driver "
+        "started with this run's id, or a hand edit of the offsets table. Find and stop the other writer "
+        "before restarting; the batch wrote nothing and is replayed from the stored offsets.",
+    ),
+    Signature(
         name="offset-gap",
         kind=FailureKind.DATA_LOSS,
         error_classes=("STREAM_OFFSET_GAP",),

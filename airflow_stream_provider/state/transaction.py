@@ -201,9 +201,11 @@ def commit(
         stored = store.stored_offsets(run.job_id, conn)
         if stored != batch_plan.stored:
             raise ConcurrentCommitError(
-                f"[STREAM_RUN_FENCED] job {run.job_id} batch {batch_plan.range.batch_id}: stored offsets moved "
-                f"from {kafka_offsets.to_spark_json(batch_plan.stored)} to {kafka_offsets.to_spark_json(stored)} "
-                f"while the batch was being computed; another driver is committing for this job."
+                f"[STREAM_CONCURRENT_COMMIT] job {run.job_id} batch {batch_plan.range.batch_id}: stored offsets "
+                f"moved from {kafka_offsets.to_spark_json(batch_plan.stored)} to "
+                f"{kafka_offsets.to_spark_json(stored)} while the batch was being computed, though run "
+                f"{run.run_id} still holds the job's epoch {run.epoch}: something besides this run writes the "
+                f"job's stored offsets. Nothing of the batch was written."
             )
         # A batch that read nothing has nothing to replay, but its output (from state) is written once:
         # recorded in the ledger at its position, so that Spark running it again is recognised.

@@ -38,6 +38,11 @@ SAMPLES: dict[str, tuple[str, ...]] = {
     "run-fenced": (
         "StreamRunFencedError: [STREAM_RUN_FENCED] run epoch 3 is no longer current (current epoch 4)",
     ),
+    "concurrent-commit": (
+        "ConcurrentCommitError: [STREAM_CONCURRENT_COMMIT] job j batch 4: stored offsets moved from "
+        '{"events":{"0":4}} to {"events":{"0":9}} while the batch was being computed, though run r still '
+        "holds the job's epoch 2",
+    ),
     "offset-gap": ("[STREAM_OFFSET_GAP] batch starts at events/0:120 but the stored next offset is 100",),
     "poison-record": ("[STREAM_POISON_RECORD] events/0:57 could not be handled nor dead-lettered",),
     "offsets-log-mismatch": (

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import BigInteger, Column, MetaData, Table, Text, select
 
+from airflow_stream_provider import failures
 from airflow_stream_provider.state import schema
 from airflow_stream_provider.state.transaction import (
     BatchRange,
@@ -146,9 +147,13 @@ def test_offsets_moved_under_a_plan_are_rejected(store):
     run = _run(store)
     stale = plan(store, "job", _batch(0, 0, 4))
     commit(store, run, plan(store, "job", _batch(0, 0, 4)), read={(T, 0): 4}, dead_letters=[], writes=[])
-    with pytest.raises(ConcurrentCommitError, match="stored offsets moved"):
+    with pytest.raises(ConcurrentCommitError, match="stored offsets moved") as raised:
         commit(store, run, stale, read={(T, 0): 4}, dead_letters=[], writes=[])
     assert store.count(schema.batches, job_id="job") == 1
+    # this run holds the epoch: the advice is not the fenced run's "a newer run took over"
+    verdict = failures.classify(str(raised.value))
+    assert (verdict.kind, verdict.signature) == (failures.FailureKind.CONCURRENT, "concurrent-commit"), verdict
+    assert f"still holds the job's epoch {run.epoch}" in str(raised.value)
 
 
 def test_dry_run_does_not_take_the_epoch(store):
