@@ -486,8 +486,9 @@ class StreamHarness:
             dry_run=self.spec.dry_run,
             after_commit=self._after_commit,
             on_poison=self.on_poison,
-            transform=self._transform,
-            read_raw=self._read_raw,
+            # a transform that reads a second stream of its own cannot be run again on chosen records
+            transform=None if self._second_stream else self._transform,
+            read_raw=None if self._second_stream else self._read_raw,
             stateful=self._stateful,
             behind=None if self._second_stream else WriteBehind(WriteBehindMarks(self.spark, self.spec.checkpoint_path)),
         )

@@ -530,6 +530,9 @@ class TransactionalSink:
         ones only: the stream's own output cannot be split, as Spark runs the transform for all of a
         batch before ``foreachBatch`` sees it."""
         if self.transform is None or self.read_raw is None:
+            log.warning("batch %s: the sink has no transform to run again on chosen records (a transform that "
+                        "reads a stream of its own cannot be), so the record it fails on is not looked for",
+                        plan.range.batch_id)
             raise failure
         rows = self._raw_rows(plan)
         raw = fresh.sparkSession.createDataFrame(rows, RAW_SCHEMA)

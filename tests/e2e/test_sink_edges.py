@@ -24,6 +24,7 @@ JOBS = Path(__file__).resolve().parents[1] / "fixtures" / "jobs"
 TAMPER_JOB = str(JOBS / "tampered_offsets_log.py")
 JOIN_JOB = str(JOBS / "payments_left_join.py")
 FLAKY_STATEFUL_JOB = str(JOBS / "flaky_running_count.py")
+POISON_TWO_STREAMS_JOB = str(JOBS / "poison_with_control_topic.py")
 T = "events-topic"
 
 
@@ -230,6 +231,28 @@ def test_stateful_batch_the_code_failed_on_is_not_completed_outside_the_stream(b
         wrong = {u: sorted(n) for u, n in numbers.items() if sorted(n) != list(range(1, len(n) + 1))}
         assert not wrong, f"users whose events are not numbered 1..n from the stream's state: {wrong}"
         assert sum(map(len, numbers.values())) == len(producer.produced.events)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_transform_with_a_second_stream_fails_on_a_poison_record_with_its_own_error(broker, topic, runner):
+    """A transform that reads a second stream of its own cannot be run again on chosen records of a batch
+    (it would join them to a live stream).  A record it fails on ends the run with the job's own error,
+    named USER_CODE, and nothing of the batch is committed; the position cannot be named."""
+    broker.create_topic(f"{topic}-control", 1)
+    runner.application = POISON_TWO_STREAMS_JOB
+    producer = EventProducer(broker, topic, malformed_ratio=0)
+    producer.send(200)
+    driver = runner.start()
+    runner.wait_caught_up(_end(producer), driver)
+    stored = runner.stored_offsets()
+    poison = {"event_id": "e-poison", "user_id": "u-1", "kind": "POISON", "amount": 1.0, "ts": "2026-11-22T10:00:00Z"}
+    producer.send_record(json.dumps(poison).encode(), key=b"u-1")
+    assert driver.wait(180) == failures.EXIT_FAILED, runner.log_tail(driver)
+    assert runner.stored_offsets() == stored, "the batch holding the poison record was committed"
+    row = runner.run_row(driver)
+    assert row.failure_kind == "USER_CODE", row
+    assert "ValueError: cannot handle record" in row.termination_message, row.termination_message[:3000]
+    assert "writeStream" not in row.termination_message, row.termination_message[:3000]
 
 
 # -- the commit of a batch that read nothing, on both databases, without Spark --------------------------
