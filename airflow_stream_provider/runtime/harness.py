@@ -443,7 +443,8 @@ class StreamHarness:
         spec = self.spec
         run = transaction.RunContext(spec.job_id, self.run_id, self.ticket.epoch, spec.generation)
         checkpoint = spec.checkpoint_path
-        self.listener = StateListener(self.store, self.run_id)
+        name = f"{spec.job_id}-gen{spec.generation}"
+        self.listener = StateListener(self.store, self.run_id, name)
         self.spark.streams.addListener(self.listener)
         offset_log = OffsetLog(self.spark, checkpoint)
         if removed := remove_unfinished_first_entry(self.spark, offset_log):
@@ -458,7 +459,7 @@ class StreamHarness:
         if self._transactional is not None:
             self._transactional.catch_up()
         return (
-            records.writeStream.queryName(f"{spec.job_id}-gen{spec.generation}")
+            records.writeStream.queryName(name)
             .option("checkpointLocation", checkpoint)
             .trigger(processingTime=spec.trigger_interval)
             .foreachBatch(self._batch)

@@ -26,9 +26,16 @@ PROGRESS_LOGGED = ("batch_id", "input_rows", "duration_ms", "sink_s")
 
 
 class StateListener(StreamingQueryListener):
-    def __init__(self, store: StateStore, run_id: str):
+    """Reports the events of the job's query, ``query_name``, only.  A listener hears every query of the
+    session: a standby that took over may still be finishing its warm-up query, whose start, batches and
+    end are no part of the run."""
+
+    def __init__(self, store: StateStore, run_id: str, query_name: str):
         self.store = store
         self.run_id = run_id
+        self.query_name = query_name
+        #: the job query's id, from its start event (an end event carries no name)
+        self.query_id: str | None = None
         #: batch id -> the sink's seconds per phase (``BatchClock.phases``), when it ran the batch
         self.sink_phases = lambda batch_id: None
         self.termination: dict | None = None
@@ -36,6 +43,9 @@ class StateListener(StreamingQueryListener):
         self.batches_completed = 0
 
     def onQueryStarted(self, event) -> None:
+        if event.name != self.query_name:
+            return
+        self.query_id = str(event.id)
         self._safely(self.store.mark_query_started, self.run_id)
 
     @property
@@ -52,6 +62,8 @@ class StateListener(StreamingQueryListener):
 
     def record_progress(self, progress: dict) -> None:
         """One batch's ``StreamingQueryProgress`` as Spark writes it in JSON (fields absent when unset)."""
+        if progress.get("name") != self.query_name:
+            return
         self.batches_completed += 1  # after the batch's state and commit log are written
         batch_id = progress["batchId"]
         summary = {
@@ -73,9 +85,12 @@ class StateListener(StreamingQueryListener):
         self._safely(self.store.record_progress, self.run_id, batch_id, summary, False)
 
     def onQueryIdle(self, event) -> None:
-        self._safely(self.store.heartbeat, self.run_id)
+        if str(event.id) == self.query_id:
+            self._safely(self.store.heartbeat, self.run_id)
 
     def onQueryTerminated(self, event) -> None:
+        if str(event.id) != self.query_id:
+            return
         if event.exception:
             classification = failures.classify(event.exception, getattr(event, "errorClassOnException", None))
             self.termination = {"exception": event.exception, **classification.to_dict()}

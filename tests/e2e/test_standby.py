@@ -7,6 +7,7 @@ from the health DAG (tested on its own in ``tests/integration``).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -31,6 +32,7 @@ KILLS = int(os.environ.get("STREAM_STANDBY_KILLS", "1"))
 #: Standbys here run their warm-up again every 10 s (45 s in production): some takeovers meet a re-warm in
 #: flight.
 REWARM_OFTEN = {"STREAM_STANDBY_REWARM_S": "10"}
+BESIDE_A_WARM_UP = str(Path(__file__).resolve().parents[1] / "fixtures" / "jobs" / "beside_a_warm_up_query.py")
 
 
 def _end(producer) -> dict[int, int]:
@@ -215,3 +217,25 @@ def test_a_standby_of_another_version_is_refused_with_both_versions_named(broker
     assert record.status == StandbyStatus.REFUSED
     assert "'2.0'" in record.message and "'1.0'" in record.message
     assert runner.store.latest_run(runner.spec.job_id).run_id == active.run_id and active.alive()
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_the_run_records_its_own_query_only(broker, topic, runner):
+    """A warm-up query still running beside the job's (as a standby's re-warm may be at its takeover): its
+    batches are no progress of the run, nor a batch a graceful stop waits for."""
+    runner.application = BESIDE_A_WARM_UP
+    producer = EventProducer(broker, topic)
+    producer.send(600)
+    driver = runner.start()
+    runner.wait_caught_up(_end(producer), driver)
+    # the commit's own record of the batch comes first, the listener's progress (with sources) after it
+    wait_until(lambda: "sources" in json.loads(runner.run_row(driver).last_progress or "{}"), 60,
+               "the listener to record the batch's progress", on_timeout=lambda: runner.log_tail(driver))
+    seen = []
+    for _ in range(10):  # the warm-up query ends a batch every 200 ms
+        seen.append(runner.run_row(driver).last_progress)
+        time.sleep(0.25)
+    sources = [[s["end"] for s in json.loads(p)["sources"]] for p in seen]
+    assert all(ends and all(isinstance(e, dict) and topic in e for e in ends) for ends in sources), sources
+    assert runner.stop(driver) == failures.EXIT_STOPPED, runner.log_tail(driver)
+    check_exactly_once(runner.store, runner.spec.job_id, producer.produced)
