@@ -82,10 +82,11 @@ class KafkaOffsetsHook(BaseHook):
         finally:
             client.close()
 
-    def lag(self, stored: Offsets, topics: Sequence[str]) -> int:
-        """Records in Kafka not yet applied to the results (a partition never applied counts from earliest)."""
+    def lag(self, unapplied_from: Offsets, topics: Sequence[str]) -> int:
+        """Records in Kafka not yet applied to the results, from where each partition's unapplied records
+        begin (``StreamStateHook.unapplied_from``; a partition not in it counts from earliest)."""
         earliest, latest = self.watermarks(topics)
-        return sum(max(0, end - stored.get(tp, earliest.get(tp, 0))) for tp, end in latest.items())
+        return sum(max(0, end - unapplied_from.get(tp, earliest.get(tp, 0))) for tp, end in latest.items())
 
     def lost_ranges(self, stored: Offsets, topics: Sequence[str]) -> list[LostRange]:
         earliest, latest = self.watermarks(topics)

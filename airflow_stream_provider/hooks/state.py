@@ -109,6 +109,11 @@ class StreamStateHook(BaseHook):
     def stored_offsets(self, job_id: str) -> Offsets:
         return self.store.stored_offsets(job_id)
 
+    def unapplied_from(self, job_id: str) -> Offsets:
+        """Where each partition's records still to be applied begin (``StateStore.unapplied_from``): the
+        base of the Kafka lag."""
+        return self.store.unapplied_from(job_id)
+
     def record_death(self, run: RunRecord | None, found: Diagnosis) -> bool:
         """A driver killed -9 records nothing itself: once diagnosed DEAD, its run says so in the history
         (status DEAD, with the evidence) instead of staying RUNNING whatever happens next."""

@@ -166,8 +166,7 @@ class StreamJobController:
         no batch ever committed resumes where the last generation began, not at the spec's default:
         with ``latest`` that would skip everything since.
         """
-        stored = self.state.stored_offsets(job.job_id)
-        resume = {**self.state.store.recorded_start(job.job_id), **stored}
+        resume = self.state.unapplied_from(job.job_id)
         if not resume:
             return {}, []
         topics = sorted(set(job.kafka.topics) | {topic for topic, _ in resume})
@@ -486,6 +485,6 @@ def watch_for(wait: RunWait, state_conn_id: str, kafka_conn_id: str,
 def caught_up(state: StreamStateHook, kafka: KafkaOffsetsHook, job_id: str, topics) -> bool:
     """Kafka holds nothing beyond the stored offsets: no batch is coming (unknown counts as no)."""
     try:
-        return kafka.lag(state.stored_offsets(job_id), topics) == 0
+        return kafka.lag(state.unapplied_from(job_id), topics) == 0
     except Exception:
         return False

@@ -56,7 +56,7 @@ class HealthProbe:
         lag = None
         if run and run.status == "RUNNING":
             try:
-                lag = self.kafka.lag(self.state.stored_offsets(self.job_id), self.topics)
+                lag = self.kafka.lag(self.state.unapplied_from(self.job_id), self.topics)
             except Exception as err:  # the verdict stands without the lag; STUCK needs it
                 log.warning("Could not read the Kafka lag of job %s: %r", self.job_id, err)
         alive = StreamDriverHook.is_alive(run) if run else None

@@ -459,6 +459,14 @@ class StateStore:
             rows = conn.execute(select(table).where(table.c.job_id == job_id).order_by(table.c.id)).mappings()
             return [dict(r) for r in rows]
 
+    def unapplied_from(self, job_id: str) -> Offsets:
+        """Where each partition's records still to be applied begin: its stored offset, else where the
+        newest generation began for it.  A partition no batch ever committed a record of has no stored
+        offset, and what lies below that generation's start (from ``latest``, or a reset's resume point)
+        was left unread on purpose: it is no lag, and no resume point.  A partition in neither begins at
+        Kafka's earliest offset."""
+        return {**self.recorded_start(job_id), **self.stored_offsets(job_id)}
+
     def stored_offsets(self, job_id: str, conn=None) -> Offsets:
         query = select(
             schema.offsets.c.topic, schema.offsets.c.partition, schema.offsets.c.next_offset

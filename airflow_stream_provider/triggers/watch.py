@@ -98,9 +98,9 @@ class JobsWatch:
     def _lag(self, job: WatchedJob) -> int | None:
         """Kafka records not applied yet; read only for a query idle past ``stuck_after``."""
         try:
-            stored = self.state.stored_offsets(job.job_id)
-            topics = _topics(job.run) or sorted({topic for topic, _ in stored})
-            return self.kafka.lag(stored, topics) if topics else None
+            unapplied = self.state.unapplied_from(job.job_id)
+            topics = _topics(job.run) or sorted({topic for topic, _ in unapplied})
+            return self.kafka.lag(unapplied, topics) if topics else None
         except Exception as err:
             log.warning("Could not read the Kafka lag of job %s: %s", job.job_id, _one_line(err))
             return None

@@ -7,6 +7,11 @@ import asyncio
 import json
 import time
 
+from airflow_stream_provider import kafka_offsets
+from airflow_stream_provider.diagnosis import Health, Thresholds
+from airflow_stream_provider.lifecycle.controller import caught_up
+from airflow_stream_provider.lifecycle.health import HealthProbe
+from airflow_stream_provider.state import schema
 from airflow_stream_provider.triggers.health import StreamHealthTrigger
 
 
@@ -63,3 +68,34 @@ def test_failure_kind_filter_ignores_other_failures(state_store):
         watcher.cancel()
 
     asyncio.run(scenario())
+
+
+def test_records_below_the_generations_start_are_no_lag(state_store, broker, job_id, topic):
+    """A generation that starts from ``latest`` leaves what its topic held unread on purpose; a partition
+    that has had no new record since has no stored offset.  Its old records are no lag: the query is
+    idle, not STUCK, and an upgrade's verify sees it caught up.  Records above the start are lag."""
+    with broker.producer() as producer:
+        for partition in range(3):
+            for _ in range(5):
+                producer.send(topic, value=b"{}", partition=partition)
+    state_store.ensure_generation(job_id, 1, "/checkpoints/gen-1",
+                                  kafka_offsets.to_spark_json({(topic, p): 5 for p in range(3)}))
+    ticket = state_store.begin_run(job_id, 1, "1.0")
+    state_store.mark_query_started(ticket.run_id)
+    state_store._update_run(ticket.run_id, query_started_at=time.time() - 60)
+    with broker.producer() as producer:  # two new records, in partition 0 only
+        for _ in range(2):
+            producer.send(topic, value=b"{}", partition=0)
+    probe = HealthProbe.connect(job_id, [topic], "stream_state_default", "stream_kafka_default",
+                                Thresholds(stuck_after_s=5))
+    state_store.heartbeat(ticket.run_id)
+    waiting = probe.check()
+    assert (waiting.health, waiting.lag) == (Health.STUCK, 2), waiting  # the new records wait
+
+    with state_store.engine.begin() as conn:  # a batch applied them
+        conn.execute(schema.offsets.insert().values(job_id=job_id, topic=topic, partition=0, next_offset=7,
+                                                    generation=1, batch_id=0))
+    state_store.heartbeat(ticket.run_id)
+    idle = probe.check()
+    assert (idle.health, idle.lag) == (Health.HEALTHY, 0), idle
+    assert caught_up(probe.state, probe.kafka, job_id, [topic])
