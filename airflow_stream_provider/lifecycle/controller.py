@@ -339,8 +339,8 @@ class StreamJobController:
         spec = replace(spec, standby=True).with_generation(standby.generation or 1)
         return {"job_id": self.job_id, "run_id": standby.standby_id, "generation": spec.generation,
                 "version": spec.version, "application": application, "spec": spec.to_json(),
-                "checkpoint_path": spec.checkpoint_path, "pid": standby.pid, "log_path": standby.log_path,
-                "submission_id": None, "submitted_at": standby.started_at}
+                "checkpoint_path": spec.checkpoint_path, "pid": standby.pid, "host": standby.host,
+                "log_path": standby.log_path, "submission_id": None, "submitted_at": standby.started_at}
 
     # -- an upgrade's warm successor ------------------------------------------------------------------
     def start_successor(self, application: str, spec: StreamJobSpec) -> dict[str, Any]:
@@ -377,8 +377,8 @@ class StreamJobController:
                       self.job_id, spec.version, generation, record.status.value.lower())
         return {"job_id": self.job_id, "run_id": record.standby_id, "generation": generation, "version": spec.version,
                 "application": successor["application"], "spec": spec.to_json(),
-                "checkpoint_path": spec.checkpoint_path, "pid": record.pid, "log_path": record.log_path,
-                "submission_id": None, "submitted_at": record.started_at}
+                "checkpoint_path": spec.checkpoint_path, "pid": record.pid, "host": record.host,
+                "log_path": record.log_path, "submission_id": None, "submitted_at": record.started_at}
 
     def end_successor(self, successor: dict[str, Any] | None, why: str) -> None:
         if successor and self.standbys.end(successor["standby_id"], StandbyStatus.ENDED, why):

@@ -12,6 +12,7 @@ import subprocess
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_stream_provider import local_driver
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
@@ -102,6 +103,28 @@ def test_a_successor_is_released_once_and_is_no_standby_to_the_health_check(stat
         process.kill()
     log.took_over("succ", None, "released by the upgrade")
     assert not log.release("succ", 3, None, 8), "an ended successor is not released again"
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_standby_or_successor_started_on_another_host_is_waited_for_by_its_row(state_store, database_url):
+    """The launch a takeover or an upgrade's release waits for carries the host its standby runs on: a
+    triggerer elsewhere (the compose stack's own container) cannot see that pid, which is no sign the
+    standby exited before registering."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process on this host has any more
+    log = StandbyLog(state_store)
+    log.register("far", "orders", "1.0", 1, host="another-host", pid=gone.pid, log_path=None)
+    log.register("far-successor", "orders", "2.0", 1, host="another-host", pid=gone.pid, log_path=None,
+                 role="successor")
+    failed = state_store.begin_run("orders", 1, "1.0")
+    controller = _controller(database_url)
+    standby = controller.standby_launch(log.get("far"), state_store.get_run(failed.run_id), "/jobs/orders.py")
+    successor = controller.release_successor({"standby_id": "far-successor", "application": "/jobs/orders.py",
+                                              "spec": controller.spec.to_json()}, 2, None)
+    for launch in (standby, successor):
+        wait = StreamJobController.launch_wait(launch, "ready", 60)
+        assert (wait.host, wait.pid) == ("another-host", gone.pid), launch
+        assert local_driver.launch_alive(wait.pid, wait.host, wait.started_at) is None, "judged by this host's pids"
 
 
 def _successor(store, database_url, standby_id: str):
