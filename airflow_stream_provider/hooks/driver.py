@@ -216,13 +216,17 @@ class StreamDriverHook(BaseHook):
             self._signal(run, signal.SIGKILL)
             return f"killed process group of pid {run.pid} on {run.host}"
         if run.submission_id:
-            hook = self._spark_submit([], self.conf, f"stream-{run.job_id}")
-            hook._driver_id = run.submission_id
-            hook._yarn_application_id = run.submission_id if "application_" in run.submission_id else None
-            hook._kubernetes_driver_pod = run.submission_id
-            hook.on_kill()
-            return f"asked the cluster manager to kill {run.submission_id}"
+            return self.kill_submission(run.job_id, run.submission_id)
         return f"cannot kill run {run.run_id} from {socket.gethostname()}: it runs on {run.host}"
+
+    def kill_submission(self, job_id: str, submission_id: str) -> str:
+        """Ask the cluster manager to kill a cluster-mode driver by the handle its submission returned."""
+        hook = self._spark_submit([], self.conf, f"stream-{job_id}")
+        hook._driver_id = submission_id
+        hook._yarn_application_id = submission_id if "application_" in submission_id else None
+        hook._kubernetes_driver_pod = submission_id
+        hook.on_kill()
+        return f"asked the cluster manager to kill {submission_id}"
 
     @staticmethod
     def _signal(run: RunRecord, sig: int) -> bool:

@@ -248,7 +248,8 @@ class StreamJobController:
         spec = StreamJobSpec.from_dict(json.loads(launch["spec"]))
         if outcome == "ready":
             run = self.get_run(launch["run_id"])
-            self.state.store.record_launch(launch["run_id"], launch["application"], launch["spec"])
+            self.state.store.record_launch(launch["run_id"], launch["application"], launch["spec"],
+                                           launch.get("submission_id"))
             self.log.info("Job %s run %s is running: generation %s, epoch %s", spec.job_id, launch["run_id"],
                           launch["generation"], run.epoch)
             return {"job_id": spec.job_id, "run_id": launch["run_id"], "epoch": run.epoch,
@@ -277,9 +278,14 @@ class StreamJobController:
         """End a driver this task started and no longer wants (a killed task, a dry run): kill it outright
         and record the run as DEAD, so nothing waits on it.  Before it registers, only its own host can."""
         run = self.get_run(launch["run_id"])
-        if run is None:
+        handle = launch.get("submission_id")
+        if run is None and handle:  # a cluster-mode driver: its cluster manager can end it, registered or not
+            self.log.warning("Killing run %s before it registered: %s (%s)", launch["run_id"], why,
+                             self.driver.kill_submission(launch["job_id"], handle))
+        elif run is None:
             local_driver.kill_unregistered(launch, why, self.log)
         elif run.active:
+            run = replace(run, submission_id=run.submission_id or handle)  # not recorded before its ready
             self.log.warning("Killing run %s: %s (%s)", run.run_id, why, self.driver.kill(run))
             self.state.store.mark_dead(run.run_id, f"abandoned: {why}")
 

@@ -216,8 +216,13 @@ class StateStore:
     def record_outputs(self, run_id: str, tables: Sequence[str]) -> None:
         self._update_run(run_id, outputs=json.dumps(sorted(set(tables))))
 
-    def record_launch(self, run_id: str, application: str, spec_json: str) -> None:
-        self._update_run(run_id, application=application, spec=spec_json)
+    def record_launch(self, run_id: str, application: str, spec_json: str, submission_id: str | None = None) -> None:
+        """What a run was launched with, once its query runs; ``submission_id``: the cluster manager's handle
+        on a cluster-mode driver (the driver cannot know it), by which it is killed."""
+        values = {"application": application, "spec": spec_json}
+        if submission_id:
+            values["submission_id"] = submission_id
+        self._update_run(run_id, **values)
 
     def mark_dead(self, run_id: str, evidence: str) -> bool:
         """Record that an active run's driver is gone; a run that ended on its own keeps its record."""
