@@ -8,6 +8,9 @@ so they can be read (and tested) in one place. A failed run's kind says which re
 health / failure kind      on_incompatible  decision
 =========================  ===============  ==================================================================
 STARTING, HEALTHY          any              nothing
+STOPPED or DEAD by the     any              restart from the checkpoint: the restart was interrupted
+stop of a restart that                      after its stop (its launch failed, its task was lost)
+started no run after it
 STOPPED                    any              nothing: a clean stop was asked for by someone
 DEAD after a stop was      any              nothing: the stop had to kill its driver, or it died during
 asked for                                   the stop; a restart would undo the stop
@@ -37,6 +40,7 @@ says so; otherwise it waits the crash-loop backoff first.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -94,12 +98,28 @@ def upgrade_in_charge(upgrade: UpgradeRecord | None, now: float) -> bool:
     return upgrade is not None and upgrade.phase in UPGRADE_IN_CHARGE and not upgrade.stale(now)
 
 
+def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The restart that stopped ``found``'s run and started none after it (its launch failed, its task was
+    lost): the newest restart begun for that run without a new run, when nothing came after it."""
+    if found.run_id is None or found.health not in (Health.STOPPED, Health.DEAD) or not history:
+        return None
+    newest = history[-1]
+    begun = newest.get("action") == RecoveryAction.RESTART and newest.get("new_run_id") is None
+    return newest if begun and newest.get("failed_run_id") == found.run_id else None
+
+
 def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBudget,
                     history: Sequence[Mapping[str, Any]], now: float,
                     upgrade: UpgradeRecord | None = None) -> RecoveryDecision:
     """The recovery ``found`` calls for; ``history`` is the job's restarts since ``history_since``,
     ``upgrade`` the job's latest upgrade."""
     check_on_incompatible(on_incompatible)
+    interrupted = interrupted_restart(found, history)
+    if interrupted is not None and not upgrade_in_charge(upgrade, now):
+        return _within_budget(found, budget, history, now, RecoveryAction.RESTART,
+                              f"{found.summary()}: the restart begun at {_clock(interrupted['at'])} stopped it and "
+                              "started no new run; finishing that restart from the checkpoint",
+                              interrupted.get("reason") or found.summary())
     if found.health in (Health.STARTING, Health.HEALTHY, Health.STOPPED):
         return RecoveryDecision(RecoveryAction.NONE, f"the job is {found.health.value}: nothing to do")
     if found.health == Health.DEAD and found.stop_requested_at is not None:
@@ -128,6 +148,12 @@ def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBu
         action, reason = RecoveryAction.RESTART, found.summary()
         stop = "stop the live driver, then " if found.health == Health.STUCK else ""
         why = f"{kind.value if kind else found.health.value}: {stop}restart from the checkpoint"
+    return _within_budget(found, budget, history, now, action, why, reason)
+
+
+def _within_budget(found: Diagnosis, budget: RestartBudget, history: Sequence[Mapping[str, Any]], now: float,
+                   action: RecoveryAction, why: str, reason: str) -> RecoveryDecision:
+    """``action``, backed off by the restarts before it, unless those used up the budget."""
     times = crash_loop_restarts(history)
     if budget.exhausted(times, now):
         used = budget.used(times, now)
@@ -138,3 +164,7 @@ def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBu
             f"the job keeps failing: {found.summary()}. Fix the cause ({found.advice or 'see the driver log'}), "
             f"then restart it by hand.")
     return RecoveryDecision(action, why, reason=reason, backoff_s=budget.backoff(times, now))
+
+
+def _clock(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))

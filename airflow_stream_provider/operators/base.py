@@ -395,6 +395,9 @@ class StreamJobOperator(BaseOperator):
         """A new run on the current generation, launched as the failed run was: Spark replays the
         unfinished batch, the sink skips what was committed."""
         flow = {"reason": reason, "failed_run_id": failed_run_id, "after": after, "carry": carry}
+        # Recorded before the stop of a live (STUCK) run: if the launch then fails, or the task is lost, the
+        # stopped run is no stop someone asked for, and the next recovery finishes the restart.
+        self.controller.record_restart("restart", reason, failed_run_id, None)
         return self.stop_live_then(context, "_restart_stopped", flow)
 
     def _restart_stopped(self, context, stopped, reason, failed_run_id, after, carry) -> Any:

@@ -484,10 +484,20 @@ class StateStore:
     # -- restart history (the restart budget is counted from it) ---------------------------------------
     def record_restart(self, job_id: str, action: str, reason: str, failed_run_id: str | None,
                        new_run_id: str | None) -> None:
+        """One restart of the job.  Without ``new_run_id``: a restart begun, before anything it does can fail
+        (a STUCK run's stop); the new run's id then completes that row, so the attempt counts once, and a
+        restart interrupted after its stop is seen as such (``recovery.interrupted_restart``)."""
+        table = schema.restarts
+        failed = table.c.failed_run_id.is_(None) if failed_run_id is None else table.c.failed_run_id == failed_run_id
         with self.engine.begin() as conn:
-            conn.execute(schema.restarts.insert().values(job_id=job_id, at=time.time(), action=action,
-                                                         reason=reason[:2000], failed_run_id=failed_run_id,
-                                                         new_run_id=new_run_id))
+            begun = None if new_run_id is None else conn.execute(
+                select(func.max(table.c.id)).where(table.c.job_id == job_id, table.c.action == action, failed,
+                                                   table.c.new_run_id.is_(None))).scalar()
+            if begun is not None:
+                conn.execute(update(table).where(table.c.id == begun).values(new_run_id=new_run_id))
+                return
+            conn.execute(table.insert().values(job_id=job_id, at=time.time(), action=action, reason=reason[:2000],
+                                               failed_run_id=failed_run_id, new_run_id=new_run_id))
 
     def restarts_since(self, job_id: str, since: float) -> list[dict[str, Any]]:
         """Restarts of the job, each with ``new_run_committed``: whether the run it started committed a

@@ -24,6 +24,7 @@ JOB = {
     "ready_timeout": "{{ params.ready_timeout }}",
     "heartbeat_timeout": "{{ params.heartbeat_timeout }}",
     "stop_timeout": "{{ params.stop_timeout }}",
+    "stuck_after": "{{ params.stuck_after }}",
 }
 WATCH = {"job_id": "{{ params.spec.job_id }}", "topics": "{{ params.spec.kafka.topics }}", "poke_interval": 1,
          "timeout": 600, "heartbeat_timeout": "{{ params.heartbeat_timeout }}",

@@ -16,6 +16,7 @@ import pytest
 
 from airflow_stream_provider import failures
 from airflow_stream_provider.hooks.driver import StreamDriverHook
+from airflow_stream_provider.lifecycle.controller import StreamJobController, StreamJobError
 from stack.events import EventProducer
 from stack.jobs import check_exactly_once
 from tests.dags import provider_scenarios as dags
@@ -157,3 +158,37 @@ def test_stuck_query_is_reported_stuck(stream, broker):
     assert found["health"] == "STUCK" and found["lag"] == 300, found
     run = state.latest_run(job_id)
     assert run.status == "RUNNING" and run.last_batch_id is None
+
+
+def test_a_stuck_run_stopped_by_a_restart_whose_launch_failed_is_restarted_next_time(stream, broker, monkeypatch):
+    """The recovery stops the STUCK driver, then its launch fails (the brokers unreachable for a moment):
+    the stopped run is no stop anyone asked for, so the next recovery starts the run the restart owed,
+    where it used to read "it was being stopped" and leave the job down."""
+    state, job_id = stream["state"], stream["job_id"]
+    EventProducer(broker, stream["topic"]).send(300)
+    stuck = {**stream["params"], "application": str(FIXTURE_JOBS / "stuck_on_batch.py")}
+    assert run_dag(dags.deploy, stuck)[0] == "success"
+    stuck_run = state.latest_run(job_id).run_id
+    # One failed check of the brokers, in this process (the DAG runs here): the shared broker cannot be
+    # taken down for exactly one check.
+    checks = iter([StreamJobError("Kafka at the job's brokers is unreachable: NoBrokersAvailable")])
+    real_check = StreamJobController.check_before_start
+
+    def flaky_check(self, spec):
+        failure = next(checks, None)
+        if failure is not None:
+            raise failure
+        return real_check(self, spec)
+
+    monkeypatch.setattr(StreamJobController, "check_before_start", flaky_check)
+    status, tasks = run_dag(dags.health, stuck, stuck_after=8, stop_timeout=5)
+    assert tasks["health"][1]["health"] == "STUCK" and tasks["recover"][0] == "failed", tasks
+    stopped = state.store.get_run(stuck_run)
+    assert not stopped.active and stopped.stop_requested_at is not None, stopped
+    assert [r["new_run_id"] for r in state.restarts_since(job_id, 0)] == [None]
+
+    status, tasks = run_dag(dags.health, stuck, stuck_after=8, stop_timeout=5)
+    assert tasks["recover"][0] == "success" and tasks["recover"][1]["action"] == "restart", tasks
+    restarted = state.latest_run(job_id)
+    assert restarted.run_id != stuck_run and restarted.status == "RUNNING", restarted
+    assert [r["new_run_id"] for r in state.restarts_since(job_id, 0)] == [None, restarted.run_id]

@@ -175,3 +175,36 @@ def test_a_run_that_died_while_it_was_being_stopped_is_not_restarted():
     found = _found(Health.DEAD, stop_requested_at=NOW - 60, evidence=["driver gone during a graceful stop (killed)"])
     decision = _decide(found)
     assert decision.action == RecoveryAction.NONE and "a restart would undo the stop" in decision.why
+
+
+def _begun(run_id: str = "r1", age: float = 30.0, new_run_id: str | None = None) -> dict:
+    """A restart recorded before its stop of ``run_id``; ``new_run_id`` once it launched its new run."""
+    return {"at": NOW - age, "action": "restart", "reason": "STUCK: no batch for 600s", "failed_run_id": run_id,
+            "new_run_id": new_run_id, "new_run_committed": False}
+
+
+@pytest.mark.parametrize("found", [
+    _found(Health.STOPPED),
+    _found(Health.DEAD, stop_requested_at=NOW - 60, evidence=["driver gone during a graceful stop (killed)"]),
+], ids=["stopped", "dead-while-stopping"])
+def test_a_restart_interrupted_after_its_own_stop_is_finished(found):
+    """A STUCK run stopped by its restart, whose launch then failed (brokers unreachable for a moment, the
+    worker lost): no one asked the job to stop, so the next recovery starts the run the restart owed."""
+    decision = _decide(found, history=[_begun()])
+    assert decision.action == RecoveryAction.RESTART, decision
+    assert "started no new run" in decision.why and decision.reason == "STUCK: no batch for 600s"
+    assert decision.backoff_s > 0, "the interrupted attempt counts as a restart that got nowhere"
+
+
+@pytest.mark.parametrize("history", [
+    [_begun(new_run_id="r2")],  # the restart launched its run: this stop is someone else's
+    [_begun(run_id="r0")],  # a restart of another run
+    [_begun(), {**_begun(run_id="r1", new_run_id="r3"), "action": "standby"}],  # something came after it
+], ids=["launched", "another-run", "not-the-newest"])
+def test_a_stop_after_a_restart_that_launched_is_left_alone(history):
+    assert _decide(_found(Health.STOPPED), history=history).action == RecoveryAction.NONE
+
+
+def test_an_interrupted_restart_is_weighed_against_the_budget():
+    history = [*_restarts(600, 300, 120), _begun()]
+    assert _decide(_found(Health.STOPPED), history=history).action == RecoveryAction.FAIL
