@@ -41,7 +41,8 @@ def job_report(store: StateStore, job_id: str, *, end_offsets: Callable[[list[st
     runs = [r for r in store.recent_runs(job_id, RECENT_RUNS * 2) if not r.dry_run][:RECENT_RUNS]
     current = runs[0] if runs else None
     stored = store.stored_offsets(job_id)
-    partitions, kafka_error = _partitions(stored, _topics(current, stored), end_offsets)
+    partitions, kafka_error = _partitions(stored, store.unapplied_from(job_id), _topics(current, stored),
+                                          end_offsets)
     lag = None if kafka_error else sum(p["lag"] for p in partitions)
     alive = driver_alive(current) if current else None
     found = diagnosis.diagnose(job_id, current, driver_alive=alive, lag=lag, now=now)
@@ -76,7 +77,10 @@ def _topics(run: RunRecord | None, stored: Offsets) -> list[str]:
     return sorted(topics)
 
 
-def _partitions(stored: Offsets, topics: list[str], end_offsets) -> tuple[list[dict[str, Any]], str | None]:
+def _partitions(stored: Offsets, unapplied: Offsets, topics: list[str],
+                end_offsets) -> tuple[list[dict[str, Any]], str | None]:
+    """One row per partition: its stored offset, Kafka's end, and the lag from where its unapplied records
+    begin (``StateStore.unapplied_from``: below a generation's start nothing waits)."""
     ends: Offsets = {}
     error = None
     if topics and end_offsets is not None:
@@ -89,8 +93,9 @@ def _partitions(stored: Offsets, topics: list[str], end_offsets) -> tuple[list[d
     rows = []
     for topic, partition in sorted(set(stored) | set(ends)):
         at, end = stored.get((topic, partition)), ends.get((topic, partition))
-        rows.append({"topic": topic, "partition": partition, "stored": at, "end": end,
-                     "lag": max(0, end - (at or 0)) if end is not None else 0})
+        begins = unapplied.get((topic, partition), 0)
+        rows.append({"topic": topic, "partition": partition, "stored": at, "start": None if at is not None else begins,
+                     "end": end, "lag": max(0, end - begins) if end is not None else 0})
     return rows, error
 
 

@@ -45,8 +45,8 @@ def test_the_report_tells_the_jobs_story_without_credentials(store):
                                      ["created_at"], "archived_at": None, "path": "/ckpt/orders/gen-1",
                                      "reason": None}]
     assert found["offsets"]["partitions"] == [
-        {"topic": T, "partition": 0, "stored": 25, "end": 40, "lag": 15},
-        {"topic": T, "partition": 1, "stored": None, "end": 5, "lag": 5}]
+        {"topic": T, "partition": 0, "stored": 25, "start": None, "end": 40, "lag": 15},
+        {"topic": T, "partition": 1, "stored": None, "start": 0, "end": 5, "lag": 5}]
     assert found["offsets"]["lag"] == 20 and found["offsets"]["kafka_error"] is None
     assert [(b["batch_id"], b["rows_read"], b["rows_applied"], b["rows_dead"]) for b in found["batches"]] == [
         (0, 10, 9, 1), (1, 15, 15, 0)]
@@ -55,6 +55,21 @@ def test_the_report_tells_the_jobs_story_without_credentials(store):
     assert found["dead_letters"]["samples"][0]["offset"] == 3
     assert found["dead_letters"]["samples"][0]["value"] == '{"amount": "x"}'
     assert "hunter2" not in json.dumps(found) and "database_url" not in json.dumps(found)
+
+
+def test_records_below_the_generations_start_are_no_lag(store):
+    """A generation started from ``latest``: a partition with no record since has no stored offset, and what
+    it held before is no lag (the health check counts the same)."""
+    store.ensure_generation("orders", 1, "/ckpt/orders/gen-1", '{"orders":{"0":10,"1":5}}')
+    live = store.begin_run("orders", 1, "1.0", host="nowhere", pid=2)
+    store.mark_query_started(live.run_id)
+    _commit(store, RunContext("orders", live.run_id, live.epoch, 1), 0, 10, 25, dead=[])
+    found = job_report(store, "orders", end_offsets=lambda topics: {(T, 0): 25, (T, 1): 5},
+                       driver_alive=lambda r: True)
+    assert found["offsets"]["partitions"] == [
+        {"topic": T, "partition": 0, "stored": 25, "start": None, "end": 25, "lag": 0},
+        {"topic": T, "partition": 1, "stored": None, "start": 5, "end": 5, "lag": 0}]
+    assert found["offsets"]["lag"] == 0 and found["health"] == "HEALTHY"
 
 
 def test_kafka_out_of_reach_is_said_and_the_rest_still_shown(store):
