@@ -100,11 +100,13 @@ def upgrade_in_charge(upgrade: UpgradeRecord | None, now: float) -> bool:
 
 def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The restart that stopped ``found``'s run and started none after it (its launch failed, its task was
-    lost): the newest restart begun for that run without a new run, when nothing came after it."""
+    lost): the newest restart begun for that run without a new run, when nothing came after it and no stop
+    was asked for since (``StopStreamingJobOperator`` closes it)."""
     if found.run_id is None or found.health not in (Health.STOPPED, Health.DEAD) or not history:
         return None
     newest = history[-1]
-    begun = newest.get("action") == RecoveryAction.RESTART and newest.get("new_run_id") is None
+    begun = (newest.get("action") == RecoveryAction.RESTART and newest.get("new_run_id") is None
+             and newest.get("cancelled_at") is None)  # a stop asked for since closes it
     return newest if begun and newest.get("failed_run_id") == found.run_id else None
 
 

@@ -133,6 +133,9 @@ class StreamStateHook(BaseHook):
                        new_run_id: str | None) -> None:
         self.store.record_restart(job_id, action, reason, failed_run_id, new_run_id)
 
+    def cancel_begun_restarts(self, job_id: str) -> int:
+        return self.store.cancel_begun_restarts(job_id)
+
     def restarts_since(self, job_id: str, since: float) -> list[dict[str, Any]]:
         """Restarts of the job, each with ``new_run_committed``: whether the run it started committed a
         batch (a restart that got somewhere is no part of a crash loop)."""

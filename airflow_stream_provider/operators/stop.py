@@ -16,8 +16,11 @@ class StopStreamingJobOperator(StreamJobOperator):
     launches = False
 
     def start(self, context) -> dict[str, Any]:
-        # First: a standby would take over a run that the stop's escalation ends with a kill.
+        # First: a standby would take over a run that the stop's escalation ends with a kill, and a recovery
+        # would finish a restart that stopped the job and launched nothing.
         self.controller.end_standbys("the job is being stopped")
+        if self.state.cancel_begun_restarts(self.job.job_id):
+            self.log.info("Job %s: a restart begun and never launched will not be finished", self.job.job_id)
         run = self.live_run()
         if run is None:
             last = self.state.latest_run(self.job.job_id)

@@ -185,6 +185,8 @@ restarts = Table(
     Column("reason", Text),
     Column("failed_run_id", String(64)),
     Column("new_run_id", String(64)),
+    #: a restart begun and never launched, closed by a stop someone asked for: no recovery finishes it
+    Column("cancelled_at", Float),
 )
 
 #: What the always-on watcher already reported: one row per (run, health, failure kind), so a condition

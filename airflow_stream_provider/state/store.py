@@ -499,6 +499,15 @@ class StateStore:
             conn.execute(table.insert().values(job_id=job_id, at=time.time(), action=action, reason=reason[:2000],
                                                failed_run_id=failed_run_id, new_run_id=new_run_id))
 
+    def cancel_begun_restarts(self, job_id: str) -> int:
+        """A stop was asked for: the restarts begun and not launched are not to be finished (see
+        ``record_restart``); how many there were."""
+        table = schema.restarts
+        with self.engine.begin() as conn:
+            return conn.execute(update(table).where(table.c.job_id == job_id, table.c.new_run_id.is_(None),
+                                                    table.c.cancelled_at.is_(None))
+                                .values(cancelled_at=time.time())).rowcount
+
     def restarts_since(self, job_id: str, since: float) -> list[dict[str, Any]]:
         """Restarts of the job, each with ``new_run_committed``: whether the run it started committed a
         batch (a restart that got somewhere is no part of a crash loop)."""

@@ -208,3 +208,8 @@ def test_a_stop_after_a_restart_that_launched_is_left_alone(history):
 def test_an_interrupted_restart_is_weighed_against_the_budget():
     history = [*_restarts(600, 300, 120), _begun()]
     assert _decide(_found(Health.STOPPED), history=history).action == RecoveryAction.FAIL
+
+
+def test_a_begun_restart_a_stop_closed_is_not_finished():
+    closed = {**_begun(), "cancelled_at": NOW - 10}
+    assert _decide(_found(Health.STOPPED), history=[closed]).action == RecoveryAction.NONE
