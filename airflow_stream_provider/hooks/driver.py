@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -220,13 +221,30 @@ class StreamDriverHook(BaseHook):
         return f"cannot kill run {run.run_id} from {socket.gethostname()}: it runs on {run.host}"
 
     def kill_submission(self, job_id: str, submission_id: str) -> str:
-        """Ask the cluster manager to kill a cluster-mode driver by the handle its submission returned."""
+        """Kill a cluster-mode driver by the handle its submission returned, through its cluster manager.
+        ``SparkSubmitHook.on_kill`` cannot: it kills a YARN application or a driver pod only while its own
+        spark-submit process runs (or with tracking options this provider's submissions do not set), and a
+        kill comes from another task, long after the submission."""
         hook = self._spark_submit([], self.conf, f"stream-{job_id}")
-        hook._driver_id = submission_id
-        hook._yarn_application_id = submission_id if "application_" in submission_id else None
-        hook._kubernetes_driver_pod = submission_id
-        hook.on_kill()
-        return f"asked the cluster manager to kill {submission_id}"
+        if submission_id.startswith("application_"):  # YARN
+            command = ["yarn", "application", "-kill", submission_id]
+        elif hook._is_kubernetes:
+            hook._kubernetes_driver_pod = submission_id
+            hook._delete_driver_pod()  # logs the API's refusal itself
+            return f"asked Kubernetes to delete driver pod {submission_id}"
+        else:  # a standalone master's driver id
+            hook._driver_id = submission_id
+            command = hook._build_spark_driver_kill_command()
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                                  env={**os.environ, **(self.env_vars or {})})
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return f"could not kill {submission_id}: {' '.join(command[:3])} failed: {err}; kill it with its cluster manager"
+        if done.returncode != 0:
+            output = (done.stderr or done.stdout).strip().splitlines()
+            return (f"could not kill {submission_id}: {' '.join(command[:3])} exited {done.returncode}"
+                    f"{': ' + output[-1] if output else ''}; kill it with its cluster manager")
+        return f"killed {submission_id} through its cluster manager"
 
     @staticmethod
     def _signal(run: RunRecord, sig: int) -> bool:

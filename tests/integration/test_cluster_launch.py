@@ -2,18 +2,22 @@
 only way to end it, and its run records it once its query runs, on both databases.
 
 No cluster manager can run here: a standalone cluster takes no Python application in cluster mode.  The
-controller is real, the state database is real; the driver hook is a stand-in that records what the
-controller asks the cluster manager to kill, and says the process check cannot tell (a cluster driver is
-on no host of ours)."""
+controller is real, the state database is real; in the controller's tests the driver hook is a stand-in
+that records what the controller asks the cluster manager to kill, and in the hook's own a ``yarn``
+script on PATH stands for the YARN CLI."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
+from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle.controller import StreamJobController
 from airflow_stream_provider.spec import KafkaSpec, StreamJobSpec
+from tests.dagtest import airflow as airflow_stack
 
 HANDLE = "application_1764700000000_0042"
 
@@ -66,3 +70,30 @@ def test_an_abandoned_cluster_launch_is_killed_by_its_handle_registered_or_not(s
     controller.abandon(_launch(controller, ticket.run_id), "the query did not start in time")
     assert manager.killed == [HANDLE, HANDLE]
     assert state_store.get_run(ticket.run_id).status.value == "DEAD"
+
+
+def _yarn(tmp_path, monkeypatch, exit_code: int) -> Path:
+    """A ``yarn`` command on PATH that records its arguments: the YARN CLI the kill runs (no YARN here)."""
+    calls = tmp_path / "yarn-calls"
+    script = tmp_path / "bin" / "yarn"
+    script.parent.mkdir()
+    script.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n'
+                      f'[ {exit_code} = 0 ] || echo "Application not found" >&2\nexit {exit_code}\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{script.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv(*airflow_stack.connection_env("spark_yarn", conn_type="spark", host="yarn",
+                                                     extra={"deploy-mode": "cluster"}))
+    return calls
+
+
+def test_a_yarn_driver_is_killed_through_the_yarn_cli(tmp_path, monkeypatch):
+    calls = _yarn(tmp_path, monkeypatch, 0)
+    said = StreamDriverHook("spark_yarn").kill_submission("orders", HANDLE)
+    assert calls.read_text().split() == ["application", "-kill", HANDLE]
+    assert said == f"killed {HANDLE} through its cluster manager"
+
+
+def test_a_kill_the_cluster_manager_refuses_says_so(tmp_path, monkeypatch):
+    _yarn(tmp_path, monkeypatch, 255)
+    said = StreamDriverHook("spark_yarn").kill_submission("orders", HANDLE)
+    assert said.startswith(f"could not kill {HANDLE}: yarn application -kill exited 255: Application not found")
