@@ -64,12 +64,22 @@ class Diagnosis:
     standby: str | None = None
     #: for a DEAD run that was asked to stop (epoch seconds): it ended before it stopped cleanly
     stop_requested_at: float | None = None
+    #: for a STOPPED or DEAD run that a restart stopped and launched nothing after (its launch failed, its
+    #: task was lost): that restart's ``at`` and ``reason``.  No one asked for this stop: the job is down
+    #: until a recovery finishes the restart (``recovery.interrupted_restart``)
+    interrupted_restart: dict[str, Any] | None = None
 
     @property
     def needs_standby(self) -> bool:
         """A healthy run that wants a warm standby and has none (after a takeover, or its standby died):
         the next death would cost a cold start."""
         return self.health == Health.HEALTHY and self.standby == MISSING_STANDBY
+
+    @property
+    def restart_owed(self) -> bool:
+        """The run is down because a restart stopped it and started nothing after: a recovery must act,
+        whatever the health says (STOPPED included)."""
+        return self.interrupted_restart is not None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

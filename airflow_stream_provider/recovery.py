@@ -98,11 +98,15 @@ def upgrade_in_charge(upgrade: UpgradeRecord | None, now: float) -> bool:
     return upgrade is not None and upgrade.phase in UPGRADE_IN_CHARGE and not upgrade.stale(now)
 
 
+#: The healths of a run that a restart can have stopped and left down.
+INTERRUPTIBLE = (Health.STOPPED, Health.DEAD)
+
+
 def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The restart that stopped ``found``'s run and started none after it (its launch failed, its task was
     lost): the newest restart begun for that run without a new run, when nothing came after it and no stop
     was asked for since (``StopStreamingJobOperator`` closes it)."""
-    if found.run_id is None or found.health not in (Health.STOPPED, Health.DEAD) or not history:
+    if found.run_id is None or found.health not in INTERRUPTIBLE or not history:
         return None
     newest = history[-1]
     begun = (newest.get("action") == RecoveryAction.RESTART and newest.get("new_run_id") is None
@@ -116,10 +120,11 @@ def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBu
     """The recovery ``found`` calls for; ``history`` is the job's restarts since ``history_since``,
     ``upgrade`` the job's latest upgrade."""
     check_on_incompatible(on_incompatible)
-    interrupted = interrupted_restart(found, history)
+    # the history looks back a window only; the diagnosis found the newest restart however old
+    interrupted = interrupted_restart(found, history) or found.interrupted_restart
     if interrupted is not None and not upgrade_in_charge(upgrade, now):
         return _within_budget(found, budget, history, now, RecoveryAction.RESTART,
-                              f"{found.summary()}: the restart begun at {_clock(interrupted['at'])} stopped it and "
+                              f"{found.summary()}: the restart begun at {clock(interrupted['at'])} stopped it and "
                               "started no new run; finishing that restart from the checkpoint",
                               interrupted.get("reason") or found.summary())
     if found.health in (Health.STARTING, Health.HEALTHY, Health.STOPPED):
@@ -168,5 +173,5 @@ def _within_budget(found: Diagnosis, budget: RestartBudget, history: Sequence[Ma
     return RecoveryDecision(action, why, reason=reason, backoff_s=budget.backoff(times, now))
 
 
-def _clock(at: float) -> str:
+def clock(at: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))

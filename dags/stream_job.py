@@ -72,9 +72,13 @@ def next_step(diagnosis: dict) -> str:
       ``recover``, within the restart budget;
     * a healthy job that wants a warm standby and has none (a standby took over, or died): ``recover``,
       which starts one;
+    * a stopped or dead run that a restart stopped and started nothing after (its launch failed, its task
+      was lost): ``recover``, which finishes the restart;
     * a healthy, starting or stopped job: ``healthy``, nothing.
     """
     kind = diagnosis.get("failure_kind")
+    if diagnosis.get("interrupted_restart"):  # down because a restart stopped it and launched nothing
+        return "recover"
     if diagnosis["health"] == "HEALTHY" and diagnosis.get("standby") == MISSING_STANDBY:
         return "recover"
     if diagnosis["health"] in ("HEALTHY", "STARTING", "STOPPED"):

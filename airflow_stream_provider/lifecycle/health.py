@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
+from typing import Any
 
-from airflow_stream_provider import diagnosis, local_driver
+from airflow_stream_provider import diagnosis, local_driver, recovery
 from airflow_stream_provider.diagnosis import Diagnosis, Thresholds
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
@@ -62,6 +63,8 @@ class HealthProbe:
         alive = StreamDriverHook.is_alive(run) if run else None
         found = diagnosis.diagnose(self.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
         self.state.record_death(run, found)
+        if found.health in recovery.INTERRUPTIBLE:  # only a run that is down can be owed a restart
+            found = with_interrupted_restart(found, self.state.store.latest_restart(self.job_id))
         return run, with_standby(found, run, self.standbys, self.thresholds)
 
     @cached_property
@@ -73,6 +76,19 @@ class HealthProbe:
 
     def close(self) -> None:
         self.state.close()
+
+
+def with_interrupted_restart(found: Diagnosis, last_restart: Mapping[str, Any] | None) -> Diagnosis:
+    """``found`` with the restart it is owed noted (``Diagnosis.interrupted_restart``), where the job's newest
+    restart (``last_restart``) stopped its run and launched nothing after."""
+    owed = recovery.interrupted_restart(found, [last_restart] if last_restart else [])
+    if owed is None:
+        return found
+    found.interrupted_restart = {"at": owed["at"], "reason": owed.get("reason")}
+    found.evidence.append(f"the restart begun at {recovery.clock(owed['at'])} ({owed.get('reason')}) stopped "
+                          "this run and started no new one: nobody asked for this stop")
+    found.advice = "A recovery finishes the restart from the checkpoint (stream_health does so by itself)."
+    return found
 
 
 # -- the warm standby ----------------------------------------------------------------------------------

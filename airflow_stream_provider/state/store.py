@@ -69,6 +69,9 @@ class WatchedJob:
     run: RunRecord | None
     #: what was already reported for that run
     reported: set[HealthReportKey]
+    #: the job's newest restart record (``restarts_since``'s columns), None for a job never restarted: what
+    #: tells a run a restart stopped and launched nothing after from a stop someone asked for
+    last_restart: dict[str, Any] | None = None
 
 
 class StateStore:
@@ -314,16 +317,22 @@ class StateStore:
     def watched_jobs(self) -> list[WatchedJob]:
         """Every job with its latest run and what the watcher already reported for that run: ONE query,
         however many jobs the database holds, so an always-on watcher costs one round trip per poll."""
-        runs, reports = schema.runs, schema.health_reports
+        runs, reports, restarts = schema.runs, schema.health_reports, schema.restarts
         ranked = (select(runs, func.row_number().over(partition_by=runs.c.job_id,
                                                       order_by=(runs.c.epoch.desc(), runs.c.started_at.desc()))
                                        .label("rank"))
                   .where(runs.c.dry_run.is_(False)).subquery())
+        newest = select(*[c.label(f"restart_{c.name}") for c in restarts.c],
+                        func.row_number().over(partition_by=restarts.c.job_id, order_by=restarts.c.id.desc())
+                        .label("restart_rank")).subquery()
         query = (select(schema.jobs.c.job_id.label("watched_job_id"), ranked,
+                        *[c for c in newest.c if c.name != "restart_rank"],
                         reports.c.health.label("reported_health"),
                         reports.c.failure_kind.label("reported_kind"))
                  .select_from(schema.jobs)
                  .outerjoin(ranked, and_(ranked.c.job_id == schema.jobs.c.job_id, ranked.c.rank == 1))
+                 .outerjoin(newest, and_(newest.c.restart_job_id == schema.jobs.c.job_id,
+                                         newest.c.restart_rank == 1))
                  .outerjoin(reports, and_(reports.c.job_id == schema.jobs.c.job_id,
                                           reports.c.run_id == ranked.c.run_id)))
         found: dict[str, WatchedJob] = {}
@@ -332,7 +341,9 @@ class StateStore:
                 job_id = row["watched_job_id"]
                 if job_id not in found:
                     run = RunRecord.from_row(row) if row["run_id"] else None
-                    found[job_id] = WatchedJob(job_id, run, set())
+                    restart = ({c.name: row[f"restart_{c.name}"] for c in restarts.c}
+                               if row["restart_id"] is not None else None)
+                    found[job_id] = WatchedJob(job_id, run, set(), restart)
                 if row["reported_health"]:
                     found[job_id].reported.add(HealthReportKey(row["run_id"], row["reported_health"],
                                                                row["reported_kind"]))
@@ -507,6 +518,14 @@ class StateStore:
             return conn.execute(update(table).where(table.c.job_id == job_id, table.c.new_run_id.is_(None),
                                                     table.c.cancelled_at.is_(None))
                                 .values(cancelled_at=time.time())).rowcount
+
+    def latest_restart(self, job_id: str) -> dict[str, Any] | None:
+        """The job's newest restart record, however old (``restarts_since`` looks back a window only)."""
+        table = schema.restarts
+        query = select(table).where(table.c.job_id == job_id).order_by(table.c.id.desc()).limit(1)
+        with self.engine.connect() as conn:
+            row = conn.execute(query).mappings().first()
+        return dict(row) if row else None
 
     def restarts_since(self, job_id: str, since: float) -> list[dict[str, Any]]:
         """Restarts of the job, each with ``new_run_committed``: whether the run it started committed a

@@ -4,7 +4,8 @@ A scheduled DAG with a time-boxed sensor leaves blind windows between its runs. 
 the triggerer for as long as a DAG is scheduled on the job's asset, and turns every transition of a run
 into DEAD, STUCK or FAILED into one asset event that carries the diagnosis; the health DAG runs on it.
 So does a healthy run that wants a warm standby and has none (NO_STANDBY: after a takeover, or when its
-standby died), so that the health DAG starts one at once.
+standby died), so that the health DAG starts one at once, and a run that a restart stopped and started
+nothing after (INTERRUPTED_RESTART: its launch failed, its task was lost), so that the restart is finished.
 
 * One poll, one query: every watcher of the same state database shares one poll loop (Airflow's shared
   streams), which reads the latest run of every job in one state-database query and diagnoses each with
@@ -37,7 +38,7 @@ from airflow_stream_provider.diagnosis import Diagnosis, Health, Thresholds
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
-from airflow_stream_provider.lifecycle.health import with_standby
+from airflow_stream_provider.lifecycle.health import with_interrupted_restart, with_standby
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.standbys import StandbyLog
 from airflow_stream_provider.state.store import HealthReportKey, WatchedJob
@@ -47,8 +48,11 @@ log = logging.getLogger(__name__)
 #: A healthy run that wants a warm standby and has none (``Diagnosis.needs_standby``): reported so that a
 #: new standby starts at once after a takeover, not at the next sweep.
 NO_STANDBY = "NO_STANDBY"
+#: A run a restart stopped and launched nothing after (``Diagnosis.restart_owed``): reported so that the
+#: health DAG finishes the restart, which a STOPPED run would otherwise never get.
+INTERRUPTED_RESTART = "INTERRUPTED_RESTART"
 #: What the watcher reports by default: the conditions that need someone to act.
-FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, NO_STANDBY)
+FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, NO_STANDBY, INTERRUPTED_RESTART)
 
 
 @dataclass
@@ -89,6 +93,7 @@ class JobsWatch:
         alive = StreamDriverHook.is_alive(job.run) if job.run else None
         found = diagnosis.diagnose(job.job_id, job.run, driver_alive=alive, lag=lag, thresholds=self.thresholds,
                                    now=now)
+        found = with_interrupted_restart(found, job.last_restart)
         return with_standby(found, job.run, self.standbys, self.thresholds)
 
     @cached_property
@@ -199,7 +204,8 @@ class _Reporter:
             log.info("Watching job %s again: %s", self.job_id, "the state database answers")
             self.error = None
         found = snapshot.diagnoses[self.job_id]
-        condition = NO_STANDBY if found.needs_standby else found.health.value
+        condition = (INTERRUPTED_RESTART if found.restart_owed else NO_STANDBY if found.needs_standby
+                     else found.health.value)
         key = HealthReportKey(found.run_id or "", condition, found.failure_kind.value if found.failure_kind else "")
         # The run left a reported condition (a STUCK query moving again, a slow start that was not a
         # death): forget it, so that entering it again is a new transition.

@@ -84,6 +84,19 @@ def test_each_diagnosis_leads_to_one_step(monkeypatch, health, kind, standby, po
     assert next_step(diagnosis) == step
 
 
+@pytest.mark.parametrize("health", ["STOPPED", "DEAD"])
+def test_a_run_a_restart_stopped_and_left_down_leads_to_recover(monkeypatch, health):
+    """A restart that stopped the run and launched nothing (its launch failed, its task was lost) is owed:
+    a STOPPED run is otherwise ``healthy``, and nothing would ever start the job again."""
+    monkeypatch.syspath_prepend(str(DAGS))
+    from stream_job import next_step
+
+    owed = {"at": 1_800_000_000.0, "reason": "STUCK: no batch for 600s"}
+    assert next_step({"health": health, "failure_kind": None, "interrupted_restart": owed}) == "recover"
+    if health == "STOPPED":
+        assert next_step({"health": health, "failure_kind": None, "interrupted_restart": None}) == "healthy"
+
+
 def test_parsing_the_dags_leaves_the_submit_machinery_unimported():
     """The dag-processor parses each file every 30 s by default and each task parses its DAG again, so the
     imports are paid often: the Spark provider's submit hook (with requests and urllib3, about 55 ms) is

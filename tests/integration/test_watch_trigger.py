@@ -137,6 +137,30 @@ def test_a_new_failure_of_a_new_run_fires_again_with_its_kind(state_store):
             for e in events] == [(second, "CHECKPOINT_INCOMPATIBLE", "STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE")]
 
 
+def test_a_run_a_restart_stopped_and_left_down_is_reported_once(state_store):
+    """A STUCK run's restart stopped it cleanly, then its launch failed (or its task was lost): STOPPED is
+    no condition to report, yet nobody asked for this stop.  The watcher reports the restart owed, once,
+    so that the health DAG finishes it; a restart that launched its run leaves nothing to report."""
+    stuck = _running(state_store)
+    state_store.record_restart("job", "restart", "STUCK: no batch for 600s", stuck, None)  # begun
+    assert asyncio.run(_events(_trigger(), 3)) == [], "a running query is owed nothing"
+    state_store.request_stop(stuck)
+    state_store.finish_run(stuck, status="STOPPED", exit_code=0, message="stopped")
+
+    (watched,) = state_store.watched_jobs()
+    assert (watched.last_restart["failed_run_id"], watched.last_restart["new_run_id"]) == (stuck, None)
+    events = asyncio.run(_events(_trigger(), 5))
+    assert [(e["diagnosis"]["health"], e["diagnosis"]["run_id"]) for e in events] == [("STOPPED", stuck)], events
+    owed = events[0]["diagnosis"]["interrupted_restart"]
+    assert owed["reason"] == "STUCK: no batch for 600s", owed
+    assert "started no new one: nobody asked for this stop" in events[0]["message"]
+    assert asyncio.run(_events(_trigger(), 3)) == [], "reported once, also across a triggerer restart"
+
+    state_store.record_restart("job", "restart", "STUCK: no batch for 600s", stuck, "r-new")  # it launched
+    assert state_store.watched_jobs()[0].last_restart["new_run_id"] == "r-new"
+    assert asyncio.run(_events(_trigger(), 3)) == []
+
+
 def test_a_death_while_the_triggerer_was_down_is_reported_when_it_returns(state_store):
     run_id = _running(state_store)
     assert asyncio.run(_events(_trigger(), 3)) == []  # the triggerer watched, then went away

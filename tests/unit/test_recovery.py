@@ -213,3 +213,11 @@ def test_an_interrupted_restart_is_weighed_against_the_budget():
 def test_a_begun_restart_a_stop_closed_is_not_finished():
     closed = {**_begun(), "cancelled_at": NOW - 10}
     assert _decide(_found(Health.STOPPED), history=[closed]).action == RecoveryAction.NONE
+
+
+def test_a_restart_owed_older_than_the_history_window_is_finished():
+    """The diagnosis finds the job's newest restart however old (``HealthProbe``); the budget's history
+    looks back a window only.  A job left down longer than that is still owed its restart."""
+    owed = {"at": NOW - history_since(BUDGET, NOW) - 3600, "reason": "STUCK: no batch for 600s"}
+    decision = _decide(_found(Health.STOPPED, interrupted_restart=owed))
+    assert decision.action == RecoveryAction.RESTART and decision.reason == "STUCK: no batch for 600s", decision
