@@ -98,7 +98,7 @@ def upgrade_in_charge(upgrade: UpgradeRecord | None, now: float) -> bool:
     return upgrade is not None and upgrade.phase in UPGRADE_IN_CHARGE and not upgrade.stale(now)
 
 
-#: The healths of a run that a restart can have stopped and left down.
+#: The healths of a run that a restart can have stopped and left down (DEAD: its stop had to kill it).
 INTERRUPTIBLE = (Health.STOPPED, Health.DEAD)
 
 
@@ -107,6 +107,8 @@ def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]]) 
     lost): the newest restart begun for that run without a new run, when nothing came after it and no stop
     was asked for since (``StopStreamingJobOperator`` closes it)."""
     if found.run_id is None or found.health not in INTERRUPTIBLE or not history:
+        return None
+    if found.health == Health.DEAD and found.stop_requested_at is None:  # no stop ended it: plainly DEAD
         return None
     newest = history[-1]
     begun = (newest.get("action") == RecoveryAction.RESTART and newest.get("new_run_id") is None
