@@ -16,7 +16,8 @@ Variables:
 
 ``stream_health`` also reads ``stream_job_spec`` when its file is parsed: the job's asset, and its
 always-on watcher, need the job id then.  Optional ``stream_watch`` (JSON) sets the watcher's
-``heartbeat_timeout``, ``stuck_after`` and ``poll_interval``.
+``heartbeat_timeout``, ``stuck_after`` and ``poll_interval``; the operators judge the job by the same
+``heartbeat_timeout`` and ``stuck_after``.
 
 This module holds no DAG: the DAG files import it (Airflow's BundleDagBag puts the bundle's folder
 on ``sys.path``).
@@ -42,6 +43,10 @@ JOB = {
     "env_vars": "{{ var.json.get('stream_driver_env', {}) }}",
     "driver_log_dir": "{{ var.value.get('stream_driver_log_dir', '') or None }}",
     "checkpoint_conn_id": "{{ var.value.get('stream_checkpoint_conn_id', '') or None }}",
+    # the watcher's thresholds: a recovery that judged the job by others would find HEALTHY the run the
+    # watcher reported STUCK, do nothing, and the persisting condition would not be reported again
+    "heartbeat_timeout": "{{ var.json.get('stream_watch', {}).get('heartbeat_timeout', 30.0) }}",
+    "stuck_after": "{{ var.json.get('stream_watch', {}).get('stuck_after', 300.0) }}",
 }
 #: What the health sensor needs: the job id and its topics, from the same spec.
 WATCH = {
