@@ -18,8 +18,11 @@ import os
 import signal
 
 ENV = "STREAM_FAULT"
+#: ``STREAM_FAULT_ONCE=<path>``: the point fires in the first process that reaches it only, which creates
+#: the file.  A real Airflow runs each task in a new process: the loss of one task, not of every later one.
+ONCE_ENV = "STREAM_FAULT_ONCE"
 DRIVER_POINTS = ("batch_start", "before_db_commit", "after_db_commit", "write_behind", "during_stop")
-TASK_POINTS = ("reset_after_archive",)
+TASK_POINTS = ("reset_after_archive", "restart_after_stop")
 
 
 def armed(point: str, batch_id: int | None = None) -> bool:
@@ -32,9 +35,20 @@ def armed(point: str, batch_id: int | None = None) -> bool:
 
 
 def maybe_crash(point: str, batch_id: int | None = None) -> None:
-    if not armed(point, batch_id):
+    if not armed(point, batch_id) or not _first_time():
         return
     if point in TASK_POINTS:
         os.kill(os.getpid(), signal.SIGKILL)
     else:
         os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _first_time() -> bool:
+    marker = os.environ.get(ONCE_ENV)
+    if not marker:
+        return True
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True

@@ -24,7 +24,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException, TaskDeferred
 
-from airflow_stream_provider import recovery
+from airflow_stream_provider import faults, recovery
 from airflow_stream_provider.diagnosis import Diagnosis, Thresholds
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
@@ -199,6 +199,13 @@ class StreamJobOperator(BaseOperator):
         ``_hold_lease``), anything else ends the task's hold on it."""
         self._lease_owner = _lease_owner(context, self)
         held = self.controller.take_lease(self._lease_owner, self.lease_action, time.time() + LEASE_STEP_S)
+        if held is not None and not resumed and _task_ended(context, held.owner, self.log):
+            # Its process is gone (a lost worker, an OOM kill): nothing let go of the lease, which would
+            # otherwise keep every task from the job until it runs out, minutes away.
+            self.log.warning("Job %s: %s has ended in Airflow without letting go of the job's lease; taking "
+                             "it over", self.job.job_id, held.describe(time.time()))
+            self.controller.release_lease(held.owner)
+            held = self.controller.take_lease(self._lease_owner, self.lease_action, time.time() + LEASE_STEP_S)
         if held is not None:
             if resumed:
                 raise StreamJobError(
@@ -401,6 +408,7 @@ class StreamJobOperator(BaseOperator):
         return self.stop_live_then(context, "_restart_stopped", flow)
 
     def _restart_stopped(self, context, stopped, reason, failed_run_id, after, carry) -> Any:
+        faults.maybe_crash("restart_after_stop")  # the task lost between its stop and its launch
         self.controller.before_restart(reason, failed_run_id)
         failed = self.controller.get_run(failed_run_id) if failed_run_id else None
         recorded = self.controller.recorded_launch(failed)
@@ -471,6 +479,28 @@ def _lease_owner(context, task: BaseOperator) -> str:
     if ti is None:  # called outside a task run (a test driving the operator): this operator object
         return f"{task.task_id}@{id(task):x}"
     return f"{ti.dag_id}/{ti.run_id}/{ti.task_id}/{getattr(ti, 'map_index', -1)}"
+
+
+#: Task instance states in which a task acts no more: its lease on a job is stale.
+ENDED_TASK_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
+
+
+def _task_ended(context, owner: str, log) -> bool:
+    """Whether Airflow says the task instance ``owner`` (a lease owner, ``_lease_owner``) has ended.  False
+    whenever that cannot be known: outside a task run, or an owner that is no task instance."""
+    ti = context.get("ti") if context else None
+    dag_id, *run, task_id, map_index = owner.split("/") if owner.count("/") >= 3 else ("", "", "", "")
+    if not run or not hasattr(ti, "get_task_states"):
+        return False
+    run_id, index = "/".join(run), int(map_index)
+    try:
+        states = ti.get_task_states(dag_id=dag_id, task_ids=[task_id], run_ids=[run_id],
+                                    map_index=index if index >= 0 else None)
+    except Exception as err:  # the lease then stands until it runs out
+        log.warning("Could not ask Airflow for the state of task %s: %r", owner, err)
+        return False
+    state = (states.get(run_id) or {}).get(task_id if index < 0 else f"{task_id}_{index}")
+    return state in ENDED_TASK_STATES
 
 
 def _task_state(context, key: str) -> Any:
