@@ -489,9 +489,10 @@ def _task_ended(context, owner: str, log) -> bool:
     """Whether Airflow says the task instance ``owner`` (a lease owner, ``_lease_owner``) has ended.  False
     whenever that cannot be known: outside a task run, or an owner that is no task instance."""
     ti = context.get("ti") if context else None
-    dag_id, *run, task_id, map_index = owner.split("/") if owner.count("/") >= 3 else ("", "", "", "")
-    if not run or not hasattr(ti, "get_task_states"):
+    parts = owner.split("/")
+    if len(parts) < 4 or not hasattr(ti, "get_task_states"):
         return False
+    dag_id, *run, task_id, map_index = parts
     run_id, index = "/".join(run), int(map_index)
     try:
         states = ti.get_task_states(dag_id=dag_id, task_ids=[task_id], run_ids=[run_id],
