@@ -35,6 +35,22 @@ class Health(enum.StrEnum):
 #: ``Diagnosis.standby`` of a run that wants a standby and has none warm or warming
 MISSING_STANDBY = "MISSING"
 
+# -- conditions: what a watcher reports and a sensor waits for -----------------------------------------
+#: A healthy run that wants a warm standby and has none (``Diagnosis.needs_standby``).
+NO_STANDBY = "NO_STANDBY"
+#: A run a restart stopped and launched nothing after (``Diagnosis.restart_owed``): STOPPED (or DEAD) by
+#: its health, yet nobody asked for the stop.
+INTERRUPTED_RESTART = "INTERRUPTED_RESTART"
+#: Every condition a job can be in: its health values and the two above.
+CONDITIONS = (*(h.value for h in Health), NO_STANDBY, INTERRUPTED_RESTART)
+
+
+def check_conditions(fire_on, allowed=CONDITIONS) -> None:
+    """Fail, naming the bad values and the good ones, where ``fire_on`` holds a value not in ``allowed``."""
+    unknown = sorted(set(fire_on) - set(allowed))
+    if unknown:
+        raise ValueError(f"fire_on {unknown} are not conditions of a stream job; choose from {list(allowed)}")
+
 
 @dataclass(frozen=True)
 class Thresholds:
@@ -80,6 +96,18 @@ class Diagnosis:
         """The run is down because a restart stopped it and started nothing after: a recovery must act,
         whatever the health says (STOPPED included)."""
         return self.interrupted_restart is not None
+
+    @property
+    def condition(self) -> str:
+        """The one condition the job is in, the most specific first: the restart it is owed, the standby
+        it lacks, else its health."""
+        return INTERRUPTED_RESTART if self.restart_owed else NO_STANDBY if self.needs_standby else self.health.value
+
+    @property
+    def conditions(self) -> tuple[str, ...]:
+        """Every condition that holds: ``condition`` and, where that is not a health value, the health too
+        (a DEAD run owed a restart is both)."""
+        return (self.condition,) if self.condition == self.health.value else (self.condition, self.health.value)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -9,17 +9,19 @@ from typing import Any
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
 
-from airflow_stream_provider.diagnosis import Thresholds
+from airflow_stream_provider.diagnosis import Thresholds, check_conditions
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle.health import HealthProbe
 from airflow_stream_provider.links import STREAM_LINKS
-from airflow_stream_provider.triggers.health import StreamHealthTrigger
+from airflow_stream_provider.triggers.health import FIRE_ON, StreamHealthTrigger
 
 
 class StreamHealthSensor(BaseSensorOperator):
-    """Wait until the job is DEAD, STUCK or FAILED (``fire_on``); return the diagnosis (health, failure
-    kind, Spark error class, evidence, advice) for the tasks downstream.
+    """Wait until the job is DEAD, STUCK or FAILED, or is owed a restart that was stopped half-way
+    (INTERRUPTED_RESTART: its run is STOPPED, yet nobody asked for the stop) (``fire_on``); return the
+    diagnosis (health, failure kind, Spark error class, evidence, advice) for the tasks downstream, such as
+    ``RecoverStreamingJobOperator``.
 
     Deferrable by default: a stream is watched for hours, and a sleeping worker slot per stream would
     waste the pool.  ``deferrable=False`` pokes from a worker instead.
@@ -28,7 +30,8 @@ class StreamHealthSensor(BaseSensorOperator):
     :param topics: the job's topics, for the Kafka lag (the evidence for STUCK).
     :param state_conn_id: the ``stream_state`` connection.
     :param kafka_conn_id: the ``stream_kafka`` connection.
-    :param fire_on: the health values that end the wait.
+    :param fire_on: the conditions that end the wait: health values (``Health``), NO_STANDBY and
+        INTERRUPTED_RESTART (``diagnosis.CONDITIONS``).
     :param failure_kinds: with FAILED, only these failure kinds end it (all when unset).
     :param heartbeat_timeout: seconds without a heartbeat after which a running driver counts as dead.
     :param stuck_after: seconds without a batch, with records waiting, after which a query is stuck.
@@ -43,10 +46,11 @@ class StreamHealthSensor(BaseSensorOperator):
     def __init__(self, *, job_id: str, topics: Sequence[str],
                  state_conn_id: str = StreamStateHook.default_conn_name,
                  kafka_conn_id: str = KafkaOffsetsHook.default_conn_name,
-                 fire_on: Sequence[str] = ("DEAD", "STUCK", "FAILED"), failure_kinds: Sequence[str] | None = None,
+                 fire_on: Sequence[str] = FIRE_ON, failure_kinds: Sequence[str] | None = None,
                  heartbeat_timeout: float = 30.0, stuck_after: float = 300.0, deferrable: bool = True,
                  **kwargs):
         super().__init__(**kwargs)
+        check_conditions(fire_on)  # at parse time: a misspelt condition would wait for ever
         self.job_id = job_id
         self.topics = topics
         self.state_conn_id = state_conn_id

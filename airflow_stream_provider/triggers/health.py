@@ -13,14 +13,21 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_stream_provider import diagnosis
-from airflow_stream_provider.diagnosis import Thresholds
+from airflow_stream_provider.diagnosis import INTERRUPTED_RESTART, Health, Thresholds, check_conditions
+
+#: What the health sensor waits for by default: the conditions that need a recovery.
+FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, INTERRUPTED_RESTART)
 
 
 class StreamHealthTrigger(BaseTrigger):
+    """Fire once the job is in one of ``fire_on``: health values (``Health``) and the conditions beyond
+    them (``diagnosis.CONDITIONS``).  With ``failure_kinds``, a FAILED run fires on those kinds only."""
+
     def __init__(self, *, job_id: str, topics: Sequence[str], state_conn_id: str, kafka_conn_id: str,
-                 fire_on: Sequence[str] = ("DEAD", "STUCK", "FAILED"), failure_kinds: Sequence[str] | None = None,
+                 fire_on: Sequence[str] = FIRE_ON, failure_kinds: Sequence[str] | None = None,
                  heartbeat_timeout: float = 30.0, stuck_after: float = 300.0, poll_interval: float = 5.0):
         super().__init__()
+        check_conditions(fire_on)
         self.job_id = job_id
         self.topics = list(topics)
         self.state_conn_id = state_conn_id
@@ -61,8 +68,10 @@ class StreamHealthTrigger(BaseTrigger):
             probe.close()
 
     def matches(self, found: diagnosis.Diagnosis) -> bool:
-        if found.health.value not in self.fire_on:
-            return False
-        if self.failure_kinds is not None:
+        for condition in found.conditions:  # a DEAD run owed a restart fires on either
+            if condition not in self.fire_on:
+                continue
+            if condition != Health.FAILED or self.failure_kinds is None:
+                return True
             return found.failure_kind is not None and found.failure_kind.value in self.failure_kinds
-        return True
+        return False

@@ -34,7 +34,14 @@ from typing import Any
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 
 from airflow_stream_provider import diagnosis
-from airflow_stream_provider.diagnosis import Diagnosis, Health, Thresholds
+from airflow_stream_provider.diagnosis import (
+    INTERRUPTED_RESTART,
+    NO_STANDBY,
+    Diagnosis,
+    Health,
+    Thresholds,
+    check_conditions,
+)
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
@@ -45,13 +52,9 @@ from airflow_stream_provider.state.store import HealthReportKey, WatchedJob
 
 log = logging.getLogger(__name__)
 
-#: A healthy run that wants a warm standby and has none (``Diagnosis.needs_standby``): reported so that a
-#: new standby starts at once after a takeover, not at the next sweep.
-NO_STANDBY = "NO_STANDBY"
-#: A run a restart stopped and launched nothing after (``Diagnosis.restart_owed``): reported so that the
+#: What the watcher reports by default: the conditions that need someone to act.  NO_STANDBY so that a
+#: new standby starts at once after a takeover, not at the next sweep; INTERRUPTED_RESTART so that the
 #: health DAG finishes the restart, which a STOPPED run would otherwise never get.
-INTERRUPTED_RESTART = "INTERRUPTED_RESTART"
-#: What the watcher reports by default: the conditions that need someone to act.
 FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, NO_STANDBY, INTERRUPTED_RESTART)
 
 
@@ -126,9 +129,7 @@ class StreamJobWatchTrigger(BaseEventTrigger):
                  kafka_conn_id: str = KafkaOffsetsHook.default_conn_name, fire_on: Sequence[str] = FIRE_ON,
                  heartbeat_timeout: float = 30.0, stuck_after: float = 300.0, poll_interval: float = 1.0):
         super().__init__()
-        unknown = sorted(set(fire_on) - set(FIRE_ON))
-        if unknown:
-            raise ValueError(f"fire_on {unknown} are not conditions that need action; choose from {list(FIRE_ON)}")
+        check_conditions(fire_on, FIRE_ON)
         self.job_id = job_id
         self.state_conn_id = state_conn_id
         self.kafka_conn_id = kafka_conn_id
@@ -204,8 +205,7 @@ class _Reporter:
             log.info("Watching job %s again: %s", self.job_id, "the state database answers")
             self.error = None
         found = snapshot.diagnoses[self.job_id]
-        condition = (INTERRUPTED_RESTART if found.restart_owed else NO_STANDBY if found.needs_standby
-                     else found.health.value)
+        condition = found.condition
         key = HealthReportKey(found.run_id or "", condition, found.failure_kind.value if found.failure_kind else "")
         # The run left a reported condition (a STUCK query moving again, a slow start that was not a
         # death): forget it, so that entering it again is a new transition.

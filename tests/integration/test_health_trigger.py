@@ -7,6 +7,8 @@ import asyncio
 import json
 import time
 
+import pytest
+
 from airflow_stream_provider import kafka_offsets
 from airflow_stream_provider.diagnosis import Health, Thresholds
 from airflow_stream_provider.lifecycle.controller import caught_up
@@ -99,3 +101,51 @@ def test_records_below_the_generations_start_are_no_lag(state_store, broker, job
     idle = probe.check()
     assert (idle.health, idle.lag) == (Health.HEALTHY, 0), idle
     assert caught_up(probe.state, probe.kafka, job_id, [topic])
+
+
+def _stopped_by_a_restart(store, *, killed: bool = False) -> str:
+    """A STUCK run whose restart stopped it, then launched nothing (its launch failed, its task was lost):
+    STOPPED when the stop ended cleanly, DEAD when the driver had to be killed."""
+    ticket = store.begin_run("job", 1, "1.0")
+    store.mark_query_started(ticket.run_id)
+    store.record_restart("job", "restart", "STUCK: no batch for 600s", ticket.run_id, None)
+    store.request_stop(ticket.run_id)
+    store.finish_run(ticket.run_id, status="DEAD" if killed else "STOPPED", exit_code=None if killed else 0,
+                     message="killed after the stop timeout" if killed else "stopped")
+    return ticket.run_id
+
+
+def test_a_run_a_restart_stopped_and_left_down_fires_the_health_sensor(state_store):
+    """A DAG author's own health DAG (sensor >> recover) must finish such a restart as ``stream_health``
+    does: by its health the run is only STOPPED, which used to keep the sensor waiting for ever."""
+    run_id = _stopped_by_a_restart(state_store)
+    event = asyncio.run(asyncio.wait_for(_trigger().run().asend(None), 10))
+    found = event.payload["diagnosis"]
+    assert (event.payload["status"], found["health"], found["run_id"]) == ("fired", "STOPPED", run_id), event
+    assert found["interrupted_restart"]["reason"] == "STUCK: no batch for 600s", found
+
+    only_health = _trigger(fire_on=["DEAD", "STUCK", "FAILED"])  # waits for health values alone, as it asked
+    assert not only_health.matches(HealthProbe.connect("job", ["events"], "stream_state_default",
+                                                       "stream_kafka_default", Thresholds(5, 300)).check())
+
+
+def test_a_dead_run_owed_a_restart_fires_on_either_condition(state_store):
+    _stopped_by_a_restart(state_store, killed=True)
+    probe = HealthProbe.connect("job", ["events"], "stream_state_default", "stream_kafka_default", Thresholds(5, 300))
+    found = probe.check()
+    assert found.health == Health.DEAD and found.restart_owed, found
+    assert found.conditions == ("INTERRUPTED_RESTART", "DEAD")
+    assert _trigger(fire_on=["DEAD"]).matches(found)
+    assert _trigger(fire_on=["INTERRUPTED_RESTART"]).matches(found)
+    assert not _trigger(fire_on=["FAILED"], failure_kinds=["CHECKPOINT_INCOMPATIBLE"]).matches(found)
+    probe.close()
+
+
+def test_a_misspelt_condition_fails_when_the_dag_is_parsed():
+    from airflow_stream_provider.sensors.health import CheckpointIncompatibilitySensor, StreamHealthSensor
+
+    with pytest.raises(ValueError, match=r"fire_on \['DIED'\] are not conditions.*'DEAD'"):
+        StreamHealthSensor(task_id="health", job_id="job", topics=["events"], fire_on=["DEAD", "DIED"])
+    with pytest.raises(ValueError, match="INTERRUPTED_RESTART"):
+        _trigger(fire_on=["interrupted_restart"])
+    assert CheckpointIncompatibilitySensor(task_id="checkpoint", job_id="job", topics=["events"]).fire_on == ("FAILED",)
