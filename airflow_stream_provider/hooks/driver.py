@@ -31,6 +31,19 @@ from airflow_stream_provider.state.records import RunRecord
 if TYPE_CHECKING:
     from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 
+@dataclass(frozen=True)
+class Kill:
+    """What a kill did.  ``done`` only where the driver is known ended (killed here, or by a cluster manager
+    that said so): a refused or unreachable kill leaves a driver that may live on, and must not be recorded
+    DEAD, or a recovery would start a second driver beside it."""
+
+    done: bool
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
 _NO_WAIT = {
     "spark.yarn.submit.waitAppCompletion": "false",
     "spark.kubernetes.submission.waitAppCompletion": "false",
@@ -211,16 +224,16 @@ class StreamDriverHook(BaseHook):
             return False
         return True
 
-    def kill(self, run: RunRecord) -> str:
+    def kill(self, run: RunRecord) -> Kill:
         """Kill the driver outright: its process group locally, the application on a cluster."""
         if self.is_local(run):
             self._signal(run, signal.SIGKILL)
-            return f"killed process group of pid {run.pid} on {run.host}"
+            return Kill(True, f"killed process group of pid {run.pid} on {run.host}")
         if run.submission_id:
             return self.kill_submission(run.job_id, run.submission_id)
-        return f"cannot kill run {run.run_id} from {socket.gethostname()}: it runs on {run.host}"
+        return Kill(False, f"cannot kill run {run.run_id} from {socket.gethostname()}: it runs on {run.host}")
 
-    def kill_submission(self, job_id: str, submission_id: str) -> str:
+    def kill_submission(self, job_id: str, submission_id: str) -> Kill:
         """Kill a cluster-mode driver by the handle its submission returned, through its cluster manager.
         ``SparkSubmitHook.on_kill`` cannot: it kills a YARN application or a driver pod only while its own
         spark-submit process runs (or with tracking options this provider's submissions do not set), and a
@@ -229,9 +242,7 @@ class StreamDriverHook(BaseHook):
         if submission_id.startswith("application_"):  # YARN
             command = ["yarn", "application", "-kill", submission_id]
         elif hook._is_kubernetes:
-            hook._kubernetes_driver_pod = submission_id
-            hook._delete_driver_pod()  # logs the API's refusal itself
-            return f"asked Kubernetes to delete driver pod {submission_id}"
+            return _delete_driver_pod(hook, submission_id)
         else:  # a standalone master's driver id
             hook._driver_id = submission_id
             command = hook._build_spark_driver_kill_command()
@@ -239,12 +250,13 @@ class StreamDriverHook(BaseHook):
             done = subprocess.run(command, capture_output=True, text=True, timeout=120,
                                   env={**os.environ, **(self.env_vars or {})})
         except (OSError, subprocess.TimeoutExpired) as err:
-            return f"could not kill {submission_id}: {' '.join(command[:3])} failed: {err}; kill it with its cluster manager"
+            return Kill(False, f"could not kill {submission_id}: {' '.join(command[:3])} failed: {err}; "
+                        "kill it with its cluster manager")
         if done.returncode != 0:
             output = (done.stderr or done.stdout).strip().splitlines()
-            return (f"could not kill {submission_id}: {' '.join(command[:3])} exited {done.returncode}"
-                    f"{': ' + output[-1] if output else ''}; kill it with its cluster manager")
-        return f"killed {submission_id} through its cluster manager"
+            return Kill(False, f"could not kill {submission_id}: {' '.join(command[:3])} exited {done.returncode}"
+                        f"{': ' + output[-1] if output else ''}; kill it with its cluster manager")
+        return Kill(True, f"killed {submission_id} through its cluster manager")
 
     @staticmethod
     def _signal(run: RunRecord, sig: int) -> bool:
@@ -255,3 +267,20 @@ class StreamDriverHook(BaseHook):
         except ProcessLookupError:
             return False
         return True
+
+
+def _delete_driver_pod(hook: SparkSubmitHook, pod: str) -> Kill:
+    """``SparkSubmitHook._delete_driver_pod``, with its outcome: the hook logs the API's refusal only.  A pod
+    already gone (404) counts as killed."""
+    import kubernetes
+    from airflow.providers.cncf.kubernetes import kube_client  # as the hook itself: present for k8s masters
+
+    try:
+        kube_client.get_kube_client().delete_namespaced_pod(pod, hook._connection["namespace"],
+                                                            body=kubernetes.client.V1DeleteOptions())
+    except kube_client.ApiException as err:
+        if err.status == 404:
+            return Kill(True, f"driver pod {pod} is gone already")
+        return Kill(False, f"could not delete driver pod {pod}: Kubernetes answered {err.status} {err.reason}; "
+                    "kill it with kubectl")
+    return Kill(True, f"deleted driver pod {pod} through Kubernetes")

@@ -286,8 +286,15 @@ class StreamJobController:
             local_driver.kill_unregistered(launch, why, self.log)
         elif run.active:
             run = replace(run, submission_id=run.submission_id or handle)  # not recorded before its ready
-            self.log.warning("Killing run %s: %s (%s)", run.run_id, why, self.driver.kill(run))
-            self.state.store.mark_dead(run.run_id, f"abandoned: {why}")
+            killed = self.driver.kill(run)
+            if killed.done:
+                self.log.warning("Killing run %s: %s (%s)", run.run_id, why, killed)
+                self.state.store.mark_dead(run.run_id, f"abandoned: {why}")
+            else:  # it may live on: ask it through its row instead, and leave it active so none starts beside it
+                self.state.store.request_stop(run.run_id)
+                self.log.error("Run %s of job %s could not be killed (%s): %s. It was asked to stop through the "
+                               "state database, which its heartbeat reads; until it ends or falls silent it "
+                               "counts as live", run.run_id, run.job_id, why, killed)
 
     # -- the warm standby ------------------------------------------------------------------------------
     @property
@@ -408,7 +415,13 @@ class StreamJobController:
             self.log.warning("Run %s did not stop in time: sending SIGTERM", run_id)
             self.driver.terminate(run)
         else:
-            self.log.warning("Run %s ignored SIGTERM: %s", run_id, self.driver.kill(run))
+            killed = self.driver.kill(run)
+            self.log.warning("Run %s ignored SIGTERM: %s", run_id, killed)
+            # A cluster run's row is trusted dead after a kill (``finish_stop``): not after a refused one.
+            if not killed.done and run.submission_id and self._still_there(self.get_run(run_id), None):
+                raise StreamJobError(
+                    f"job {run.job_id} run {run_id} did not stop: it ignored the stop marker and SIGTERM, and "
+                    f"{killed}. Nothing was started beside it; once it has ended, retry this task")
         return RunWait.within(timeout, run_id=run_id, job_id=run.job_id, until="ended", pid=run.pid, host=run.host,
                               started_at=run.started_at)
 
