@@ -45,11 +45,14 @@ INTERRUPTED_RESTART = "INTERRUPTED_RESTART"
 CONDITIONS = (*(h.value for h in Health), NO_STANDBY, INTERRUPTED_RESTART)
 
 
-def check_conditions(fire_on, allowed=CONDITIONS) -> None:
-    """Fail, naming the bad values and the good ones, where ``fire_on`` holds a value not in ``allowed``."""
+def check_conditions(fire_on, allowed=CONDITIONS, who: str = "a sensor waits for") -> None:
+    """Fail, naming the bad values and the good ones, where ``fire_on`` holds a value not in ``allowed``
+    (the conditions ``who`` handles)."""
+    if isinstance(fire_on, str):
+        raise ValueError(f"fire_on={fire_on!r} must be a list of conditions, e.g. [{fire_on!r}]")
     unknown = sorted(set(fire_on) - set(allowed))
     if unknown:
-        raise ValueError(f"fire_on {unknown} are not conditions of a stream job; choose from {list(allowed)}")
+        raise ValueError(f"fire_on {unknown} are not conditions {who}; choose from {list(allowed)}")
 
 
 @dataclass(frozen=True)

@@ -283,4 +283,6 @@ def _delete_driver_pod(hook: SparkSubmitHook, pod: str) -> Kill:
             return Kill(True, f"driver pod {pod} is gone already")
         return Kill(False, f"could not delete driver pod {pod}: Kubernetes answered {err.status} {err.reason}; "
                     "kill it with kubectl")
+    except Exception as err:  # no kube config, the API server unreachable: the pod may well live on
+        return Kill(False, f"could not reach Kubernetes to delete driver pod {pod}: {err!r}; kill it with kubectl")
     return Kill(True, f"deleted driver pod {pod} through Kubernetes")

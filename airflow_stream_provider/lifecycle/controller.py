@@ -276,25 +276,32 @@ class StreamJobController:
 
     def abandon(self, launch: Mapping[str, Any], why: str) -> None:
         """End a driver this task started and no longer wants (a killed task, a dry run): kill it outright
-        and record the run as DEAD, so nothing waits on it.  Before it registers, only its own host can."""
+        and record the run as DEAD, so nothing waits on it.  Before it registers, only its own host can.
+
+        A kill that fails (the cluster manager refuses, or cannot be reached) leaves the run as it is: a
+        driver that lives on is then the job's run, and one that is gone falls silent and is found DEAD, so a
+        recovery restarts it.  Recorded DEAD at once, a recovery could start a second driver beside it."""
         run = self.get_run(launch["run_id"])
         handle = launch.get("submission_id")
         if run is None and handle:  # a cluster-mode driver: its cluster manager can end it, registered or not
-            self.log.warning("Killing run %s before it registered: %s (%s)", launch["run_id"], why,
-                             self.driver.kill_submission(launch["job_id"], handle))
+            killed = self.driver.kill_submission(launch["job_id"], handle)
+            if killed.done:
+                self.log.warning("Killed run %s before it registered: %s (%s)", launch["run_id"], why, killed)
+            else:
+                self.log.error("Run %s of job %s could not be killed before it registered (%s): %s. It may still "
+                               "register and run", launch["run_id"], launch["job_id"], why, killed)
         elif run is None:
             local_driver.kill_unregistered(launch, why, self.log)
         elif run.active:
             run = replace(run, submission_id=run.submission_id or handle)  # not recorded before its ready
             killed = self.driver.kill(run)
             if killed.done:
-                self.log.warning("Killing run %s: %s (%s)", run.run_id, why, killed)
+                self.log.warning("Killed run %s: %s (%s)", run.run_id, why, killed)
                 self.state.store.mark_dead(run.run_id, f"abandoned: {why}")
-            else:  # it may live on: ask it through its row instead, and leave it active so none starts beside it
-                self.state.store.request_stop(run.run_id)
-                self.log.error("Run %s of job %s could not be killed (%s): %s. It was asked to stop through the "
-                               "state database, which its heartbeat reads; until it ends or falls silent it "
-                               "counts as live", run.run_id, run.job_id, why, killed)
+            else:
+                self.log.error("Run %s of job %s could not be killed (%s): %s. It is left as it is: live while "
+                               "its driver heartbeats, found DEAD and recovered once it falls silent",
+                               run.run_id, run.job_id, why, killed)
 
     # -- the warm standby ------------------------------------------------------------------------------
     @property
@@ -420,8 +427,9 @@ class StreamJobController:
             # A cluster run's row is trusted dead after a kill (``finish_stop``): not after a refused one.
             if not killed.done and run.submission_id and self._still_there(self.get_run(run_id), None):
                 raise StreamJobError(
-                    f"job {run.job_id} run {run_id} did not stop: it ignored the stop marker and SIGTERM, and "
-                    f"{killed}. Nothing was started beside it; once it has ended, retry this task")
+                    f"job {run.job_id} run {run_id} did not stop: it ignored the stop marker (a cluster driver "
+                    f"cannot be signalled from here), and {killed}. Nothing was started beside it; once it has "
+                    "ended, retry this task")
         return RunWait.within(timeout, run_id=run_id, job_id=run.job_id, until="ended", pid=run.pid, host=run.host,
                               started_at=run.started_at)
 

@@ -32,7 +32,8 @@ class StreamHealthSensor(BaseSensorOperator):
     :param kafka_conn_id: the ``stream_kafka`` connection.
     :param fire_on: the conditions that end the wait: health values (``Health``), NO_STANDBY and
         INTERRUPTED_RESTART (``diagnosis.CONDITIONS``).
-    :param failure_kinds: with FAILED, only these failure kinds end it (all when unset).
+    :param failure_kinds: only a FAILED run of these kinds ends the wait, and nothing else does (when
+        unset, every condition in ``fire_on``).
     :param heartbeat_timeout: seconds without a heartbeat after which a running driver counts as dead.
     :param stuck_after: seconds without a batch, with records waiting, after which a query is stuck.
     :param deferrable: wait in the triggerer (the default) instead of poking from a worker.

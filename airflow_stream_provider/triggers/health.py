@@ -21,7 +21,7 @@ FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, INTERRUPT
 
 class StreamHealthTrigger(BaseTrigger):
     """Fire once the job is in one of ``fire_on``: health values (``Health``) and the conditions beyond
-    them (``diagnosis.CONDITIONS``).  With ``failure_kinds``, a FAILED run fires on those kinds only."""
+    them (``diagnosis.CONDITIONS``).  With ``failure_kinds``, only a FAILED run of those kinds fires."""
 
     def __init__(self, *, job_id: str, topics: Sequence[str], state_conn_id: str, kafka_conn_id: str,
                  fire_on: Sequence[str] = FIRE_ON, failure_kinds: Sequence[str] | None = None,
@@ -68,10 +68,7 @@ class StreamHealthTrigger(BaseTrigger):
             probe.close()
 
     def matches(self, found: diagnosis.Diagnosis) -> bool:
-        for condition in found.conditions:  # a DEAD run owed a restart fires on either
-            if condition not in self.fire_on:
-                continue
-            if condition != Health.FAILED or self.failure_kinds is None:
-                return True
-            return found.failure_kind is not None and found.failure_kind.value in self.failure_kinds
-        return False
+        if self.failure_kinds is not None:  # failures of these kinds, and nothing else
+            return (Health.FAILED in self.fire_on and found.health == Health.FAILED
+                    and found.failure_kind is not None and found.failure_kind.value in self.failure_kinds)
+        return any(c in self.fire_on for c in found.conditions)  # a DEAD run owed a restart fires on either

@@ -129,7 +129,7 @@ class StreamJobWatchTrigger(BaseEventTrigger):
                  kafka_conn_id: str = KafkaOffsetsHook.default_conn_name, fire_on: Sequence[str] = FIRE_ON,
                  heartbeat_timeout: float = 30.0, stuck_after: float = 300.0, poll_interval: float = 1.0):
         super().__init__()
-        check_conditions(fire_on, FIRE_ON)
+        check_conditions(fire_on, FIRE_ON, "the watcher reports")
         self.job_id = job_id
         self.state_conn_id = state_conn_id
         self.kafka_conn_id = kafka_conn_id

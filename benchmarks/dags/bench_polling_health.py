@@ -4,8 +4,8 @@ sensor's end and the next run, and after every recovery until the next run, noth
 benchmark ``mttr_real_airflow`` measures what that costs against ``stream_health``.
 
 The sensor defers (no worker slot) for up to 4 minutes, looking every 2 seconds (one state-database
-query and a process check in the triggerer), and fires when the job is DEAD, STUCK or FAILED;
-a healthy job makes it time out softly, and the run ends skipped: nothing to do. Then:
+query and a process check in the triggerer), and fires when the job is DEAD, STUCK or FAILED, or is
+owed a restart that stopped it and started none (INTERRUPTED_RESTART); a healthy job makes it time out softly, and the run ends skipped: nothing to do. Then:
 
 * DATA_LOSS: fail loudly with the lost offset ranges; no automatic action can be right;
 * CHECKPOINT_INCOMPATIBLE: reset to a new generation from the stored offsets when the Variable

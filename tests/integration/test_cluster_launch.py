@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from airflow_stream_provider import recovery
+from airflow_stream_provider.budget import RestartBudget
+from airflow_stream_provider.diagnosis import Health
 from airflow_stream_provider.hooks.driver import Kill, StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
@@ -118,18 +121,27 @@ def _registered(store, database_url, *, heartbeat_age: float = 0.0) -> tuple[Str
 def test_a_run_whose_kill_the_cluster_manager_refuses_is_not_recorded_dead(state_store, database_url, tmp_path,
                                                                             monkeypatch):
     """Recorded DEAD, a driver that lives on would have a second one started beside it by the next recovery.
-    It is asked to stop through its row instead, and counts as live until it ends or falls silent."""
+    It is left as it is: live while it heartbeats; silent, it is found DEAD (not stopping) and restarted."""
     _yarn(tmp_path, monkeypatch, 255)
     controller, run_id = _registered(state_store, database_url)
     controller.abandon(_launch(controller, run_id), "the query did not start in time")
     run = state_store.get_run(run_id)
-    assert run.active and run.stop_requested_at is not None, run
+    assert run.active and run.stop_requested_at is None, run
+    assert controller.probe.check().health == Health.HEALTHY
 
-    _yarn_ok = tmp_path / "ok"
-    _yarn_ok.mkdir()
-    _yarn(_yarn_ok, monkeypatch, 0)  # the cluster manager answers again
-    controller.abandon(_launch(controller, run_id), "the query did not start in time")
-    assert state_store.get_run(run_id).status.value == "DEAD"
+    state_store._update_run(run_id, heartbeat_at=time.time() - 600)  # it was gone after all
+    found = controller.probe.check()
+    assert found.health == Health.DEAD and found.stop_requested_at is None, found
+    decided = recovery.decide_recovery(found, on_incompatible="fail", budget=RestartBudget(), history=[],
+                                       now=time.time())
+    assert decided.action == "restart", decided
+
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    _yarn(ok, monkeypatch, 0)  # the cluster manager answers
+    live = state_store.begin_run("orders", 1, "1.0").run_id
+    controller.abandon(_launch(controller, live), "the query did not start in time")
+    assert state_store.get_run(live).status.value == "DEAD"
 
 
 def test_a_stop_whose_kill_is_refused_fails_without_starting_anything(state_store, database_url, tmp_path,
@@ -179,12 +191,15 @@ def _kubernetes(monkeypatch, answer: _ApiException | None) -> list[tuple[str, st
 
 
 @pytest.mark.parametrize(("answer", "done"), [(None, True), (_ApiException(404, "Not Found"), True),
-                                              (_ApiException(403, "Forbidden"), False)])
+                                              (_ApiException(403, "Forbidden"), False),
+                                              (OSError("Invalid kube-config file"), False)])
 def test_a_kubernetes_driver_pod_is_deleted_and_a_refusal_says_so(monkeypatch, answer, done):
     deleted = _kubernetes(monkeypatch, answer)
     said = StreamDriverHook("spark_k8s").kill_submission("orders", "orders-driver")
     assert deleted == [("orders-driver", "streams")]
     assert said.done is done, said
     if not done:
+        assert said.message.endswith("; kill it with kubectl"), said
+    if isinstance(answer, _ApiException) and not done:
         assert said.message == ("could not delete driver pod orders-driver: Kubernetes answered 403 Forbidden; "
                                 "kill it with kubectl")

@@ -138,6 +138,8 @@ def test_a_dead_run_owed_a_restart_fires_on_either_condition(state_store):
     assert _trigger(fire_on=["DEAD"]).matches(found)
     assert _trigger(fire_on=["INTERRUPTED_RESTART"]).matches(found)
     assert not _trigger(fire_on=["FAILED"], failure_kinds=["CHECKPOINT_INCOMPATIBLE"]).matches(found)
+    # failure kinds name failures and nothing else, whatever fire_on holds besides FAILED
+    assert not _trigger(failure_kinds=["CHECKPOINT_INCOMPATIBLE"]).matches(found)
     probe.close()
 
 
@@ -148,4 +150,6 @@ def test_a_misspelt_condition_fails_when_the_dag_is_parsed():
         StreamHealthSensor(task_id="health", job_id="job", topics=["events"], fire_on=["DEAD", "DIED"])
     with pytest.raises(ValueError, match="INTERRUPTED_RESTART"):
         _trigger(fire_on=["interrupted_restart"])
+    with pytest.raises(ValueError, match=r"fire_on='FAILED' must be a list of conditions, e.g. \['FAILED'\]"):
+        _trigger(fire_on="FAILED")
     assert CheckpointIncompatibilitySensor(task_id="checkpoint", job_id="job", topics=["events"]).fire_on == ("FAILED",)
