@@ -453,8 +453,8 @@ class TransactionalSink:
         if poison:
             return poison_error(poison, "the query keeps state, so its batch cannot be completed without the "
                                 "record")
-        log.warning("batch %s: no record reproduces the failure outside the stream, and a query that keeps "
-                    "state completes a batch only inside it: the batch fails", batch_id)
+        log.warning("batch %s: no record reproduces the failure outside the stream%s, and a query that keeps "
+                    "state completes a batch only inside it: the batch fails", batch_id, _unsearched(plan))
         return None
 
     def _goes_behind(self, plan: transaction.BatchPlan, computed: _Computed) -> bool:
@@ -629,7 +629,7 @@ class TransactionalSink:
                         computed, failure = probe(F.lit(True))
                         if computed is not None:
                             break
-                    raise NotIsolated("no single record reproduces the failure")
+                    raise NotIsolated(f"no single record reproduces the failure{_unsearched(plan)}")
                 topic, partition, offset = space.position(lo)
                 cause = "the database refused this record's results" if trial_write else \
                     "the job's code failed on this record"
@@ -816,3 +816,12 @@ def _arrow(frame: DataFrame) -> pa.Table:
         if pa.types.is_timestamp(field.type) and field.type.tz is not None:
             table = table.set_column(index, field.name, pc.cast(table.column(index), pa.timestamp(field.type.unit)))
     return table
+
+
+def _unsearched(plan: transaction.BatchPlan) -> str:
+    """For a batch replayed in part, that isolation searched its fresh records only: the failure may come
+    from a record committed before the restart, which the batch reads again but never applies."""
+    if not plan.replayed:
+        return ""
+    return (f" among the batch's records not yet committed (its {plan.replayed} records committed before the "
+            "restart are not searched, and the failure may come from one of them)")

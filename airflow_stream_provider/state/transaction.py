@@ -83,6 +83,13 @@ class BatchPlan:
         """Every record of the batch is already reflected in the results."""
         return not self.apply_from
 
+    @property
+    def replayed(self) -> int:
+        """How many of the batch's records are already reflected in the results (a batch replayed in part
+        after a restart): below ``apply_from``, or in a partition with nothing to apply."""
+        return sum(max(0, min(self.apply_from.get(tp, end), end) - self.range.start.get(tp, 0))
+                   for tp, end in self.range.end.items())
+
     def is_fresh(self, topic: str, partition: int, offset: int) -> bool:
         first = self.apply_from.get((topic, partition))
         return first is not None and first <= offset < self.range.end[(topic, partition)]
