@@ -150,14 +150,15 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
                          evidence=[f"run stopped cleanly with exit code {run.exit_code}"],
                          advice="Nothing to do; submit the job to start it again.")
     if status == FAILED:
-        kind = failures.FailureKind(run.failure_kind) if run.failure_kind else failures.FailureKind.UNKNOWN
+        # A kind this release does not know (a driver of a newer one recorded it) is UNKNOWN, not an error.
+        kind = failures.FailureKind.__members__.get(run.failure_kind or "", failures.FailureKind.UNKNOWN)
         message = (run.termination_message or "").strip()
         classification = failures.classify(message, run.error_class)
         # A signature's advice where the text still shows the recorded kind; else (a start failure's own
         # message, a message cut short) what the kind itself calls for.
         advice = classification.advice if classification.kind == kind else kind.advice
         return Diagnosis(job_id, Health.FAILED, kind, run.error_class, **base,
-                         evidence=[f"driver exited with code {run.exit_code} ({kind.value})",
+                         evidence=[f"driver exited with code {run.exit_code} ({_kind_named(run.failure_kind, kind)})",
                                    f"error: {classification.evidence or _first_line(message)}"],
                          advice=advice)
     if status == DEAD:
@@ -212,6 +213,12 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
     return Diagnosis(job_id, Health.HEALTHY, **base,
                      evidence=[f"heartbeat {heartbeat_age:.0f}s ago", f"last batch {run.last_batch_id}",
                                f"lag {lag}"])
+
+
+def _kind_named(recorded: str | None, kind: failures.FailureKind) -> str:
+    if recorded and recorded != kind.value:
+        return f"{recorded}, a failure kind this release does not know: taken as {kind.value}"
+    return kind.value
 
 
 def heartbeat_timeout(run: RunRecord, thresholds: Thresholds) -> float:

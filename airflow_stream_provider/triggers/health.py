@@ -7,6 +7,7 @@ a thread so the triggerer's event loop stays free.  No side effects: a trigger m
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -15,6 +16,9 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from airflow_stream_provider import diagnosis
 from airflow_stream_provider.diagnosis import INTERRUPTED_RESTART, Health, Thresholds, check_conditions
 
+#: How long the health check may keep failing (the state database or Kafka away) before the watch ends
+#: with an error: long enough for a restart of either, short enough that a broken connection is seen.
+OUTAGE_LIMIT_S = 120.0
 #: What the health sensor waits for by default: the conditions that need a recovery.
 FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, INTERRUPTED_RESTART)
 
@@ -50,14 +54,24 @@ class StreamHealthTrigger(BaseTrigger):
 
         probe = HealthProbe.connect(self.job_id, self.topics, self.state_conn_id, self.kafka_conn_id,
                                     Thresholds(self.heartbeat_timeout, self.stuck_after))
+        failing_since = None
         try:
             while True:
                 try:
                     found = await asyncio.to_thread(probe.check)
-                except Exception as err:
-                    yield TriggerEvent({"status": "error",
-                                        "message": f"health check of job {self.job_id} failed: {err!r}"})
-                    return
+                except Exception as err:  # a blip of the database or the broker does not end the watch
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    if now - failing_since >= OUTAGE_LIMIT_S:
+                        yield TriggerEvent({"status": "error", "message": (
+                            f"health check of job {self.job_id} has failed for {now - failing_since:.0f}s: "
+                            f"{err!r}. Check the state database and Kafka connections "
+                            f"({self.state_conn_id!r}, {self.kafka_conn_id!r})")})
+                        return
+                    self.log.warning("Health check of job %s failed, trying again: %r", self.job_id, err)
+                    await asyncio.sleep(self.poll_interval)
+                    continue
+                failing_since = None
                 if self.matches(found):
                     yield TriggerEvent({"status": "fired", "message": found.summary(),
                                         "diagnosis": found.to_dict()})

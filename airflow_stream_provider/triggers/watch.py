@@ -27,7 +27,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -66,6 +66,8 @@ class Snapshot:
     diagnoses: dict[str, Diagnosis] = field(default_factory=dict)
     reported: dict[str, set[HealthReportKey]] = field(default_factory=dict)
     error: str | None = None
+    #: jobs that could not be diagnosed this poll, and why: the others are watched all the same
+    job_errors: dict[str, str] = field(default_factory=dict)
 
 
 class JobsWatch:
@@ -76,27 +78,46 @@ class JobsWatch:
         self.state = StreamStateHook(state_conn_id)
         self.kafka = KafkaOffsetsHook(kafka_conn_id)
         self.thresholds = thresholds
+        #: when the state database answered again after this watcher last failed to read it
+        self.answering_since: float | None = None
+        self._away = False
 
     def poll(self) -> Snapshot:
         now = time.time()
         try:
             jobs = self.state.store.watched_jobs()
         except Exception as err:  # the watcher keeps running; the subscribers report the outage once
+            self._away = True
             return Snapshot(now, error=f"cannot read the state database of connection {self.state_conn_id!r}: "
                             f"{_one_line(err)}. Health is unknown until it answers again; the watcher keeps "
                             "polling.")
+        if self._away:
+            self._away, self.answering_since = False, now
         snapshot = Snapshot(now)
         for job in jobs:
-            snapshot.diagnoses[job.job_id] = self.diagnose(job, now)
+            try:  # one job that cannot be diagnosed must not blind the watchers of every other job
+                snapshot.diagnoses[job.job_id] = self.diagnose(job, now)
+            except Exception as err:
+                log.warning("Cannot diagnose job %s", job.job_id, exc_info=True)
+                snapshot.job_errors[job.job_id] = (
+                    f"cannot diagnose job {job.job_id!r}: {_one_line(err)}. Its health is unknown until this "
+                    "clears; the watcher keeps polling, and watches the other jobs all the same.")
+                continue
             snapshot.reported[job.job_id] = job.reported
         return snapshot
 
     def diagnose(self, job: WatchedJob, now: float) -> Diagnosis:
         lag = self._lag(job) if diagnosis.lag_matters(job.run, self.thresholds, now) else None
         alive = StreamDriverHook.is_alive(job.run) if job.run else None
-        found = diagnosis.diagnose(job.job_id, job.run, driver_alive=alive, lag=lag, thresholds=self.thresholds,
+        run = job.run
+        if run is not None and alive is None and self.answering_since is not None:
+            # Judged by heartbeats alone: while the database was away no driver could heartbeat, so silence
+            # counts from when it answered again, not from each driver's last heartbeat before the outage.
+            run = replace(run, heartbeat_at=max(run.heartbeat_at or 0.0, self.answering_since))
+        found = diagnosis.diagnose(job.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds,
                                    now=now)
-        found = with_interrupted_restart(found, job.last_restart)
+        if _restart_settled(run, self.thresholds, now):
+            found = with_interrupted_restart(found, job.last_restart)
         return with_standby(found, job.run, self.standbys, self.thresholds)
 
     @cached_property
@@ -194,7 +215,7 @@ class _Reporter:
 
     def events(self, snapshot: Snapshot) -> list[dict[str, Any]]:
         if snapshot.error or self.job_id not in snapshot.diagnoses:
-            error = snapshot.error or (
+            error = snapshot.error or snapshot.job_errors.get(self.job_id) or (
                 f"job {self.job_id!r} is unknown to the state database: no run of it was ever recorded. "
                 "Check the job id of this watcher against the job's spec, or deploy the job; the watcher "
                 "keeps polling and reports the job once it runs.")
@@ -242,6 +263,13 @@ def _topics(run: RunRecord | None) -> list[str]:
         return list(json.loads(run.spec)["kafka"]["topics"]) if run and run.spec else []
     except (ValueError, KeyError, TypeError):
         return []
+
+
+def _restart_settled(run: RunRecord | None, thresholds: Thresholds, now: float) -> bool:
+    """Whether a restart that stopped ``run`` has had time to launch its new run.  A restart records its
+    new run at the launch, after its task resumes from the stop's wait (seconds on a busy Airflow): a run
+    ended less than a heartbeat timeout ago is taken for a restart under way, not an interrupted one."""
+    return run is None or run.ended_at is None or now - run.ended_at >= thresholds.heartbeat_timeout_s
 
 
 def _one_line(err: BaseException) -> str:

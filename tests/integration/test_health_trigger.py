@@ -153,3 +153,33 @@ def test_a_misspelt_condition_fails_when_the_dag_is_parsed():
     with pytest.raises(ValueError, match=r"fire_on='FAILED' must be a list of conditions, e.g. \['FAILED'\]"):
         _trigger(fire_on="FAILED")
     assert CheckpointIncompatibilitySensor(task_id="checkpoint", job_id="job", topics=["events"]).fire_on == ("FAILED",)
+
+
+def test_a_failing_check_is_tried_again_until_it_has_failed_too_long(state_store, monkeypatch):
+    """A blip of the state database or the broker must not end a sensor's watch: the check is tried again;
+    only one that keeps failing ends it, saying for how long and which connections to look at.  The
+    failures are a stand-in: a real database cannot be made to fail for exactly one query."""
+    from airflow_stream_provider.triggers import health
+
+    run_id = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.mark_query_started(run_id)
+    state_store._update_run(run_id, heartbeat_at=time.time() - 60)
+    real_check = HealthProbe.check
+    failures = iter([ConnectionError("server closed the connection unexpectedly")] * 2)
+
+    def flaky(probe):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return real_check(probe)
+
+    monkeypatch.setattr(HealthProbe, "check", flaky)
+    event = asyncio.run(asyncio.wait_for(_trigger().run().asend(None), 10))
+    assert (event.payload["status"], event.payload["diagnosis"]["health"]) == ("fired", "DEAD"), event
+
+    monkeypatch.setattr(health, "OUTAGE_LIMIT_S", 0.5)
+    monkeypatch.setattr(HealthProbe, "check", lambda probe: (_ for _ in ()).throw(ConnectionError("refused")))
+    event = asyncio.run(asyncio.wait_for(_trigger().run().asend(None), 10))
+    assert event.payload["status"] == "error", event
+    assert event.payload["message"].startswith("health check of job job has failed for "), event
+    assert "'stream_state_default', 'stream_kafka_default'" in event.payload["message"]

@@ -146,6 +146,10 @@ def test_a_run_a_restart_stopped_and_left_down_is_reported_once(state_store):
     assert asyncio.run(_events(_trigger(), 3)) == [], "a running query is owed nothing"
     state_store.request_stop(stuck)
     state_store.finish_run(stuck, status="STOPPED", exit_code=0, message="stopped")
+    # Just stopped: the restart's task is resuming from the stop's wait to launch (seconds on a busy
+    # Airflow).  Taken for a restart under way for a heartbeat timeout, it is not reported yet.
+    assert asyncio.run(_events(_trigger(), 3)) == [], "a restart under way is not an interrupted one"
+    state_store._update_run(stuck, ended_at=time.time() - 6)  # the heartbeat timeout (5 s) has passed
 
     (watched,) = state_store.watched_jobs()
     assert (watched.last_restart["failed_run_id"], watched.last_restart["new_run_id"]) == (stuck, None)
@@ -244,7 +248,7 @@ def test_an_unreachable_database_is_reported_once_and_the_watcher_keeps_running(
             store = StateStore.from_url(f"sqlite:///{missing}")
             store.ensure_schema()
             _kill(store, _running(store))
-            await polls.wait(7)
+            await polls.wait(35)  # silent for a heartbeat timeout (5 s) since the database answered
         store.dispose()
         return found
 
@@ -252,6 +256,75 @@ def test_an_unreachable_database_is_reported_once_and_the_watcher_keeps_running(
     assert [e["status"] for e in found] == ["error", "fired"], found
     assert "cannot read the state database of connection 'stream_state_default'" in found[0]["message"]
     assert "the watcher keeps polling" in found[0]["message"]
+
+
+def test_drivers_silent_through_a_database_outage_are_not_dead_when_it_returns(state_store, monkeypatch):
+    """While the state database is away no driver can heartbeat.  Judged by heartbeats (its process is not
+    on this host), a driver's silence counts from when the database answers again: a live driver has a
+    heartbeat timeout to write its next one, and one that died meanwhile is reported after it."""
+    run_id = _running(state_store)
+    polls = _Polls(monkeypatch)
+    working = StateStore.watched_jobs
+    away = {"now": False}
+
+    def watched_jobs(store):
+        if away["now"]:
+            raise ConnectionError("could not connect to server")
+        return working(store)
+
+    monkeypatch.setattr(StateStore, "watched_jobs", watched_jobs)
+
+    async def scenario():
+        async with _watching(_trigger()) as found:
+            await polls.wait(3)
+            away["now"] = True  # the database goes away for a minute...
+            await polls.wait(3)
+            state_store._update_run(run_id, heartbeat_at=time.time() - 60)  # ...through which none heartbeats
+            away["now"] = False
+            await polls.wait(10)  # two seconds: within the heartbeat timeout (5 s)
+            quiet = list(found)
+            await polls.wait(30)  # the driver never heartbeats again: dead after all
+        return quiet, found
+
+    quiet, found = asyncio.run(scenario())
+    assert [e["status"] for e in quiet] == ["error"], quiet
+    assert [(e["status"], e.get("diagnosis", {}).get("health")) for e in found] == [("error", None),
+                                                                                    ("fired", "DEAD")], found
+
+
+def test_a_job_that_cannot_be_diagnosed_does_not_blind_the_watchers_of_the_others(state_store, monkeypatch):
+    """One job's run recorded with a failure kind this release does not know (a newer driver wrote it) is
+    FAILED/UNKNOWN, not an error; and where one job's diagnosis does fail, the others are watched still."""
+    dead = _running(state_store, "a")
+    _kill(state_store, dead)
+    newer = state_store.begin_run("b", 1, "1.0").run_id
+    state_store.finish_run(newer, status="FAILED", exit_code=9, failure_kind="A_KIND_FROM_A_NEWER_RELEASE",
+                           message="something new")
+
+    events = asyncio.run(_events(_trigger("b"), 3))
+    assert [(e["diagnosis"]["health"], e["diagnosis"]["failure_kind"]) for e in events] == [("FAILED", "UNKNOWN")]
+    assert "A_KIND_FROM_A_NEWER_RELEASE, a failure kind this release does not know" in events[0]["message"]
+
+    # A failure to diagnose one job: a stand-in, as a database error in one job's lookups alone cannot be
+    # produced against a real database that answers the others.
+    diagnose = watch.JobsWatch.diagnose
+
+    def failing_for_b(self, job, now):
+        if job.job_id == "b":
+            raise RuntimeError("the standby table is locked")
+        return diagnose(self, job, now)
+
+    monkeypatch.setattr(watch.JobsWatch, "diagnose", failing_for_b)
+    state_store.forget_health_report("b", HealthReportKey(newer, "FAILED", "UNKNOWN"))
+
+    async def both():
+        return await asyncio.gather(_events(_trigger("a"), 4), _events(_trigger("b"), 4))
+
+    for_a, for_b = asyncio.run(both())
+    assert [(e["status"], e["diagnosis"]["run_id"]) for e in for_a] == [("fired", dead)], for_a
+    assert [e["status"] for e in for_b] == ["error"], for_b
+    assert for_b[0]["message"].startswith("cannot diagnose job 'b': "), for_b
+    assert "watches the other jobs all the same" in for_b[0]["message"]
 
 
 def test_a_malformed_asset_uri_fails_at_parse_time_naming_the_form(tmp_path):
