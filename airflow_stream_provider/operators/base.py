@@ -212,7 +212,7 @@ class StreamJobOperator(BaseOperator):
                     f"job {self.job.job_id}: while this task waited, its lease on the job ran out and "
                     f"{held.describe(time.time())} took it; that task acts on the job now, so this one stops "
                     "here. Look at what it did before running this again")
-            return self.lease_held(held)
+            return self.lease_held(context, held)
         try:
             result = step(*args)
         except TaskDeferred:
@@ -223,7 +223,7 @@ class StreamJobOperator(BaseOperator):
         self.controller.release_lease(self._lease_owner)
         return result
 
-    def lease_held(self, held: Lease) -> Any:
+    def lease_held(self, context, held: Lease) -> Any:
         """Another task holds the job's lease: nothing is done (a recover overrides this)."""
         raise AirflowFailException(
             f"job {self.job.job_id}: {held.describe(time.time())} acts on the job now, and a {self.lease_action} "

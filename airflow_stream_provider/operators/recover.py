@@ -10,12 +10,17 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_stream_provider import recovery
 from airflow_stream_provider.budget import RestartBudget
 from airflow_stream_provider.diagnosis import Health
+from airflow_stream_provider.lifecycle import waits
 from airflow_stream_provider.operators.base import StreamJobOperator
 from airflow_stream_provider.recovery import RecoveryAction
 
 ON_INCOMPATIBLE = recovery.ON_INCOMPATIBLE
 #: How long a warm standby may take to take a dead run over and start its query before a cold restart
 STANDBY_TAKEOVER_S = 60.0
+#: How often a recovery that found another task acting on the job looks again
+LEASE_RETRY_S = 10.0
+#: The method a wait for the lease resumes in (``lease_held``)
+LOOK_AGAIN = "_look_again"
 
 
 class RecoverStreamingJobOperator(StreamJobOperator):
@@ -26,8 +31,8 @@ class RecoverStreamingJobOperator(StreamJobOperator):
     ========================  =========================================================================
     STARTING, HEALTHY         nothing
     STOPPED                   nothing: a clean stop was asked for by someone
-    anything, while another   nothing: that task holds the job's lease (``state.leases``)
-    task acts on the job
+    anything, while another   wait (in the triggerer) until that task lets go of the job's lease
+    task acts on the job      (``state.leases``), then diagnose afresh
     anything, while an        nothing: the upgrade's task acts on the job (``recovery.UPGRADE_IN_CHARGE``)
     upgrade stops, starts,
     verifies or rolls back
@@ -80,12 +85,25 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         return RestartBudget(int(self.max_restarts), float(self.restart_window), float(self.backoff_base),
                              float(self.backoff_max), float(self.healthy_reset))
 
-    def lease_held(self, held) -> dict[str, Any]:
-        """Another task acts on the job (a submit, a stop, a restart, an upgrade): a recovery beside it
-        could start a second driver, so this one leaves the job to it, as it does during an upgrade."""
-        why = f"{held.describe(time.time())} acts on the job now: the recovery leaves it to that task"
-        self.log.info("Not recovering: %s", why)
-        return {"action": "none", "why": why}
+    def lease_held(self, context, held) -> Any:
+        """Another task acts on the job (a submit, a stop, an upgrade's preflight): a recovery beside it could
+        start a second driver, so this one waits, in the triggerer, until that task lets go, then diagnoses
+        afresh.  Left to that task instead, a job it leaves down (an upgrade that aborts after its preflight)
+        would wait for the next sweep: the watcher reports a condition once."""
+        self.log.info("Not recovering yet: %s acts on the job; looking again in %.0fs", held.describe(time.time()),
+                      LEASE_RETRY_S)
+        if self.deferrable:
+            self._defer(None, LEASE_RETRY_S, LOOK_AGAIN, {})
+        waits.pause(LEASE_RETRY_S)
+        return self._look_again(context, None)
+
+    def execute_complete(self, context, event: dict[str, Any]) -> Any:
+        if event.get("resume", {}).get("method") == LOOK_AGAIN:  # this task held no lease while it waited
+            return self._look_again(context, None)
+        return super().execute_complete(context, event)
+
+    def _look_again(self, context, event) -> Any:
+        return self.execute(context)
 
     def start(self, context) -> dict[str, Any]:
         try:

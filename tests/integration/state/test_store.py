@@ -350,12 +350,13 @@ def test_a_recovery_a_restart_or_a_reset_leaves_a_job_to_the_upgrade_that_is_sta
 
 def test_one_task_at_a_time_acts_on_a_job(state_store, tmp_path):
     """A submit from the deploy DAG holds the job's lease through its launch: the health DAG's recover
-    beside it leaves the job alone and says why, and a person's restart fails before doing anything.  A
-    task that ends lets go of it, failing or not; a task resumed after its lease was taken stops."""
+    beside it waits for it to let go (``test_a_recovery_that_found_the_job_leased_...``), and a person's
+    restart fails before doing anything.  A task that ends lets go of it, failing or not; a task resumed
+    after its lease was taken stops."""
     import time
 
     import pytest
-    from airflow.sdk.exceptions import AirflowFailException
+    from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
     from airflow_stream_provider.lifecycle.controller import StreamJobError
     from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
@@ -370,8 +371,8 @@ def test_one_task_at_a_time_acts_on_a_job(state_store, tmp_path):
     submit_owner = "stream_deploy/manual__1/submit/-1"
     assert leases.take("job", submit_owner, "submit", time.time() + 300) is None  # its driver is starting
 
-    outcome = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="job.py").execute({})
-    assert outcome["action"] == "none" and f"task {submit_owner} (submit" in outcome["why"], outcome
+    with pytest.raises(TaskDeferred):
+        RecoverStreamingJobOperator(task_id="recover", spec=spec, application="job.py").execute({})
     with pytest.raises(AirflowFailException, match=rf"task {submit_owner} \(submit.* acts on the job now, and a "
                                                    "restart beside it could start or stop a driver"):
         RestartStreamingJobOperator(task_id="restart", spec=spec, application="job.py").execute({})
@@ -417,3 +418,54 @@ def test_a_state_database_of_an_older_release_gains_the_new_columns_in_place(sto
     store.record_ui_url(after.run_id, "http://driver-host:4040")
     assert store.get_run(after.run_id).ui_url == "http://driver-host:4040"
     assert schema.add_missing_columns(store.engine) == []
+
+
+def test_a_recovery_that_found_the_job_leased_waits_for_it_and_diagnoses_afresh(state_store, tmp_path):
+    """The watcher reports a condition once.  A recover that found another task acting on the job (an
+    upgrade's preflight, when the old driver died) and simply left it, would leave the job down when that
+    task ends without repairing it (the upgrade aborts): nothing would fire again before the sweep.  It
+    waits in the triggerer instead, holding no lease, and acts on what it finds once the other task let go."""
+    import time
+
+    import pytest
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from airflow_stream_provider.operators import recover as recover_module
+    from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
+    from airflow_stream_provider.state.leases import LeaseLog
+
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path / "checkpoints"),
+            "kafka": {"topics": ["events"]}}
+    dead = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.mark_query_started(dead)
+    state_store.mark_dead(dead, "found dead: its driver process is gone")
+    leases = LeaseLog(state_store)
+    upgrade_owner = "stream_upgrade/manual__1/upgrade/-1"
+    assert leases.take("job", upgrade_owner, "upgrade", time.time() + 300) is None  # its preflight runs
+
+    recover = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="job.py")
+    with pytest.raises(TaskDeferred) as deferred:
+        recover.execute({})
+    trigger = deferred.value.trigger
+    assert (trigger.wait, trigger.pause_s, trigger.resume["method"]) == (None, recover_module.LEASE_RETRY_S,
+                                                                         recover_module.LOOK_AGAIN)
+    assert leases.get("job").owner == upgrade_owner, "the waiting recovery holds nothing"
+    looked_again = {"outcome": "paused", "run_id": None, "resume": trigger.resume}
+    with pytest.raises(TaskDeferred):  # still held: it waits again
+        recover.execute_complete({}, looked_again)
+
+    # The upgrade aborts after its preflight; meanwhile a person started the job again by hand.
+    live = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.mark_query_started(live)
+    leases.release("job", upgrade_owner)
+    outcome = recover.execute_complete({}, looked_again)
+    assert outcome["action"] == "none" and outcome["diagnosis"]["run_id"] == live, outcome
+    assert outcome["diagnosis"]["health"] == "HEALTHY" and leases.get("job") is None
+
+    # Not deferrable: the same wait, in the worker
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(recover_module, "LEASE_RETRY_S", 0.1)
+    leases.take("job", upgrade_owner, "upgrade", time.time() + 0.5)
+    blocking = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="job.py", deferrable=False)
+    assert blocking.execute({})["diagnosis"]["run_id"] == live  # once the lease ran out
+    monkey.undo()
