@@ -50,6 +50,12 @@ from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradeRecord
 
 #: The stop's escalation: after the stop marker, SIGTERM, then a kill; each waits for the driver to end.
 STOP_STAGES = ("marker", "terminate", "kill")
+#: ``ensure_standby``'s action when no standby is started after too many died warming up
+WITHHELD = "withheld"
+#: Standbys that died warming up, one after another within ``STANDBY_FAILURE_WINDOW_S``, after which no
+#: other is started: each would die the same way, and each death is reported and answered with another.
+STANDBY_FAILURES_MAX = 3
+STANDBY_FAILURE_WINDOW_S = 1800.0
 
 
 class StreamJobError(Exception):
@@ -330,12 +336,32 @@ class StreamJobController:
                              self.job_id, run.run_id)
             return None
         application, spec = recorded
+        withheld = self.standby_withheld()
+        if withheld:
+            self.log.error("%s", withheld)
+            return {"standby_id": None, "status": None, "action": WITHHELD, "why": withheld}
         spec = replace(spec, standby=True).with_generation(run.generation)
         standby_id, submitted = self._start_standby(application, spec, STANDBY)
         self.log.info("Started standby %s for run %s of job %s (version %s, generation %s)", standby_id,
                       run.run_id, self.job_id, spec.version, run.generation)
         return {"standby_id": standby_id, "status": StandbyStatus.WARMING.value, "action": "started",
                 "pid": submitted.pid, "log_path": submitted.log_path}
+
+    def standby_withheld(self, now: float | None = None) -> str | None:
+        """Why no standby is started, with the last one's evidence, where the job's latest standbys all died
+        warming up: the loop of a standby dying, the watcher reporting NO_STANDBY and a recovery starting the
+        next one stops there."""
+        now = time.time() if now is None else now
+        died = standby_failures(self.standbys.recent(self.job_id, STANDBY_FAILURES_MAX * 2), now)
+        if len(died) < STANDBY_FAILURES_MAX:
+            return None
+        last = died[0]
+        return (
+            f"job {self.job_id}: its last {len(died)} standbys died while warming up, the latest "
+            f"{now - (last.ended_at or now):.0f}s ago ({last.message or 'no reason recorded'}); no other is "
+            f"started before {STANDBY_FAILURE_WINDOW_S / 60:.0f} min have passed since the first. The job runs "
+            f"without one. Read the standby's log ({last.log_path}): a standby needs its own ports and "
+            "memory beside the active driver (a fixed spark.driver.port or spark.ui.port cannot be shared)")
 
     def _start_standby(self, application: str, spec: StreamJobSpec, role: str) -> tuple[str, SubmittedDriver]:
         """Submit a standby or successor driver and record it WARMING at once, under the launcher's process,
@@ -515,3 +541,18 @@ def caught_up(state: StreamStateHook, kafka: KafkaOffsetsHook, job_id: str, topi
         return kafka.lag(state.unapplied_from(job_id), topics) == 0
     except Exception:
         return False
+
+
+def standby_failures(recent: list[StandbyRecord], now: float) -> list[StandbyRecord]:
+    """The standbys of ``recent`` (newest first) that died warming up, one after another within the window,
+    newest first: up to the first that warmed up or ended otherwise (asked to, or by taking over)."""
+    died = []
+    for record in recent:
+        if record.successor or record.status.live:
+            continue
+        if record.status != StandbyStatus.DEAD or record.ready_at is not None:
+            break
+        if now - (record.ended_at or record.started_at or now) > STANDBY_FAILURE_WINDOW_S:
+            break
+        died.append(record)
+    return died

@@ -8,6 +8,7 @@ standby table and the process table, on both databases; the standby drivers them
 from __future__ import annotations
 
 import subprocess
+import time
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
@@ -230,3 +231,52 @@ def test_a_standby_ended_while_its_warm_up_hangs_in_the_job_code_ends(store, dat
         assert waits.rewarming(), "the hung warm-up is the one in flight: no second one is started beside it"
     finally:
         hung.set()
+
+
+def _died_warming(log: StandbyLog, standby_id: str, *, warmed: bool = False, age: float = 10.0) -> None:
+    """A standby the health check found gone: while warming up, or (``warmed``) after it was ready."""
+    import socket
+
+    log.register(standby_id, "orders", "1.0", 1, host=socket.gethostname(), pid=999_999,
+                 log_path=f"/logs/{standby_id}.log")
+    if warmed:
+        log.ready(standby_id)
+    log.end(standby_id, StandbyStatus.DEAD, "its driver process (pid 999999) is gone: Address already in use")
+    log._update(standby_id, ended_at=time.time() - age, started_at=time.time() - age - 5)
+
+
+def test_standbys_that_keep_dying_while_warming_up_are_not_started_again_and_again(state_store, database_url):
+    """A standby that cannot come up beside the active driver (a fixed spark.driver.port) dies warming up;
+    the watcher reports NO_STANDBY and the health DAG's recover starts the next one, which dies the same
+    way: a loop of green DAG runs and JVM starts.  After three in a row, none is started, and the recover
+    that was run for the missing standby fails saying why, with the last one's evidence."""
+    from airflow_stream_provider.lifecycle import controller as controller_module
+    from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
+
+    controller = _controller(database_url)
+    log = StandbyLog(state_store)
+    run_id = state_store.begin_run("orders", 1, "1.0").run_id
+    state_store.mark_query_started(run_id)
+    state_store.record_launch(run_id, "/jobs/orders.py", controller.spec.to_json())
+    _died_warming(log, "s-warmed", warmed=True, age=100)  # warmed up, then killed: no part of a loop
+    _died_warming(log, "s-1", age=60)
+    _died_warming(log, "s-2", age=30)
+    assert controller.standby_withheld() is None, "two in a row: the next one is still started"
+    _died_warming(log, "s-3", age=5)
+
+    withheld = controller.standby_withheld()
+    assert withheld.startswith("job orders: its last 3 standbys died while warming up, the latest 5s ago "
+                               "(its driver process (pid 999999) is gone: Address already in use)"), withheld
+    assert "(/logs/s-3.log)" in withheld and "spark.driver.port" in withheld
+    assert controller.ensure_standby(None) == {"standby_id": None, "status": None, "action": "withheld",
+                                               "why": withheld}
+    assert [s.standby_id for s in log.live("orders")] == [], "nothing was started"
+    later = controller.standby_withheld(now=time.time() + controller_module.STANDBY_FAILURE_WINDOW_S)
+    assert later is None, "once the window has passed since the first, one more is tried"
+
+    spec = {"job_id": "orders", "version": "1.0", "checkpoint_root": "/tmp/ckpt", "kafka": {"topics": ["orders"]},
+            "standby": True}
+    recover = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="/jobs/orders.py")
+    with pytest.raises(AirflowFailException, match="its last 3 standbys died while warming up"):
+        recover.execute({})
+    assert [s.standby_id for s in log.live("orders")] == []
