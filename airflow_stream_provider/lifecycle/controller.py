@@ -50,8 +50,9 @@ from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradeRecord
 
 #: The stop's escalation: after the stop marker, SIGTERM, then a kill; each waits for the driver to end.
 STOP_STAGES = ("marker", "terminate", "kill")
-#: ``ensure_standby``'s action when no standby is started after too many died warming up
+#: ``ensure_standby``'s actions when no standby is started: too many died warming up, or its start failed
 WITHHELD = "withheld"
+NOT_STARTED = "not started"
 #: Standbys that died warming up, one after another within ``STANDBY_FAILURE_WINDOW_S``, after which no
 #: other is started: each would die the same way, and each death is reported and answered with another.
 STANDBY_FAILURES_MAX = 3
@@ -341,7 +342,12 @@ class StreamJobController:
             self.log.error("%s", withheld)
             return {"standby_id": None, "status": None, "action": WITHHELD, "why": withheld}
         spec = replace(spec, standby=True).with_generation(run.generation)
-        standby_id, submitted = self._start_standby(application, spec, STANDBY)
+        try:
+            standby_id, submitted = self._start_standby(application, spec, STANDBY)
+        except Exception as err:  # the run it stands by for runs: a task that launched it must not fail now
+            why = f"job {self.job_id}: no standby was started: {err}"
+            self.log.error("%s", why, exc_info=True)
+            return {"standby_id": None, "status": None, "action": NOT_STARTED, "why": why}
         self.log.info("Started standby %s for run %s of job %s (version %s, generation %s)", standby_id,
                       run.run_id, self.job_id, spec.version, run.generation)
         return {"standby_id": standby_id, "status": StandbyStatus.WARMING.value, "action": "started",

@@ -11,7 +11,7 @@ from airflow_stream_provider import recovery
 from airflow_stream_provider.budget import RestartBudget
 from airflow_stream_provider.diagnosis import Health
 from airflow_stream_provider.lifecycle import waits
-from airflow_stream_provider.lifecycle.controller import WITHHELD
+from airflow_stream_provider.lifecycle.controller import NOT_STARTED, WITHHELD
 from airflow_stream_provider.operators.base import StreamJobOperator
 from airflow_stream_provider.recovery import RecoveryAction
 
@@ -124,8 +124,8 @@ class RecoverStreamingJobOperator(StreamJobOperator):
                 self.log.info("Not recovering: %s", decision.why)
                 return {**outcome, "action": "none", "why": decision.why}
             standby = self.controller.ensure_standby(self.application) if found.health != Health.STOPPED else None
-            if found.needs_standby and standby and standby["action"] == WITHHELD:  # said loudly, once
-                raise AirflowFailException(standby["why"])
+            if found.needs_standby and standby and standby["action"] in (WITHHELD, NOT_STARTED):
+                raise AirflowFailException(standby["why"])  # this run was for the standby: said loudly, once
             return {**outcome, "action": "none", "standby": standby}
         if decision.action == RecoveryAction.FAIL:
             raise AirflowFailException(decision.why)

@@ -280,3 +280,30 @@ def test_standbys_that_keep_dying_while_warming_up_are_not_started_again_and_aga
     with pytest.raises(AirflowFailException, match="its last 3 standbys died while warming up"):
         recover.execute({})
     assert [s.standby_id for s in log.live("orders")] == []
+
+
+def test_a_standby_that_cannot_be_started_does_not_fail_the_task_that_launched_the_run(state_store, database_url,
+                                                                                       monkeypatch):
+    """A submit (or a restart) whose run is up, and whose standby's spark-submit then fails: the task that
+    launched the run succeeds, saying no standby was started; failed, its retry would find the job running
+    ("already runs") or restart it again.  The recover run for a missing standby fails with it instead."""
+    from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
+
+    controller = _controller(database_url)
+    run_id = state_store.begin_run("orders", 1, "1.0").run_id
+    state_store.mark_query_started(run_id)
+    state_store.record_launch(run_id, "/jobs/orders.py", controller.spec.to_json())
+
+    def no_spark_submit(*args, **kwargs):  # a stand-in: spark-submit missing from this worker's PATH
+        raise FileNotFoundError(2, "No such file or directory", "spark-submit")
+
+    monkeypatch.setattr(StreamDriverHook, "submit", no_spark_submit)
+    said = controller.ensure_standby(None)
+    assert said["action"] == "not started" and said["standby_id"] is None, said
+    assert said["why"].startswith("job orders: no standby was started: [Errno 2] No such file or directory"), said
+
+    spec = {"job_id": "orders", "version": "1.0", "checkpoint_root": "/tmp/ckpt", "kafka": {"topics": ["orders"]},
+            "standby": True}
+    recover = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="/jobs/orders.py")
+    with pytest.raises(AirflowFailException, match="no standby was started"):
+        recover.execute({})
