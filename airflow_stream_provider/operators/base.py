@@ -324,7 +324,8 @@ class StreamJobOperator(BaseOperator):
                     starting_offsets: str | None = None, on_fail: str | None = None,
                     restart: tuple[str, str, str | None] | None = None) -> Any:
         """Submit a driver, wait until its query runs, then ``after(context, result, **carry)``; a start
-        failure raises with the driver's own evidence, or goes to ``on_fail(context, error, **carry)``.
+        failure (refused before the submit, or the driver's own) raises, or goes to
+        ``on_fail(context, error, **carry)``.
 
         ``restart``: (action, reason, failed run) of a recovery: recorded as soon as the driver is submitted,
         so that a new run failing before its query starts still counts against the restart budget."""
@@ -332,8 +333,13 @@ class StreamJobOperator(BaseOperator):
         if not application:
             raise AirflowFailException(f"{self.task_id}: 'application' (the job file to submit) is required")
         spec = StreamJobSpec.from_dict(json.loads(spec_json)) if spec_json else self.job
-        launch = self.controller.submit(application, spec, generation=generation,
-                                        starting_offsets=starting_offsets)
+        try:
+            launch = self.controller.submit(application, spec, generation=generation,
+                                            starting_offsets=starting_offsets)
+        except (StreamJobError, AirflowFailException) as err:
+            if on_fail:  # refused before a driver started (brokers away, a topic missing): the flow's own path
+                return self.resume(context, on_fail, err, carry)
+            raise
         self._in_flight = launch
         if restart:
             self.controller.record_restart(*restart, launch["run_id"])

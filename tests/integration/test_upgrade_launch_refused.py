@@ -1,0 +1,48 @@
+"""An upgrade whose new version cannot even be submitted once the old run has stopped (the brokers away
+for the check before the start, a topic gone): the upgrade's own failure path runs, as for a new version
+that failed as it started.  Escaping the flow, the error said "nothing was started" although the old run
+was stopped, and the upgrade's record stayed in STARTING, so every recovery left the job alone for half
+an hour."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_stream_provider import recovery
+from airflow_stream_provider.lifecycle.controller import StreamJobController, StreamJobError
+from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
+from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
+
+SPEC = {"job_id": "job", "version": "1.0", "checkpoint_root": "/tmp/ckpt-upgrade-refused",
+        "kafka": {"topics": ["events"]}}
+
+
+def test_a_new_version_refused_before_its_submit_rolls_back_and_ends_the_upgrade(state_store, monkeypatch):
+    # The refusal is the controller's own check before a start; the brokers cannot be taken down for one
+    # check only, so the check raises what it raises when they do not answer.
+    def unreachable(self, spec):
+        raise StreamJobError("Kafka at the job's brokers is unreachable: NoBrokersAvailable; check the "
+                             "connection's brokers and that they are up; nothing was started")
+
+    monkeypatch.setattr(StreamJobController, "check_before_start", unreachable)
+    old = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.finish_run(old, status="STOPPED", exit_code=0, message="stopped by the upgrade")
+    operator = UpgradeStreamingJobOperator(task_id="upgrade", spec=SPEC, application="/jobs/v2.py", version="2.0")
+    previous = {"application": "/jobs/v1.py", "spec_json": operator.job.to_json()}
+    ctx = {"generation": 1, "outcome": {}, "previous": previous, "policy": "after_preflight",
+           "decision": {"action": "reuse", "why": "compatible", "reset_on_start_failure": False}}
+    ctx["upgrade_id"] = UpgradeLog(state_store).begin("job", "1.0", "2.0", ctx)
+
+    with pytest.raises(AirflowFailException) as failed:
+        operator._old_stopped({}, {"run_id": old, "outcome": "stopped"}, ctx)
+    message = str(failed.value)
+    assert message.startswith("job job: the upgrade to version 2.0 failed after the old run was stopped: Kafka at "
+                              "the job's brokers is unreachable"), message
+    assert "The rollback to version 1.0 (/jobs/v1.py) failed too" in message
+    assert "The job is down; start a known-good version by hand." in message
+    record = UpgradeLog(state_store).latest("job")
+    assert record.phase == UpgradePhase.DONE, record
+    assert not recovery.upgrade_in_charge(record, time.time()), "recoveries act on the job again"
