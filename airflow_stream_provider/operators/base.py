@@ -429,28 +429,34 @@ class StreamJobOperator(BaseOperator):
     # -- reset to a new generation -------------------------------------------------------------------------
     def reset_then(self, context, reason: str, after: str, carry: dict[str, Any], *,
                    allow_data_loss: bool = False, spec_json: str | None = None,
-                   application: str | None = None) -> Any:
+                   application: str | None = None, on_fail: str | None = None) -> Any:
         """Archive the current generation and start the next one from the offsets stored with the results
-        (checked against Kafka; offsets it no longer holds fail unless ``allow_data_loss``)."""
+        (checked against Kafka; offsets it no longer holds fail unless ``allow_data_loss``).  A launch that
+        fails goes to ``on_fail(context, error, **carry)`` when given."""
         flow = {"reason": reason, "allow_data_loss": allow_data_loss, "spec_json": spec_json,
-                "application": application, "after": after, "carry": carry}
+                "application": application, "after": after, "carry": carry, "on_fail": on_fail}
         return self.stop_live_then(context, "_reset_stopped", flow)
 
     def _reset_stopped(self, context, stopped, reason, allow_data_loss, spec_json, application, after,
-                       carry) -> Any:
+                       carry, on_fail=None) -> Any:
         job = StreamJobSpec.from_dict(json.loads(spec_json)) if spec_json else self.job
         reset = self.controller.before_reset(job, reason, allow_data_loss=allow_data_loss)
-        return self.launch_reset(context, job, reset, reason, after, carry, application=application)
+        return self.launch_reset(context, job, reset, reason, after, carry, application=application,
+                                 on_fail=on_fail)
 
     def launch_reset(self, context, job: StreamJobSpec, reset: dict[str, Any], reason: str, after: str,
-                     carry: dict[str, Any], *, application: str | None = None) -> Any:
+                     carry: dict[str, Any], *, application: str | None = None, on_fail: str | None = None) -> Any:
         """Launch ``job`` on the generation ``reset`` prepared (``before_reset``), then ``after``."""
-        flow = {"reason": reason, "reset": reset, "after": after, "carry": carry}
+        flow = {"reason": reason, "reset": reset, "after": after, "carry": carry, "on_fail": on_fail}
         return self.launch_then(context, "_reset_launched", flow, application=application,
                                 spec_json=job.to_json(), generation=reset["generation"],
-                                starting_offsets=reset["starting_offsets"], restart=("reset", reason, None))
+                                starting_offsets=reset["starting_offsets"], restart=("reset", reason, None),
+                                on_fail="_reset_failed" if on_fail else None)
 
-    def _reset_launched(self, context, launched, reason, reset, after, carry) -> Any:
+    def _reset_failed(self, context, error, reason, reset, after, carry, on_fail) -> Any:
+        return self.resume(context, on_fail, error, carry)
+
+    def _reset_launched(self, context, launched, reason, reset, after, carry, on_fail=None) -> Any:
         info = {k: reset[k] for k in ("archived_generation", "archive_path", "starting_offsets", "lost_ranges")}
         return self.resume(context, after, {**launched, "action": "reset", **info}, carry)
 

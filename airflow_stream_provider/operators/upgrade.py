@@ -310,7 +310,8 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             return self._release_successor(context, ctx, reason)
         if ctx["decision"]["action"] == Action.RESET:
             return self.reset_then(context, reason, "_started", {"ctx": ctx}, allow_data_loss=self.allow_data_loss,
-                                   spec_json=new.to_json(), application=self.application)
+                                   spec_json=new.to_json(), application=self.application,
+                                   on_fail="_failed_after_stop")
         return self.launch_then(context, "_started", {"ctx": ctx}, spec_json=new.to_json(), on_fail="_start_refused")
 
     def _release_successor(self, context, ctx, reason: str) -> dict[str, Any]:
@@ -359,7 +360,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
                          failed.error_class)
         reason = f"upgrade to version {new.version}: {ctx['decision']['why']}; refused on start: {failed.error_class}"
         return self.reset_then(context, reason, "_started", {"ctx": ctx}, allow_data_loss=self.allow_data_loss,
-                               spec_json=new.to_json(), application=self.application)
+                               spec_json=new.to_json(), application=self.application, on_fail="_failed_after_stop")
 
     def _started(self, context, started, ctx) -> dict[str, Any]:
         ctx["started"] = {"action": "reuse", **started}  # a reset's result names itself "reset"
@@ -427,7 +428,8 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             return self.launch_then(context, "_rollback_started", {"ctx": ctx}, application=previous["application"],
                                     spec_json=previous["spec_json"], on_fail="_rollback_refused")
         return self.reset_then(context, ctx["rollback_reason"], "_rollback_started", {"ctx": ctx},
-                               spec_json=previous["spec_json"], application=previous["application"])
+                               spec_json=previous["spec_json"], application=previous["application"],
+                               on_fail="_rollback_failed")
 
     def _rollback_refused(self, context, error, ctx) -> dict[str, Any]:
         failed = self.state.latest_run(self.job.job_id)
@@ -436,7 +438,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         previous = ctx["previous"]
         return self.reset_then(context, f"{ctx['rollback_reason']}; refused on start: {failed.error_class}",
                                "_rollback_started", {"ctx": ctx}, spec_json=previous["spec_json"],
-                               application=previous["application"])
+                               application=previous["application"], on_fail="_rollback_failed")
 
     def _rollback_started(self, context, started, ctx) -> dict[str, Any]:
         started = {"action": "restart", **started}  # on the kept generation; a reset names itself "reset"

@@ -16,11 +16,12 @@ from airflow_stream_provider.lifecycle.controller import StreamJobController, St
 from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 
-SPEC = {"job_id": "job", "version": "1.0", "checkpoint_root": "/tmp/ckpt-upgrade-refused",
-        "kafka": {"topics": ["events"]}}
+SPEC = {"job_id": "job", "version": "1.0"}
 
 
-def test_a_new_version_refused_before_its_submit_rolls_back_and_ends_the_upgrade(state_store, monkeypatch):
+@pytest.mark.parametrize("decision", ["reuse", "reset"])
+def test_a_new_version_refused_before_its_submit_rolls_back_and_ends_the_upgrade(state_store, monkeypatch, tmp_path,
+                                                                                 topic, decision):
     # The refusal is the controller's own check before a start; the brokers cannot be taken down for one
     # check only, so the check raises what it raises when they do not answer.
     def unreachable(self, spec):
@@ -30,10 +31,11 @@ def test_a_new_version_refused_before_its_submit_rolls_back_and_ends_the_upgrade
     monkeypatch.setattr(StreamJobController, "check_before_start", unreachable)
     old = state_store.begin_run("job", 1, "1.0").run_id
     state_store.finish_run(old, status="STOPPED", exit_code=0, message="stopped by the upgrade")
-    operator = UpgradeStreamingJobOperator(task_id="upgrade", spec=SPEC, application="/jobs/v2.py", version="2.0")
+    spec = {**SPEC, "checkpoint_root": str(tmp_path / "checkpoints"), "kafka": {"topics": [topic]}}
+    operator = UpgradeStreamingJobOperator(task_id="upgrade", spec=spec, application="/jobs/v2.py", version="2.0")
     previous = {"application": "/jobs/v1.py", "spec_json": operator.job.to_json()}
     ctx = {"generation": 1, "outcome": {}, "previous": previous, "policy": "after_preflight",
-           "decision": {"action": "reuse", "why": "compatible", "reset_on_start_failure": False}}
+           "decision": {"action": decision, "why": "preflight", "reset_on_start_failure": False}}
     ctx["upgrade_id"] = UpgradeLog(state_store).begin("job", "1.0", "2.0", ctx)
 
     with pytest.raises(AirflowFailException) as failed:
