@@ -110,7 +110,8 @@ class Diagnosis:
     def conditions(self) -> tuple[str, ...]:
         """Every condition that holds: ``condition`` and, where that is not a health value, the health too
         (a DEAD run owed a restart is both)."""
-        return (self.condition,) if self.condition == self.health.value else (self.condition, self.health.value)
+        condition = self.condition
+        return (condition,) if condition == self.health.value else (condition, self.health.value)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

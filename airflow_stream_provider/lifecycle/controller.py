@@ -457,7 +457,7 @@ class StreamJobController:
             killed = self.driver.kill(run)
             self.log.warning("Run %s ignored SIGTERM: %s", run_id, killed)
             # A cluster run's row is trusted dead after a kill (``finish_stop``): not after a refused one.
-            if not killed.done and run.submission_id and self._still_there(self.get_run(run_id), None):
+            if not killed.done and run.submission_id and self._still_there(run, None):
                 raise StreamJobError(
                     f"job {run.job_id} run {run_id} did not stop: it ignored the stop marker (a cluster driver "
                     f"cannot be signalled from here), and {killed}. Nothing was started beside it; once it has "

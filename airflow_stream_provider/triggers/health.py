@@ -16,8 +16,8 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from airflow_stream_provider import diagnosis
 from airflow_stream_provider.diagnosis import INTERRUPTED_RESTART, Health, Thresholds, check_conditions
 
-#: How long the health check may keep failing (the state database or Kafka away) before the watch ends
-#: with an error: long enough for a restart of either, short enough that a broken connection is seen.
+#: How long the state database may keep failing the health check (``waits.DATABASE_OUTAGE``) before the
+#: watch ends with an error: long enough for its restart, short enough that a broken connection is seen.
 OUTAGE_LIMIT_S = 120.0
 #: What the health sensor waits for by default: the conditions that need a recovery.
 FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, INTERRUPTED_RESTART)
@@ -51,6 +51,7 @@ class StreamHealthTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from airflow_stream_provider.lifecycle.health import HealthProbe
+        from airflow_stream_provider.lifecycle.waits import DATABASE_OUTAGE
 
         probe = HealthProbe.connect(self.job_id, self.topics, self.state_conn_id, self.kafka_conn_id,
                                     Thresholds(self.heartbeat_timeout, self.stuck_after))
@@ -59,7 +60,7 @@ class StreamHealthTrigger(BaseTrigger):
             while True:
                 try:
                     found = await asyncio.to_thread(probe.check)
-                except Exception as err:  # a blip of the database or the broker does not end the watch
+                except DATABASE_OUTAGE as err:  # a database blip does not end the watch (as a run's wait)
                     now = time.monotonic()
                     failing_since = failing_since or now
                     if now - failing_since >= OUTAGE_LIMIT_S:
@@ -71,6 +72,10 @@ class StreamHealthTrigger(BaseTrigger):
                     self.log.warning("Health check of job %s failed, trying again: %r", self.job_id, err)
                     await asyncio.sleep(self.poll_interval)
                     continue
+                except Exception as err:
+                    yield TriggerEvent({"status": "error",
+                                        "message": f"health check of job {self.job_id} failed: {err!r}"})
+                    return
                 failing_since = None
                 if self.matches(found):
                     yield TriggerEvent({"status": "fired", "message": found.summary(),

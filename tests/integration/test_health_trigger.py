@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+from sqlalchemy.exc import OperationalError
 
 from airflow_stream_provider import kafka_offsets
 from airflow_stream_provider.diagnosis import Health, Thresholds
@@ -156,16 +157,17 @@ def test_a_misspelt_condition_fails_when_the_dag_is_parsed():
 
 
 def test_a_failing_check_is_tried_again_until_it_has_failed_too_long(state_store, monkeypatch):
-    """A blip of the state database or the broker must not end a sensor's watch: the check is tried again;
-    only one that keeps failing ends it, saying for how long and which connections to look at.  The
-    failures are a stand-in: a real database cannot be made to fail for exactly one query."""
+    """A blip of the state database (what a run's wait rides out, ``waits.DATABASE_OUTAGE``) must not end a
+    sensor's watch: the check is tried again; only one that keeps failing ends it, saying for how long and
+    which connections to look at, and any other error ends it at once.  The failures are a stand-in: a real
+    database cannot be made to fail for exactly one query."""
     from airflow_stream_provider.triggers import health
 
     run_id = state_store.begin_run("job", 1, "1.0").run_id
     state_store.mark_query_started(run_id)
     state_store._update_run(run_id, heartbeat_at=time.time() - 60)
     real_check = HealthProbe.check
-    failures = iter([ConnectionError("server closed the connection unexpectedly")] * 2)
+    failures = iter([_outage("server closed the connection unexpectedly")] * 2)
 
     def flaky(probe):
         failure = next(failures, None)
@@ -178,8 +180,18 @@ def test_a_failing_check_is_tried_again_until_it_has_failed_too_long(state_store
     assert (event.payload["status"], event.payload["diagnosis"]["health"]) == ("fired", "DEAD"), event
 
     monkeypatch.setattr(health, "OUTAGE_LIMIT_S", 0.5)
-    monkeypatch.setattr(HealthProbe, "check", lambda probe: (_ for _ in ()).throw(ConnectionError("refused")))
+    monkeypatch.setattr(HealthProbe, "check", lambda probe: (_ for _ in ()).throw(_outage("refused")))
     event = asyncio.run(asyncio.wait_for(_trigger().run().asend(None), 10))
     assert event.payload["status"] == "error", event
     assert event.payload["message"].startswith("health check of job job has failed for "), event
     assert "'stream_state_default', 'stream_kafka_default'" in event.payload["message"]
+
+    monkeypatch.setattr(health, "OUTAGE_LIMIT_S", 600)
+    monkeypatch.setattr(HealthProbe, "check", lambda probe: (_ for _ in ()).throw(ValueError("a bug")))
+    event = asyncio.run(asyncio.wait_for(_trigger().run().asend(None), 10))
+    assert (event.payload["status"], event.payload["message"]) == (
+        "error", "health check of job job failed: ValueError('a bug')"), event
+
+
+def _outage(message: str) -> OperationalError:
+    return OperationalError("SELECT 1", {}, ConnectionError(message))
