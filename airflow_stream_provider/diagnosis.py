@@ -87,6 +87,10 @@ class Diagnosis:
     #: task was lost): that restart's ``at`` and ``reason``.  No one asked for this stop: the job is down
     #: until a recovery finishes the restart (``recovery.interrupted_restart``)
     interrupted_restart: dict[str, Any] | None = None
+    #: for a HEALTHY run whose driver process is alive but silent past its heartbeat timeout (hung, frozen,
+    #: in a long pause): when it counts as STUCK if it stays silent (epoch seconds).  A watcher that cannot
+    #: see the process (another host) has reported it DEAD; a recovery here looks again then.
+    stuck_at: float | None = None
 
     @property
     def needs_standby(self) -> bool:
@@ -211,9 +215,13 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
                                    f"heartbeat {heartbeat_age:.0f}s ago: the driver is alive"],
                          advice="Stop the driver (it is alive but makes no progress) and restart it from the "
                          "checkpoint; read its log for the blocked batch.")
-    return Diagnosis(job_id, Health.HEALTHY, **base,
-                     evidence=[f"heartbeat {heartbeat_age:.0f}s ago", f"last batch {run.last_batch_id}",
-                               f"lag {lag}"])
+    evidence = [f"heartbeat {heartbeat_age:.0f}s ago", f"last batch {run.last_batch_id}", f"lag {lag}"]
+    stuck_at = None
+    if driver_alive and heartbeat_age > limit:
+        stuck_at = now - heartbeat_age + silent_limit
+        evidence.append(f"its driver process (pid {run.pid} on {run.host}) is alive but silent past its heartbeat "
+                        f"timeout ({limit:.0f}s): STUCK if still silent in {stuck_at - now:.0f}s")
+    return Diagnosis(job_id, Health.HEALTHY, **base, evidence=evidence, stuck_at=stuck_at)
 
 
 def _kind_named(recorded: str | None, kind: failures.FailureKind) -> str:

@@ -79,12 +79,16 @@ def next_step(diagnosis: dict) -> str:
       which starts one;
     * a stopped or dead run that a restart stopped and started nothing after (its launch failed, its task
       was lost): ``recover``, which finishes the restart;
+    * a healthy run whose driver lives but has gone silent (hung, frozen): ``recover``, which looks again
+      when the silence makes it STUCK.  A watcher on another host, which cannot see the process, reports
+      it DEAD at once and never again;
     * a healthy, starting or stopped job: ``healthy``, nothing.
     """
     kind = diagnosis.get("failure_kind")
     if diagnosis.get("interrupted_restart"):  # down because a restart stopped it and launched nothing
         return "recover"
-    if diagnosis["health"] == "HEALTHY" and diagnosis.get("standby") == MISSING_STANDBY:
+    if diagnosis["health"] == "HEALTHY" and (diagnosis.get("standby") == MISSING_STANDBY
+                                             or diagnosis.get("stuck_at")):
         return "recover"
     if diagnosis["health"] in ("HEALTHY", "STARTING", "STOPPED"):
         return "healthy"

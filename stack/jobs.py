@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
+import sqlite3
 import time
 import uuid
 from collections.abc import Callable
@@ -184,6 +186,47 @@ class JobRunner:
     def kill_all(self) -> None:
         for driver in self.drivers:
             driver.kill()
+
+
+def group_stopped(pgid: int) -> bool:
+    """Every process of the group has stopped (SIGSTOP is delivered asynchronously).  The group, not the
+    driver's process tree: Spark's Python worker daemon moves into a group of its own (``os.setpgid``),
+    so ``killpg`` never stops it and it holds no state-database connection."""
+    states = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[2]) == pgid:
+            states.append(fields[0])
+    return bool(states) and all(state in "TtZX" for state in states)  # Z: an exited child not yet reaped
+
+
+def freeze_between_transactions(database: str, pgid: int, attempts: int = 200) -> None:
+    """SIGSTOP a driver's process group (``pgid``) at a moment it holds no transaction on the SQLite
+    database file ``database``: a driver hung, or a VM suspended.
+
+    SQLite has one write lock per file and every transaction here takes it (``BEGIN IMMEDIATE``): a
+    process frozen inside one keeps it, and no other process can write, a takeover or a stop included,
+    until it resumes or dies.  That is SQLite's limit, named in the README; the tests that freeze a driver
+    are about what happens next, so they freeze it between its transactions (where a pause finds it nearly
+    all the time: a commit is milliseconds of a batch).  Stopped, the driver cannot take the lock; a probe
+    that takes it shows the driver did not hold it."""
+    for _ in range(attempts):
+        os.killpg(pgid, signal.SIGSTOP)
+        wait_until(lambda: group_stopped(pgid), 10, "the driver's processes to stop", interval=0.01)
+        probe = sqlite3.connect(database, timeout=0.2, isolation_level=None)
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:  # frozen inside a transaction: let it finish, try again
+            os.killpg(pgid, signal.SIGCONT)
+            time.sleep(0.02)
+        finally:
+            probe.close()
+    raise AssertionError(f"the driver held the database at each of {attempts} tries to freeze it")
 
 
 def check_exactly_once(store: StateStore, job_id: str, produced) -> dict[str, int]:

@@ -9,9 +9,10 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_stream_provider import recovery
 from airflow_stream_provider.budget import RestartBudget
-from airflow_stream_provider.diagnosis import Health
+from airflow_stream_provider.diagnosis import Diagnosis, Health
 from airflow_stream_provider.lifecycle import waits
 from airflow_stream_provider.lifecycle.controller import NOT_STARTED, WITHHELD
+from airflow_stream_provider.lifecycle.waits import RunWait
 from airflow_stream_provider.operators.base import StreamJobOperator
 from airflow_stream_provider.recovery import RecoveryAction
 
@@ -20,8 +21,10 @@ ON_INCOMPATIBLE = recovery.ON_INCOMPATIBLE
 STANDBY_TAKEOVER_S = 60.0
 #: How often a recovery that found another task acting on the job looks again
 LEASE_RETRY_S = 10.0
-#: The method a wait for the lease resumes in (``lease_held``)
+#: The method a wait before a fresh diagnosis resumes in (``lease_held``, ``_watch_silent``)
 LOOK_AGAIN = "_look_again"
+#: Looked at this long after a silent driver would turn STUCK: its diagnosis is then STUCK, not HEALTHY
+SILENT_MARGIN_S = 1.0
 
 
 class RecoverStreamingJobOperator(StreamJobOperator):
@@ -31,6 +34,9 @@ class RecoverStreamingJobOperator(StreamJobOperator):
     health / failure kind     action
     ========================  =========================================================================
     STARTING, HEALTHY         nothing
+    HEALTHY, its driver       wait (in the triggerer, holding no lease) until the silence would make it
+    alive but silent past     STUCK, or the driver ends, then diagnose afresh: a watcher on another host
+    its heartbeat timeout     reports such a run DEAD once, and nothing would look again
     STOPPED                   nothing: a clean stop was asked for by someone
     anything, while another   wait (in the triggerer) until that task lets go of the job's lease
     task acts on the job      (``state.leases``), then diagnose afresh
@@ -93,9 +99,18 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         would wait for the next sweep: the watcher reports a condition once."""
         self.log.info("Not recovering yet: %s acts on the job; looking again in %.0fs", held.describe(time.time()),
                       LEASE_RETRY_S)
+        return self._look_again_after(context, None, LEASE_RETRY_S)
+
+    def _look_again_after(self, context, wait: RunWait | None, pause_s: float = 0.0) -> Any:
+        """Diagnose afresh once ``wait`` ends (or after ``pause_s``), holding no lease meanwhile: a stop or an
+        upgrade someone starts in between goes ahead, and this recovery then finds what it left."""
+        if self._lease_owner is not None:
+            self.controller.release_lease(self._lease_owner)
         if self.deferrable:
-            self._defer(None, LEASE_RETRY_S, LOOK_AGAIN, {})
-        waits.pause(LEASE_RETRY_S)
+            self._defer(wait, pause_s, LOOK_AGAIN, {})
+        if wait is not None:
+            self.controller.block(wait)
+        waits.pause(pause_s)
         return self._look_again(context, None)
 
     def execute_complete(self, context, event: dict[str, Any]) -> Any:
@@ -119,6 +134,8 @@ class RecoverStreamingJobOperator(StreamJobOperator):
                                             history=history, now=now,
                                             upgrade=self.controller.latest_upgrade())
         outcome = {"diagnosis": found.to_dict()}
+        if decision.action == RecoveryAction.NONE and found.stuck_at is not None:
+            return self._watch_silent(context, found)
         if decision.action == RecoveryAction.NONE:
             if found.health.needs_action:  # left alone on purpose: being stopped, or an upgrade acts on it
                 self.log.info("Not recovering: %s", decision.why)
@@ -147,6 +164,16 @@ class RecoverStreamingJobOperator(StreamJobOperator):
                           decision.action.value)
         return self.pause_then(context, decision.backoff_s, "_act", action=decision.action.value,
                                reason=decision.reason, outcome=outcome)
+
+    def _watch_silent(self, context, found: Diagnosis) -> Any:
+        """Its driver lives but has stopped heartbeating (hung, frozen, a long pause): look again once the
+        silence makes it STUCK, or sooner if the driver dies.  A watcher on another host, which cannot see
+        the process, reports such a run DEAD once; without this look the job would wait for the sweep."""
+        self.log.info("Not recovering yet: %s; looking again when it would be STUCK, in %.0fs",
+                      found.evidence[-1], found.stuck_at - time.time())
+        wait = RunWait(run_id=found.run_id, job_id=self.job.job_id, until="ended",
+                       deadline=found.stuck_at + SILENT_MARGIN_S)
+        return self._look_again_after(context, wait)
 
     def _standby_took_over(self, context, launched, decision, outcome) -> dict[str, Any]:
         self.controller.record_restart("standby", decision["reason"], outcome["diagnosis"]["run_id"],

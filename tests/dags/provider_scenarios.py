@@ -47,6 +47,10 @@ with _dag("test_stream_health") as health:
     ObservedHealthSensor(task_id="health", **WATCH) >> RecoverStreamingJobOperator(
         task_id="recover", max_restarts="{{ params.max_restarts }}", backoff_base=0.2, **JOB)
 
+with _dag("test_stream_recover") as recover:  # what stream_health's branch leads to, on its own
+    RecoverStreamingJobOperator(task_id="recover", max_restarts="{{ params.max_restarts }}", backoff_base=0.2,
+                                kill_grace=3, **JOB)
+
 with _dag("test_stream_watch") as watch:
     ObservedHealthSensor(task_id="health", **WATCH)
 

@@ -97,6 +97,16 @@ def test_a_run_a_restart_stopped_and_left_down_leads_to_recover(monkeypatch, hea
         assert next_step({"health": health, "failure_kind": None, "interrupted_restart": None}) == "healthy"
 
 
+def test_a_live_driver_gone_silent_leads_to_recover(monkeypatch):
+    """Hung or frozen, its process alive: a watcher on another host reported it DEAD once; here it is
+    HEALTHY until its silence passes ``stuck_after``, and ``recover`` looks again then."""
+    monkeypatch.syspath_prepend(str(DAGS))
+    from stream_job import next_step
+
+    assert next_step({"health": "HEALTHY", "failure_kind": None, "stuck_at": 1_800_000_000.0}) == "recover"
+    assert next_step({"health": "HEALTHY", "failure_kind": None, "stuck_at": None}) == "healthy"
+
+
 def test_parsing_the_dags_leaves_the_submit_machinery_unimported():
     """The dag-processor parses each file every 30 s by default and each task parses its DAG again, so the
     imports are paid often: the Spark provider's submit hook (with requests and urllib3, about 55 ms) is

@@ -7,6 +7,7 @@ PostgreSQL, which the runtime tests cover with real drivers.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -15,10 +16,12 @@ from pathlib import Path
 import pytest
 
 from airflow_stream_provider import failures
+from airflow_stream_provider.diagnosis import Thresholds
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.lifecycle.controller import StreamJobController, StreamJobError
+from airflow_stream_provider.lifecycle.health import HealthProbe
 from stack.events import EventProducer
-from stack.jobs import check_exactly_once
+from stack.jobs import check_exactly_once, freeze_between_transactions, wait_until
 from tests.dags import provider_scenarios as dags
 from tests.dagtest import observed
 from tests.dagtest.dagruns import FIXTURE_JOBS, caught_up, run_dag
@@ -158,6 +161,44 @@ def test_stuck_query_is_reported_stuck(stream, broker):
     assert found["health"] == "STUCK" and found["lag"] == 300, found
     run = state.latest_run(job_id)
     assert run.status == "RUNNING" and run.last_batch_id is None
+
+
+def test_a_live_driver_gone_silent_is_looked_at_again_once_stuck_and_restarted(stream, broker):
+    """A driver frozen between two transactions (SIGSTOP: hung, a suspended VM) lives but stops
+    heartbeating.  A watcher on another host reports it DEAD; here, beside its process, it is HEALTHY until
+    its silence passes ``stuck_after``.  The recovery that watcher's event starts waits for that moment,
+    holding no lease, then restarts it as STUCK, instead of returning "healthy" and leaving it hung."""
+    state, job_id = stream["state"], stream["job_id"]
+    params = {**stream["params"], "spec": {**stream["params"]["spec"], "heartbeat_timeout_seconds": 4.0}}
+    producer = EventProducer(broker, stream["topic"])
+    producer.send(600)
+    assert run_dag(dags.deploy, params)[0] == "success"
+    caught_up(state, job_id, producer)
+    frozen = state.latest_run(job_id)
+    watched = {"heartbeat_timeout": 4, "stuck_after": 20, "stop_timeout": 3}
+    freeze_between_transactions(state.store.engine.url.database, os.getpgid(frozen.pid))
+    try:
+        wait_until(lambda: time.time() - state.store.get_run(frozen.run_id).heartbeat_at > 5, 30,
+                   "the frozen driver's heartbeat to go stale")
+        probe = HealthProbe.connect(job_id, [stream["topic"]], "stream_state_default", "stream_kafka_default",
+                                    Thresholds(heartbeat_timeout_s=4.0, stuck_after_s=20.0))
+        try:  # what stream_health's diagnose sees, beside the driver: its branch leads to recover
+            silent = probe.check()
+        finally:
+            probe.close()
+        assert silent.health.value == "HEALTHY" and silent.stuck_at is not None, silent
+        status, tasks = run_dag(dags.recover, params, **watched)
+        looked_again_at = time.time()
+    finally:
+        StreamDriverHook._signal(frozen, signal.SIGCONT)  # a kill already took it, unless the test failed
+    assert status == "success", tasks
+    recovered = tasks["recover"][1]
+    assert recovered["diagnosis"]["health"] == "STUCK" and recovered["action"] == "restart", recovered
+    assert recovered["diagnosis"]["diagnosed_at"] >= silent.stuck_at and looked_again_at >= silent.stuck_at
+    assert not state.store.get_run(frozen.run_id).active
+    producer.send(300)
+    caught_up(state, job_id, producer)
+    check_exactly_once(state.store, job_id, producer.produced)
 
 
 def test_a_stuck_run_stopped_by_a_restart_whose_launch_failed_is_restarted_next_time(stream, broker, monkeypatch):

@@ -11,7 +11,6 @@ import json
 import os
 import random
 import signal
-import sqlite3
 import statistics
 import time
 from dataclasses import replace
@@ -22,7 +21,7 @@ import pytest
 from airflow_stream_provider import failures
 from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
 from stack.events import EventProducer, Trickle
-from stack.jobs import check_exactly_once, wait_until
+from stack.jobs import check_exactly_once, freeze_between_transactions, wait_until
 
 #: SIGKILLs of the active driver in the kill test; each is taken over by a standby that is warm by then.
 #: The default run has one here (each costs a standby's warm-up, about half a minute) and two more on a
@@ -56,47 +55,6 @@ def _processing_after(runner, run_id: str, after: float, timeout: float = 120) -
     return wait_until(lambda: runner.store.first_commit(runner.spec.job_id, run_id, after), timeout,
                       f"run {run_id} to commit a batch", interval=0.05,
                       on_timeout=lambda: runner.log_tail(next(d for d in runner.drivers if d.run_id == run_id)))
-
-
-def _stopped(pgid: int) -> bool:
-    """Every process of the group has stopped (SIGSTOP is delivered asynchronously).  The group, not the
-    driver's process tree: Spark's Python worker daemon moves into a group of its own (``os.setpgid``),
-    so ``killpg`` never stops it and it holds no state-database connection."""
-    states = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
-        if int(fields[2]) == pgid:
-            states.append(fields[0])
-    return bool(states) and all(state in "TtZX" for state in states)  # Z: an exited child not yet reaped
-
-
-def _freeze_between_transactions(runner, driver, attempts: int = 200) -> None:
-    """SIGSTOP the driver's process group at a moment it holds no transaction on the SQLite database.
-
-    SQLite has one write lock per file and every transaction here takes it (``BEGIN IMMEDIATE``): a
-    process frozen inside one keeps it, and no other process can write, a takeover included, until it
-    resumes or dies.  That is SQLite's limit, named in the README; this test is about the epoch, so it
-    freezes the zombie between its transactions (where a pause finds it nearly all the time: a commit
-    is milliseconds of a batch).  Stopped, the driver cannot take the lock; a probe that takes it shows
-    the driver did not hold it."""
-    database = runner.store.engine.url.database
-    for _ in range(attempts):
-        os.killpg(driver.pid, signal.SIGSTOP)
-        wait_until(lambda: _stopped(driver.pid), 10, "the driver's processes to stop", interval=0.01)
-        probe = sqlite3.connect(database, timeout=0.2, isolation_level=None)
-        try:
-            probe.execute("BEGIN IMMEDIATE")
-            probe.execute("ROLLBACK")
-            return
-        except sqlite3.OperationalError:  # frozen inside a transaction: let it finish, try again
-            os.killpg(driver.pid, signal.SIGCONT)
-            time.sleep(0.02)
-        finally:
-            probe.close()
-    raise AssertionError(f"the driver held the database at each of {attempts} tries to freeze it")
 
 
 def _kill_and_take_over(runner, active, rng: random.Random, seconds: list[float]):
@@ -179,7 +137,7 @@ def test_standby_and_zombie_race_for_the_epoch(broker, topic, runner, figures):
     runner.wait_caught_up(_end(producer), zombie)
     producer.send(900)  # the zombie may be in the middle of these when it freezes
     _processing_after(runner, zombie.run_id, time.time())
-    _freeze_between_transactions(runner, zombie)
+    freeze_between_transactions(runner.store.engine.url.database, zombie.pid)
     paused = time.time()
     # Records for the standby to commit: the zombie may have finished its batch just before it froze, and
     # a caught-up stream commits nothing.  Resumed, the zombie sees them too.

@@ -89,6 +89,13 @@ def test_a_live_process_with_a_late_heartbeat_is_not_dead():
     thresholds = Thresholds(heartbeat_timeout_s=30, stuck_after_s=300)
     late = diagnose("j", _run(heartbeat_at=NOW - 45), driver_alive=True, lag=0, now=NOW, thresholds=thresholds)
     assert late.health == Health.HEALTHY
+    # when it turns STUCK if it stays silent: a recovery sent by a watcher that judged it by heartbeats (DEAD,
+    # from another host) looks again then
+    assert late.stuck_at == NOW - 45 + 300 and "STUCK if still silent in 255s" in late.evidence[-1]
+    assert diagnose("j", _run(heartbeat_at=NOW - 5), driver_alive=True, lag=0, now=NOW,
+                    thresholds=thresholds).stuck_at is None
+    assert diagnose("j", _run(heartbeat_at=NOW - 45), driver_alive=None, lag=0, now=NOW,
+                    thresholds=Thresholds(heartbeat_timeout_s=60)).stuck_at is None  # no process seen
     silent = diagnose("j", _run(heartbeat_at=NOW - 400), driver_alive=True, lag=0, now=NOW, thresholds=thresholds)
     assert silent.health == Health.STUCK and "alive but its last heartbeat is 400s old" in silent.evidence[0]
 
