@@ -341,18 +341,34 @@ class StreamJobOperator(BaseOperator):
                 return self.resume(context, on_fail, err, carry)
             raise
         self._in_flight = launch
-        if restart:
-            self.controller.record_restart(*restart, launch["run_id"])
         pending = {"launch": launch, "after": after, "carry": carry, "on_fail": on_fail}
+        if restart:
+            pending["restart"] = restart
+        # Kept before anything else can fail: this task's retry then picks the launch up instead of leaving a
+        # driver nobody waits on, and records its restart.
         _set_task_state(context, LAUNCH_KEY, pending)
+        if restart:
+            self._record_restart_soon(restart, launch["run_id"])
         return self.wait_then(context, self._launch_wait(launch), "_launch_waited", **pending)
 
     def _launch_wait(self, launch: dict[str, Any]) -> RunWait:
         return self.controller.launch_wait(launch, "ready", float(self.ready_timeout),
                                            settle_s=float(self.launch_settle_s))
 
-    def _launch_waited(self, context, event, launch, after, carry, on_fail=None) -> Any:
+    def _record_restart_soon(self, restart: Sequence[str | None], run_id: str) -> None:
+        """Record a recovery's restart as soon as its driver is submitted.  The driver runs already, so a
+        state database that does not answer for a moment fails nothing: the restart is recorded once the
+        launch is over (``_launch_waited``; recording it twice counts it once)."""
+        try:
+            self.controller.record_restart(*restart, run_id)
+        except waits.DATABASE_OUTAGE as err:
+            self.log.warning("Could not record the restart that launched run %s yet (%s); recording it once "
+                             "the launch is over", run_id, str(err).splitlines()[0][:300])
+
+    def _launch_waited(self, context, event, launch, after, carry, on_fail=None, restart=None) -> Any:
         self._in_flight = launch
+        if restart:  # a no-op unless the state database did not answer at the submit
+            self.controller.record_restart(*restart, launch["run_id"])
         try:
             result = self.controller.finish_launch(launch, self.outcome(event), float(self.ready_timeout))
         except (StreamJobError, AirflowFailException) as err:

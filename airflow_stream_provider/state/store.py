@@ -497,10 +497,14 @@ class StateStore:
                        new_run_id: str | None) -> None:
         """One restart of the job.  Without ``new_run_id``: a restart begun, before anything it does can fail
         (a STUCK run's stop); the new run's id then completes that row, so the attempt counts once, and a
-        restart interrupted after its stop is seen as such (``recovery.interrupted_restart``)."""
+        restart interrupted after its stop is seen as such (``recovery.interrupted_restart``).  A restart
+        whose new run is recorded already is not recorded again (a task's retry recording its launch)."""
         table = schema.restarts
         failed = table.c.failed_run_id.is_(None) if failed_run_id is None else table.c.failed_run_id == failed_run_id
         with self.engine.begin() as conn:
+            if new_run_id is not None and conn.execute(
+                    select(table.c.id).where(table.c.job_id == job_id, table.c.new_run_id == new_run_id)).first():
+                return
             begun = None if new_run_id is None else conn.execute(
                 select(func.max(table.c.id)).where(table.c.job_id == job_id, table.c.action == action, failed,
                                                    table.c.new_run_id.is_(None))).scalar()

@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy.exc import OperationalError
 
 from airflow_stream_provider import failures
 from airflow_stream_provider.diagnosis import Thresholds
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.lifecycle.controller import StreamJobController, StreamJobError
 from airflow_stream_provider.lifecycle.health import HealthProbe
+from airflow_stream_provider.state.store import StateStore
 from stack.events import EventProducer
 from stack.jobs import check_exactly_once, freeze_between_transactions, wait_until
 from tests.dags import provider_scenarios as dags
@@ -196,6 +198,43 @@ def test_a_live_driver_gone_silent_is_looked_at_again_once_stuck_and_restarted(s
     assert recovered["diagnosis"]["health"] == "STUCK" and recovered["action"] == "restart", recovered
     assert recovered["diagnosis"]["diagnosed_at"] >= silent.stuck_at and looked_again_at >= silent.stuck_at
     assert not state.store.get_run(frozen.run_id).active
+    producer.send(300)
+    caught_up(state, job_id, producer)
+    check_exactly_once(state.store, job_id, producer.produced)
+
+
+def test_a_restart_the_database_would_not_record_at_the_submit_is_recorded_once_its_launch_is_over(
+        stream, broker, monkeypatch):
+    """The state database refuses the write that records a restart's new run, just after its driver was
+    submitted.  The task used to fail there, leaving a driver nobody waited on and a restart the budget
+    never counted; it now waits on the launch and records the restart once it is over, once."""
+    state, job_id, params = stream["state"], stream["job_id"], stream["params"]
+    producer = EventProducer(broker, stream["topic"])
+    producer.send(600)
+    assert run_dag(dags.deploy, params)[0] == "success"
+    caught_up(state, job_id, producer)
+    dead = state.latest_run(job_id)
+    StreamDriverHook._signal(dead, signal.SIGKILL)
+    # One refused statement, in this process (the DAG runs here): a real database cannot be made to refuse
+    # exactly one write.
+    refusals = iter([OperationalError("UPDATE stream_restarts", {}, Exception("database is locked"))])
+    real_record = StateStore.record_restart
+
+    def flaky_record(self, job_id, action, reason, failed_run_id, new_run_id):
+        refusal = next(refusals, None) if new_run_id is not None else None
+        if refusal is not None:
+            raise refusal
+        return real_record(self, job_id, action, reason, failed_run_id, new_run_id)
+
+    monkeypatch.setattr(StateStore, "record_restart", flaky_record)
+    status, tasks = run_dag(dags.recover, params)
+    assert status == "success", tasks
+    recovered = tasks["recover"][1]
+    assert recovered["diagnosis"]["health"] == "DEAD" and recovered["action"] == "restart", recovered
+    assert next(refusals, None) is None, "the refusal was not met"
+    assert [(r["failed_run_id"], r["new_run_id"]) for r in state.restarts_since(job_id, 0)] == [
+        (dead.run_id, recovered["run_id"])]
+    assert state.store.get_run(recovered["run_id"]).application, "the launch was recorded"
     producer.send(300)
     caught_up(state, job_id, producer)
     check_exactly_once(state.store, job_id, producer.produced)

@@ -156,6 +156,18 @@ def test_restart_history_says_whether_the_new_run_committed(store):
     assert store.restarts_since("job", history[1]["at"] + 1) == []
 
 
+def test_a_restart_recorded_again_for_the_same_new_run_counts_once(store):
+    """A recovery records its restart at the submit and, if the database did not answer then, once the
+    launch is over (or its retry picks the launch up): one restart, whichever way."""
+    dead = store.begin_run("job", 1, "1.0").run_id
+    new = store.begin_run("job", 1, "1.0").run_id
+    store.record_restart("job", "restart", "DEAD", dead, None)  # begun, before the stop
+    store.record_restart("job", "restart", "DEAD", dead, new)
+    store.record_restart("job", "restart", "DEAD", dead, new)
+    store.record_restart("job", "standby", "DEAD", dead, new)
+    assert [(r["failed_run_id"], r["new_run_id"]) for r in store.restarts_since("job", 0)] == [(dead, new)]
+
+
 def test_recent_runs_newest_first_with_dry_runs(store):
     ids = [store.begin_run("job", 1, "1.0", dry_run=(n == 1)).run_id for n in range(3)]
     assert [r.run_id for r in store.recent_runs("job", 2)] == ids[:0:-1]
