@@ -184,6 +184,56 @@ def test_an_upgrade_marked_failed_while_deferred_leaves_nothing_behind(deploymen
     check_exactly_once(deployment.store, deployment.job_id, producer.produced)
 
 
+def test_a_recovery_waits_for_the_task_holding_the_lease_then_repairs_what_it_left(deployment, broker, topic):
+    """The driver dies (SIGKILL) while an upgrade waits in the triggerer on its preflight, holding the job's
+    lease.  The watcher reports the death once; ``stream_health``'s ``recover`` finds another task acting
+    on the job and waits for it in the triggerer, looking again every 10 s, instead of returning with
+    nothing done.  A person marks the upgrade failed; its lease is let go, and the waiting ``recover``
+    restarts the job from its checkpoint: no record lost or applied twice."""
+    producer = EventProducer(broker, topic, seed=11)
+    producer.send(600)
+    _deploy(deployment, producer)
+    victim = deployment.processing()
+    leases = LeaseLog(deployment.store)
+    upgrade_run = deployment.airflow.trigger_dag("stream_upgrade", {
+        "application": str(FIXTURE_JOBS / "stuck_on_batch.py"), "version": "1.1"})
+
+    def task(dag_id: str, run_id: str, task_id: str) -> dict | None:
+        return next((ti for ti in deployment.airflow.task_instances(dag_id, run_id) if ti["task_id"] == task_id),
+                    None)
+
+    wait_until(lambda: task("stream_upgrade", upgrade_run, "upgrade")["state"] == "deferred"
+               and any(r.active for r in deployment.store.runs(deployment.job_id) if r.dry_run), 300,
+               "the upgrade to wait in the triggerer on its preflight", interval=1)
+    assert leases.get(deployment.job_id).action == "upgrade"
+    killed_at = time.time()
+    kill_driver(victim["pid"])
+
+    def recover_waiting() -> dict | None:
+        for run in deployment.health_runs(since=killed_at):
+            recover = task("stream_health", run["dag_run_id"], "recover")
+            if recover and recover["state"] == "deferred":
+                return run
+        return None
+
+    waiting = wait_until(recover_waiting, 120, "stream_health's recover to wait for the upgrade's lease",
+                         interval=1)
+    time.sleep(12)  # it looks again at least once, and waits on
+    assert deployment.latest_run().run_id == victim["run_id"], "nothing started beside the upgrade"
+    assert task("stream_health", waiting["dag_run_id"], "recover")["state"] == "deferred"
+    deployment.airflow.set_task_state("stream_upgrade", upgrade_run, "upgrade", "failed")
+
+    producer.send(300)  # for the restarted run to commit
+    recovered = deployment.processing(RECOVERY_TIMEOUT, other_than=victim["run_id"], after=killed_at)
+    (repair,) = deployment.repairs(recovered["run_id"], since=killed_at)
+    assert repair["dag_run_id"] == waiting["dag_run_id"] and repair["run_type"] == "asset_triggered", repair
+    log = deployment.airflow.task_log("stream_health", repair["dag_run_id"], "recover")
+    assert "Not recovering yet" in log and "upgrade" in log, log[-3000:]
+    deployment.wait_caught_up(producer.produced)
+    assert deployment.trigger("stream_stop")["stop"][0] == "success"
+    check_exactly_once(deployment.store, deployment.job_id, producer.produced)
+
+
 def test_a_crash_loop_ends_in_the_budgets_clear_failure(deployment, broker, topic):
     producer = EventProducer(broker, topic, seed=7)
     producer.send(200)
