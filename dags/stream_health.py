@@ -11,7 +11,8 @@ the job already repaired), and the same task chooses what to do, as ``stream_job
 task run instead of two: about half a second less before a dead job's recovery starts): recover a dead,
 stuck or failed job within the restart budget; reset an incompatible checkpoint when
 ``stream_reset_policy`` is ``auto``; fail loudly with the evidence where a person must decide (data loss,
-a poison record); nothing for a healthy job.  The diagnosis is the XCom ``diagnosis`` of ``diagnose``.
+a poison record); nothing for a healthy job, unless its driver lives but has gone silent (hung): then
+``recover`` waits until the silence makes it STUCK.  The diagnosis is the XCom ``diagnosis`` of ``diagnose``.
 
 The watcher needs the job id when this file is parsed, from the Variable ``stream_job_spec``; until it
 is set, only the hourly sweep runs.

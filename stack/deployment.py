@@ -103,6 +103,15 @@ class StreamDeployment:
         run = self.airflow.wait_dag_run(dag_id, run_id, timeout)
         return self.tasks(dag_id, run_id) | {"_run": (run["state"], run_id)}
 
+    def deploy(self, produced) -> dict[str, Any]:
+        """``stream_deploy``, which must succeed, then wait until the job has applied ``produced``; its tasks."""
+        tasks = self.trigger("stream_deploy")
+        state, run_id = tasks["_run"]
+        if state != "success":
+            raise AssertionError(f"stream_deploy ended {state}:\n{self.explain('stream_deploy', run_id)}")
+        self.wait_caught_up(produced)
+        return tasks
+
     def tasks(self, dag_id: str, run_id: str) -> dict[str, Any]:
         found = {}
         for ti in self.airflow.task_instances(dag_id, run_id):
@@ -165,6 +174,11 @@ class StreamDeployment:
         runs = [r for r in self.airflow.dag_runs("stream_health")
                 if r.get("start_date") and epoch(r["start_date"]) >= since]
         return sorted(runs, key=lambda r: r["start_date"])
+
+    def failed_health_runs(self, task_id: str) -> list[dict]:
+        """The failed ``stream_health`` runs whose ``task_id`` failed."""
+        return [r for r in self.health_runs() if r["state"] == "failed"
+                and self.tasks("stream_health", r["dag_run_id"]).get(task_id, (None,))[0] == "failed"]
 
     def repairs(self, run_id: str, since: float = 0.0, timeout: float = 60.0) -> list[dict]:
         """The ``stream_health`` runs since ``since`` whose ``recover`` launched ``run_id``, oldest first.  A

@@ -30,9 +30,7 @@ def deployment_options(tmp_path) -> dict:
 def test_a_restart_whose_task_is_lost_after_its_stop_is_finished_by_stream_health(deployment, broker, topic):
     producer = EventProducer(broker, topic, seed=11)
     producer.send(200)
-    tasks = deployment.trigger("stream_deploy")
-    assert tasks["_run"][0] == "success", deployment.explain("stream_deploy", tasks["_run"][1])
-    deployment.wait_caught_up(producer.produced)
+    deployment.deploy(producer.produced)
     stuck = deployment.latest_run()
 
     producer.send(100)  # read at the next trigger, ten minutes away: STUCK after 8 s

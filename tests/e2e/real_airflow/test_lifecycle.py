@@ -27,13 +27,6 @@ from tests.dagtest.dagruns import FIXTURE_JOBS
 RECOVERY_TIMEOUT = 240
 
 
-def _deploy(deployment: StreamDeployment, producer: EventProducer) -> None:
-    tasks = deployment.trigger("stream_deploy")
-    state, run_id = tasks["_run"]
-    assert state == "success", deployment.explain("stream_deploy", run_id)
-    deployment.wait_caught_up(producer.produced)
-
-
 def _kill_and_wait(deployment: StreamDeployment, delay: float) -> dict:
     """SIGKILL the live driver ``delay`` seconds after it first processed; the new run once it processes,
     with the moment of the kill."""
@@ -54,16 +47,10 @@ def _recover_resumed_after_the_first_batch(deployment: StreamDeployment, recover
     assert epoch(recover["end_date"]) > recovered["committed_at"], (recover, recovered)
 
 
-def _failed_in(deployment: StreamDeployment, task_id: str) -> list[dict]:
-    """The failed ``stream_health`` runs whose ``task_id`` failed."""
-    return [r for r in deployment.health_runs() if r["state"] == "failed"
-            and deployment.tasks("stream_health", r["dag_run_id"]).get(task_id, (None,))[0] == "failed"]
-
-
 def test_every_kill_is_repaired_by_airflow_alone_exactly_once(deployment, broker, topic, figures):
     producer = EventProducer(broker, topic, seed=5)
     producer.send(1500)
-    _deploy(deployment, producer)
+    deployment.deploy(producer.produced)
     rng = random.Random(8)
     with Trickle(producer, chunk=10, pause_s=0.5):
         # at random moments, and once right after a recovery (its first batch)
@@ -106,7 +93,7 @@ def test_every_kill_is_repaired_by_airflow_alone_exactly_once(deployment, broker
 def test_an_incompatible_upgrade_through_the_api_resets_exactly_once(deployment, broker, topic, figures):
     producer = EventProducer(broker, topic, seed=6)
     producer.send(1500)
-    _deploy(deployment, producer)
+    deployment.deploy(producer.produced)
     with Trickle(producer, chunk=10, pause_s=1.0):
         run_id = deployment.airflow.trigger_dag(
             "stream_upgrade", {"application": str(REPO / "spark_jobs" / "events_job_v2.py"), "version": "2.0"})
@@ -148,7 +135,7 @@ def test_an_upgrade_marked_failed_while_deferred_leaves_nothing_behind(deploymen
     minutes later, so the stop that follows is not refused.  The old version runs on throughout."""
     producer = EventProducer(broker, topic, seed=9)
     producer.send(600)
-    _deploy(deployment, producer)
+    deployment.deploy(producer.produced)
     live = deployment.latest_run()
     leases, standbys = LeaseLog(deployment.store), StandbyLog(deployment.store)
     run_id = deployment.airflow.trigger_dag("stream_upgrade", {
@@ -192,7 +179,7 @@ def test_a_recovery_waits_for_the_task_holding_the_lease_then_repairs_what_it_le
     restarts the job from its checkpoint: no record lost or applied twice."""
     producer = EventProducer(broker, topic, seed=11)
     producer.send(600)
-    _deploy(deployment, producer)
+    deployment.deploy(producer.produced)
     victim = deployment.processing()
     leases = LeaseLog(deployment.store)
     upgrade_run = deployment.airflow.trigger_dag("stream_upgrade", {
@@ -244,7 +231,7 @@ def test_a_crash_loop_ends_in_the_budgets_clear_failure(deployment, broker, topi
     # Every restart fails again (USER_CODE); the watcher reports each new failure, stream_health restarts
     # within the budget (3 per 30 minutes) and then fails saying so.
     deadline = time.monotonic() + 600
-    while not (failed := _failed_in(deployment, "recover")) and time.monotonic() < deadline:
+    while not (failed := deployment.failed_health_runs("recover")) and time.monotonic() < deadline:
         time.sleep(3)
     assert failed, [(r["dag_run_id"], r["state"]) for r in deployment.health_runs()]
     log = deployment.airflow.task_log("stream_health", failed[0]["dag_run_id"], "recover")
@@ -271,12 +258,12 @@ def test_a_poison_record_makes_stream_health_fail_with_its_position(deployment, 
     deployment.airflow.set_variable("stream_job_application", str(FIXTURE_JOBS / "poison_on_value.py"))
     deployment.airflow.set_variable("stream_driver_env", {**deployment.variables["stream_driver_env"],
                                                           "POISON_POLICY": "fail"})
-    _deploy(deployment, producer)
+    deployment.deploy(producer.produced)
     event = {"event_id": "p-1", "user_id": "u-1", "kind": "POISON-1", "amount": 1.0, "ts": "2026-11-22T10:00:00Z"}
     partition, offset = producer.send_record(json.dumps(event).encode(), b"u-1")
     position = f"{topic}/{partition}:{offset}"
 
-    (run,) = wait_until(lambda: _failed_in(deployment, "needs_a_decision"), RECOVERY_TIMEOUT,
+    (run,) = wait_until(lambda: deployment.failed_health_runs("needs_a_decision"), RECOVERY_TIMEOUT,
                         "a stream_health run that needs a decision", interval=2.0)
     tasks = deployment.tasks("stream_health", run["dag_run_id"])
     assert {task: state for task, (state, _) in tasks.items()} == {
