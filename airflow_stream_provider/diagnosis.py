@@ -217,7 +217,7 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
                          "checkpoint; read its log for the blocked batch.")
     evidence = [f"heartbeat {heartbeat_age:.0f}s ago", f"last batch {run.last_batch_id}", f"lag {lag}"]
     stuck_at = None
-    if driver_alive and heartbeat_age > limit:
+    if driver_alive and heartbeat_age > limit and run.stop_requested_at is None:  # a stop's own wait is silent
         stuck_at = now - heartbeat_age + silent_limit
         evidence.append(f"its driver process (pid {run.pid} on {run.host}) is alive but silent past its heartbeat "
                         f"timeout ({limit:.0f}s): STUCK if still silent in {stuck_at - now:.0f}s")

@@ -270,7 +270,13 @@ class StreamJobOperator(BaseOperator):
     def wait_then(self, context, wait: RunWait, method: str, **state: Any) -> Any:
         """Wait for ``wait``, then continue in ``method(context, event, **state)``: in the triggerer when
         deferrable, else here."""
-        self._hold_lease(wait.deadline + wait.settle_s + LEASE_GRACE_S)
+        try:
+            self._hold_lease(wait.deadline + wait.settle_s + LEASE_GRACE_S)
+        except waits.DATABASE_OUTAGE as err:
+            # The wait rides the outage out; the lease taken on entry holds on for a while, and the resume
+            # takes it again, or stops if another task took it meanwhile (``_leased``).
+            self.log.warning("Could not extend the job's lease over this wait (%s); waiting all the same",
+                             str(err).splitlines()[0][:300])
         if self.deferrable:
             self._defer(wait, 0.0, method, state)
         outcome = self.controller.block(wait)

@@ -25,6 +25,9 @@ LEASE_RETRY_S = 10.0
 LOOK_AGAIN = "_look_again"
 #: Looked at this long after a silent driver would turn STUCK: its diagnosis is then STUCK, not HEALTHY
 SILENT_MARGIN_S = 1.0
+#: How often a recovery waiting on a silent driver looks again meanwhile (it may die in between, unseen by
+#: a triggerer on another host)
+SILENT_LOOK_EVERY_S = 30.0
 
 
 class RecoverStreamingJobOperator(StreamJobOperator):
@@ -168,11 +171,15 @@ class RecoverStreamingJobOperator(StreamJobOperator):
     def _watch_silent(self, context, found: Diagnosis) -> Any:
         """Its driver lives but has stopped heartbeating (hung, frozen, a long pause): look again once the
         silence makes it STUCK, or sooner if the driver dies.  A watcher on another host, which cannot see
-        the process, reports such a run DEAD once; without this look the job would wait for the sweep."""
-        self.log.info("Not recovering yet: %s; looking again when it would be STUCK, in %.0fs",
-                      found.evidence[-1], found.stuck_at - time.time())
+        the process, reports such a run DEAD once; without this look the job would wait for the sweep.
+
+        The wait ends early when the trigger sees the driver end; a triggerer on another host cannot see
+        its process, so the task also looks for itself every ``SILENT_LOOK_EVERY_S``."""
+        now = time.time()
+        self.log.info("Not recovering yet: %s. Looking again when it would be STUCK, in %.0fs, and every "
+                      "%.0fs until then", found.summary(), found.stuck_at - now, SILENT_LOOK_EVERY_S)
         wait = RunWait(run_id=found.run_id, job_id=self.job.job_id, until="ended",
-                       deadline=found.stuck_at + SILENT_MARGIN_S)
+                       deadline=min(found.stuck_at + SILENT_MARGIN_S, now + SILENT_LOOK_EVERY_S))
         return self._look_again_after(context, wait)
 
     def _standby_took_over(self, context, launched, decision, outcome) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from airflow_stream_provider.diagnosis import Thresholds
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.lifecycle.controller import StreamJobController, StreamJobError
 from airflow_stream_provider.lifecycle.health import HealthProbe
+from airflow_stream_provider.operators import recover
+from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
 from airflow_stream_provider.state.store import StateStore
 from stack.events import EventProducer
 from stack.jobs import check_exactly_once, freeze_between_transactions, wait_until
@@ -165,7 +167,7 @@ def test_stuck_query_is_reported_stuck(stream, broker):
     assert run.status == "RUNNING" and run.last_batch_id is None
 
 
-def test_a_live_driver_gone_silent_is_looked_at_again_once_stuck_and_restarted(stream, broker):
+def test_a_live_driver_gone_silent_is_looked_at_again_once_stuck_and_restarted(stream, broker, monkeypatch):
     """A driver frozen between two transactions (SIGSTOP: hung, a suspended VM) lives but stops
     heartbeating.  A watcher on another host reports it DEAD; here, beside its process, it is HEALTHY until
     its silence passes ``stuck_after``.  The recovery that watcher's event starts waits for that moment,
@@ -177,13 +179,24 @@ def test_a_live_driver_gone_silent_is_looked_at_again_once_stuck_and_restarted(s
     assert run_dag(dags.deploy, params)[0] == "success"
     caught_up(state, job_id, producer)
     frozen = state.latest_run(job_id)
-    watched = {"heartbeat_timeout": 4, "stuck_after": 20, "stop_timeout": 3}
+    watched = {"heartbeat_timeout": 4, "stuck_after": 30, "stop_timeout": 3}
+    # Each time the recovery defers to look again; it also looks every few seconds meanwhile (every 30 s as
+    # shipped), as it must where the triggerer cannot see the driver's process.
+    looks: list[float] = []
+    real_watch = RecoverStreamingJobOperator._watch_silent
+
+    def watch_silent(self, context, found):
+        looks.append(time.time())
+        return real_watch(self, context, found)
+
+    monkeypatch.setattr(RecoverStreamingJobOperator, "_watch_silent", watch_silent)
+    monkeypatch.setattr(recover, "SILENT_LOOK_EVERY_S", 8.0)
     freeze_between_transactions(state.store.engine.url.database, os.getpgid(frozen.pid))
     try:
         wait_until(lambda: time.time() - state.store.get_run(frozen.run_id).heartbeat_at > 5, 30,
                    "the frozen driver's heartbeat to go stale")
         probe = HealthProbe.connect(job_id, [stream["topic"]], "stream_state_default", "stream_kafka_default",
-                                    Thresholds(heartbeat_timeout_s=4.0, stuck_after_s=20.0))
+                                    Thresholds(heartbeat_timeout_s=4.0, stuck_after_s=30.0))
         try:  # what stream_health's diagnose sees, beside the driver: its branch leads to recover
             silent = probe.check()
         finally:
@@ -197,6 +210,7 @@ def test_a_live_driver_gone_silent_is_looked_at_again_once_stuck_and_restarted(s
     recovered = tasks["recover"][1]
     assert recovered["diagnosis"]["health"] == "STUCK" and recovered["action"] == "restart", recovered
     assert recovered["diagnosis"]["diagnosed_at"] >= silent.stuck_at and looked_again_at >= silent.stuck_at
+    assert len(looks) >= 2 and looks[0] < silent.stuck_at - 8, (looks, silent.stuck_at)
     assert not state.store.get_run(frozen.run_id).active
     producer.send(300)
     caught_up(state, job_id, producer)
@@ -205,9 +219,10 @@ def test_a_live_driver_gone_silent_is_looked_at_again_once_stuck_and_restarted(s
 
 def test_a_restart_the_database_would_not_record_at_the_submit_is_recorded_once_its_launch_is_over(
         stream, broker, monkeypatch):
-    """The state database refuses the write that records a restart's new run, just after its driver was
-    submitted.  The task used to fail there, leaving a driver nobody waited on and a restart the budget
-    never counted; it now waits on the launch and records the restart once it is over, once."""
+    """The state database stops answering just after a restart's driver was submitted: the write that
+    records the new run and the lease's extension over the launch wait are refused.  The task used to fail
+    there, leaving a driver nobody waited on and a restart the budget never counted; it now waits on the
+    launch and records the restart once it is over, once."""
     state, job_id, params = stream["state"], stream["job_id"], stream["params"]
     producer = EventProducer(broker, stream["topic"])
     producer.send(600)
@@ -215,23 +230,31 @@ def test_a_restart_the_database_would_not_record_at_the_submit_is_recorded_once_
     caught_up(state, job_id, producer)
     dead = state.latest_run(job_id)
     StreamDriverHook._signal(dead, signal.SIGKILL)
-    # One refused statement, in this process (the DAG runs here): a real database cannot be made to refuse
-    # exactly one write.
+    # Two refused statements, in this process (the DAG runs here): a real database cannot be made to refuse
+    # exactly the two writes after a submit.
     refusals = iter([OperationalError("UPDATE stream_restarts", {}, Exception("database is locked"))])
-    real_record = StateStore.record_restart
+    lease_refusals: list[OperationalError] = []
+    real_record, real_take = StateStore.record_restart, StreamJobController.take_lease
 
     def flaky_record(self, job_id, action, reason, failed_run_id, new_run_id):
         refusal = next(refusals, None) if new_run_id is not None else None
         if refusal is not None:
+            lease_refusals.append(OperationalError("UPDATE stream_leases", {}, Exception("database is locked")))
             raise refusal
         return real_record(self, job_id, action, reason, failed_run_id, new_run_id)
 
+    def flaky_take(self, owner, action, until):
+        if lease_refusals:  # the extension over the launch wait, right after the refused record
+            raise lease_refusals.pop()
+        return real_take(self, owner, action, until)
+
     monkeypatch.setattr(StateStore, "record_restart", flaky_record)
+    monkeypatch.setattr(StreamJobController, "take_lease", flaky_take)
     status, tasks = run_dag(dags.recover, params)
     assert status == "success", tasks
     recovered = tasks["recover"][1]
     assert recovered["diagnosis"]["health"] == "DEAD" and recovered["action"] == "restart", recovered
-    assert next(refusals, None) is None, "the refusal was not met"
+    assert next(refusals, None) is None and not lease_refusals, "a refusal was not met"
     assert [(r["failed_run_id"], r["new_run_id"]) for r in state.restarts_since(job_id, 0)] == [
         (dead.run_id, recovered["run_id"])]
     assert state.store.get_run(recovered["run_id"]).application, "the launch was recorded"

@@ -94,8 +94,9 @@ def test_a_live_process_with_a_late_heartbeat_is_not_dead():
     assert late.stuck_at == NOW - 45 + 300 and "STUCK if still silent in 255s" in late.evidence[-1]
     assert diagnose("j", _run(heartbeat_at=NOW - 5), driver_alive=True, lag=0, now=NOW,
                     thresholds=thresholds).stuck_at is None
-    assert diagnose("j", _run(heartbeat_at=NOW - 45), driver_alive=None, lag=0, now=NOW,
-                    thresholds=Thresholds(heartbeat_timeout_s=60)).stuck_at is None  # no process seen
+    stopping = diagnose("j", _run(heartbeat_at=NOW - 45, stop_requested_at=NOW - 50), driver_alive=True, lag=0,
+                        now=NOW, thresholds=thresholds)
+    assert stopping.health == Health.HEALTHY and stopping.stuck_at is None  # its stop's task waits on it
     silent = diagnose("j", _run(heartbeat_at=NOW - 400), driver_alive=True, lag=0, now=NOW, thresholds=thresholds)
     assert silent.health == Health.STUCK and "alive but its last heartbeat is 400s old" in silent.evidence[0]
 

@@ -205,9 +205,10 @@ def test_a_recovery_waits_for_the_task_holding_the_lease_then_repairs_what_it_le
 
     waiting = wait_until(recover_waiting, 120, "stream_health's recover to wait for the upgrade's lease",
                          interval=1)
-    time.sleep(12)  # it looks again at least once, and waits on
+    time.sleep(12)  # it looks again at least once (every 10 s), and waits on
     assert deployment.latest_run().run_id == victim["run_id"], "nothing started beside the upgrade"
-    assert task("stream_health", waiting["dag_run_id"], "recover")["state"] == "deferred"
+    assert task("stream_health", waiting["dag_run_id"], "recover")["state"] in (
+        "deferred", "scheduled", "queued", "running"), "between two looks, it may be on a worker"
     deployment.airflow.set_task_state("stream_upgrade", upgrade_run, "upgrade", "failed")
 
     producer.send(300)  # for the restarted run to commit
@@ -215,7 +216,7 @@ def test_a_recovery_waits_for_the_task_holding_the_lease_then_repairs_what_it_le
     (repair,) = deployment.repairs(recovered["run_id"], since=killed_at)
     assert repair["dag_run_id"] == waiting["dag_run_id"] and repair["run_type"] == "asset_triggered", repair
     log = deployment.airflow.task_log("stream_health", repair["dag_run_id"], "recover")
-    assert "Not recovering yet" in log and "upgrade" in log, log[-3000:]
+    assert log.count("Not recovering yet") >= 2 and "upgrade" in log, log[-3000:]  # looked again, waited on
     deployment.wait_caught_up(producer.produced)
     assert deployment.trigger("stream_stop")["stop"][0] == "success"
     check_exactly_once(deployment.store, deployment.job_id, producer.produced)
