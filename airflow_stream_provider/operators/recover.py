@@ -30,6 +30,11 @@ SILENT_MARGIN_S = 1.0
 SILENT_LOOK_EVERY_S = 30.0
 
 
+class _LookAgain(Exception):
+    """A look-again wait on the blocking path (``deferrable=False``) is over: ``execute`` starts afresh.  A
+    lease held for half an hour is 180 looks, too many to nest."""
+
+
 class RecoverStreamingJobOperator(StreamJobOperator):
     """What on-call would do, written down:
 
@@ -114,7 +119,14 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         if wait is not None:
             self.controller.block(wait)
         waits.pause(pause_s)
-        return self._look_again(context, None)
+        raise _LookAgain
+
+    def execute(self, context) -> Any:
+        while True:  # the blocking path's looks: a loop, not one nested call per look
+            try:
+                return super().execute(context)
+            except _LookAgain:
+                continue
 
     def execute_complete(self, context, event: dict[str, Any]) -> Any:
         if event.get("resume", {}).get("method") == LOOK_AGAIN:  # this task held no lease while it waited

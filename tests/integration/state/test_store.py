@@ -468,4 +468,8 @@ def test_a_recovery_that_found_the_job_leased_waits_for_it_and_diagnoses_afresh(
     leases.take("job", upgrade_owner, "upgrade", time.time() + 0.5)
     blocking = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="job.py", deferrable=False)
     assert blocking.execute({})["diagnosis"]["run_id"] == live  # once the lease ran out
+    # Many looks (a lease held for half an hour, every 10 s): one after another, not nested
+    monkey.setattr(recover_module, "LEASE_RETRY_S", 0.0)
+    leases.take("job", upgrade_owner, "upgrade", time.time() + 3)
+    assert blocking.execute({})["diagnosis"]["run_id"] == live
     monkey.undo()
