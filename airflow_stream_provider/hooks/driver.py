@@ -216,7 +216,7 @@ class StreamDriverHook(BaseHook):
     def terminate(self, run: RunRecord) -> bool:
         """SIGTERM to the Python driver only: its harness stops the query between batches.  Sent to the
         whole group it would also reach the JVM, whose shutdown hooks stop Spark under the query."""
-        if not self.is_local(run):
+        if not self._still_its_process(run):
             return False
         try:
             os.kill(run.pid, signal.SIGTERM)
@@ -227,7 +227,9 @@ class StreamDriverHook(BaseHook):
     def kill(self, run: RunRecord) -> Kill:
         """Kill the driver outright: its process group locally, the application on a cluster."""
         if self.is_local(run):
-            self._signal(run, signal.SIGKILL)
+            if not self._signal(run, signal.SIGKILL):
+                return Kill(True, f"pid {run.pid} on {run.host} is gone, or is another process's now: nothing "
+                            "to kill")
             return Kill(True, f"killed process group of pid {run.pid} on {run.host}")
         if run.submission_id:
             return self.kill_submission(run.job_id, run.submission_id)
@@ -259,8 +261,16 @@ class StreamDriverHook(BaseHook):
         return Kill(True, f"killed {submission_id} through its cluster manager")
 
     @staticmethod
+    def _still_its_process(run: RunRecord) -> bool:
+        """The run's pid on this host still belongs to its driver: a driver gone long ago (its row left
+        active by a lost task, a host restarted) may have left its pid to an unrelated process, which a
+        signal to the pid, or to its group, would reach."""
+        return StreamDriverHook.is_local(run) and local_driver.process_alive(run.pid, run.started_at)
+
+    @staticmethod
     def _signal(run: RunRecord, sig: int) -> bool:
-        if not StreamDriverHook.is_local(run):
+        """Signal the driver's process group; False when it is not this host's, or is gone."""
+        if not StreamDriverHook._still_its_process(run):
             return False
         try:
             local_driver.signal_group(os.getpgid(run.pid), sig)

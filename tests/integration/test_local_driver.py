@@ -1,5 +1,5 @@
 """The local process check the sensors, triggers and operators rely on: a dead driver, a zombie, and a
-pid the system handed to a newer process are all "not alive"."""
+pid the system handed to a newer process are all "not alive", and none of them is signalled."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import time
 
 import psutil
 
+from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.local_driver import process_alive, process_started
+from airflow_stream_provider.state.records import RunRecord
 
 
 def test_a_pid_reused_by_a_newer_process_is_not_the_driver():
@@ -38,3 +40,32 @@ def test_a_zombie_is_not_alive():
     finally:
         process.send_signal(signal.SIGKILL)
         process.wait()
+
+
+def _run(pid: int, started_at: float) -> RunRecord:
+    import socket
+
+    return RunRecord(run_id="r1", job_id="job", epoch=1, generation=1, status="RUNNING", pid=pid,
+                     host=socket.gethostname(), started_at=started_at, heartbeat_at=started_at)
+
+
+def test_a_stop_or_kill_never_signals_a_process_that_took_a_gone_drivers_pid():
+    """A run left active by a lost task, on a host whose pids went round (or that restarted): its pid now
+    belongs to an unrelated process, in a group of its own.  The kill reports the driver gone and signals
+    nothing, instead of killing that process's whole group."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        created = process_started(psutil.Process(other.pid))
+        hook = StreamDriverHook()
+        stale = _run(other.pid, started_at=created - 600)  # registered ten minutes before that process began
+        assert hook.terminate(stale) is False
+        killed = hook.kill(stale)
+        assert killed.done and "is gone, or is another process's now" in killed.message, killed
+        time.sleep(0.2)
+        assert other.poll() is None, "the unrelated process was signalled"
+        # the same pid, registered by the process that holds it: the driver, killed with its group
+        assert hook.kill(_run(other.pid, started_at=created + 1)).message.startswith("killed process group")
+        assert other.wait(10) == -signal.SIGKILL
+    finally:
+        other.kill()
+        other.wait()
