@@ -81,7 +81,7 @@ class Diagnosis:
     diagnosed_at: float | None = None
     #: for a run launched with ``standby`` on: its standby's status (WARMING, WAITING), or MISSING
     standby: str | None = None
-    #: for a DEAD run that was asked to stop (epoch seconds): it ended before it stopped cleanly
+    #: for a DEAD or FAILED run that was asked to stop (epoch seconds): it ended before it stopped cleanly
     stop_requested_at: float | None = None
     #: for a STOPPED or DEAD run that a restart stopped and launched nothing after (its launch failed, its
     #: task was lost): that restart's ``at`` and ``reason``.  No one asked for this stop: the job is down
@@ -162,10 +162,15 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
         # A signature's advice where the text still shows the recorded kind; else (a start failure's own
         # message, a message cut short) what the kind itself calls for.
         advice = classification.advice if classification.kind == kind else kind.advice
-        return Diagnosis(job_id, Health.FAILED, kind, run.error_class, **base,
-                         evidence=[f"driver exited with code {run.exit_code} ({_kind_named(run.failure_kind, kind)})",
-                                   f"error: {classification.evidence or _first_line(message)}"],
-                         advice=advice)
+        evidence = [f"driver exited with code {run.exit_code} ({_kind_named(run.failure_kind, kind)})",
+                    f"error: {classification.evidence or _first_line(message)}"]
+        if run.stop_requested_at is not None:  # its last batch failed while it stopped: stopped all the same
+            evidence.append(f"it was asked to stop at {_clock(run.stop_requested_at)} and failed before it "
+                            "stopped cleanly")
+            advice = (f"Nothing to restart: the job was being stopped. {advice} Submit the job to start it "
+                      "again (the batch that failed is replayed; the sink skips what was committed).")
+        return Diagnosis(job_id, Health.FAILED, kind, run.error_class, **base, evidence=evidence, advice=advice,
+                         stop_requested_at=run.stop_requested_at)
     if status == DEAD:
         if run.stop_requested_at is not None:
             return _dead_while_stopping(job_id, run, run.termination_message or "its driver is gone", base)
@@ -224,6 +229,10 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
     return Diagnosis(job_id, Health.HEALTHY, **base, evidence=evidence, stuck_at=stuck_at)
 
 
+def _clock(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
+
+
 def _kind_named(recorded: str | None, kind: failures.FailureKind) -> str:
     if recorded and recorded != kind.value:
         return f"{recorded}, a failure kind this release does not know: taken as {kind.value}"
@@ -250,9 +259,9 @@ def _dead_while_stopping(job_id: str, run: RunRecord, gone: str, base: dict[str,
     during it.  DEAD (no clean stop was recorded), with ``stop_requested_at`` set: the recovery leaves it
     stopped, as asked, rather than undo the stop (or race the restart, reset or upgrade that asked for it).
     The sink's transactions keep its results and offsets consistent."""
-    asked = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(run.stop_requested_at))
     return Diagnosis(job_id, Health.DEAD, **base, stop_requested_at=run.stop_requested_at,
-                     evidence=[gone, f"it was asked to stop at {asked} and ended before it stopped cleanly"],
+                     evidence=[gone, f"it was asked to stop at {_clock(run.stop_requested_at)} and ended before "
+                               "it stopped cleanly"],
                      advice="Nothing to restart: the job was being stopped. Submit it to start it again (it "
                      "resumes after its last committed batch; the batch cut short is replayed and the sink "
                      "skips what was committed).")

@@ -98,8 +98,9 @@ def upgrade_in_charge(upgrade: UpgradeRecord | None, now: float) -> bool:
     return upgrade is not None and upgrade.phase in UPGRADE_IN_CHARGE and not upgrade.stale(now)
 
 
-#: The healths of a run that a restart can have stopped and left down (DEAD: its stop had to kill it).
-INTERRUPTIBLE = (Health.STOPPED, Health.DEAD)
+#: The healths of a run that a restart can have stopped and left down (DEAD: its stop had to kill it;
+#: FAILED: its last batch failed as it stopped).
+INTERRUPTIBLE = (Health.STOPPED, Health.DEAD, Health.FAILED)
 
 
 def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
@@ -108,7 +109,7 @@ def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]]) 
     was asked for since (``StopStreamingJobOperator`` closes it)."""
     if found.run_id is None or found.health not in INTERRUPTIBLE or not history:
         return None
-    if found.health == Health.DEAD and found.stop_requested_at is None:  # no stop ended it: plainly DEAD
+    if found.health != Health.STOPPED and found.stop_requested_at is None:  # no stop ended it: plainly down
         return None
     newest = history[-1]
     begun = (newest.get("action") == RecoveryAction.RESTART and newest.get("new_run_id") is None
@@ -131,7 +132,7 @@ def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBu
                               interrupted.get("reason") or found.summary())
     if found.health in (Health.STARTING, Health.HEALTHY, Health.STOPPED):
         return RecoveryDecision(RecoveryAction.NONE, f"the job is {found.health.value}: nothing to do")
-    if found.health == Health.DEAD and found.stop_requested_at is not None:
+    if found.health in (Health.DEAD, Health.FAILED) and found.stop_requested_at is not None:
         return RecoveryDecision(RecoveryAction.NONE, f"{found.summary()}: it was being stopped, and a restart "
                                                      "would undo the stop. Submit the job to start it again")
     if upgrade_in_charge(upgrade, now):

@@ -82,6 +82,8 @@ def next_step(diagnosis: dict) -> str:
     * a healthy run whose driver lives but has gone silent (hung, frozen): ``recover``, which looks again
       when the silence makes it STUCK.  A watcher on another host, which cannot see the process, reports
       it DEAD at once and never again;
+    * a run that died or failed while it was being stopped: ``recover``, which leaves it stopped and says so
+      (a reset or a restart would undo the stop);
     * a healthy, starting or stopped job: ``healthy``, nothing.
     """
     kind = diagnosis.get("failure_kind")
@@ -92,6 +94,8 @@ def next_step(diagnosis: dict) -> str:
         return "recover"
     if diagnosis["health"] in ("HEALTHY", "STARTING", "STOPPED"):
         return "healthy"
+    if diagnosis.get("stop_requested_at"):  # ended as it was being stopped: recover says why it leaves it
+        return "recover"
     if kind in ("DATA_LOSS", "POISON"):
         return "needs_a_decision"
     if kind == "CHECKPOINT_INCOMPATIBLE":

@@ -97,6 +97,16 @@ def test_a_run_a_restart_stopped_and_left_down_leads_to_recover(monkeypatch, hea
         assert next_step({"health": health, "failure_kind": None, "interrupted_restart": None}) == "healthy"
 
 
+@pytest.mark.parametrize("kind", ["TRANSIENT", "POISON", "CHECKPOINT_INCOMPATIBLE"])
+def test_a_run_that_failed_while_being_stopped_leads_to_recover_which_leaves_it(monkeypatch, kind):
+    """Not a reset (with ``stream_reset_policy`` ``auto``), which would start the job someone stopped."""
+    monkeypatch.syspath_prepend(str(DAGS))
+    monkeypatch.setenv("AIRFLOW_VAR_STREAM_RESET_POLICY", "auto")
+    from stream_job import next_step
+
+    assert next_step({"health": "FAILED", "failure_kind": kind, "stop_requested_at": 1_800_000_000.0}) == "recover"
+
+
 def test_a_live_driver_gone_silent_leads_to_recover(monkeypatch):
     """Hung or frozen, its process alive: a watcher on another host reported it DEAD once; here it is
     HEALTHY until its silence passes ``stuck_after``, and ``recover`` looks again then."""

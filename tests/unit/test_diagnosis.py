@@ -61,6 +61,16 @@ def test_a_run_asked_to_stop_that_ended_otherwise_is_dead_and_says_it_was_being_
     assert still.health == Health.HEALTHY  # still stopping: its stop's task waits on it
 
 
+def test_a_run_that_failed_as_it_was_being_stopped_says_so_and_carries_the_stop():
+    run = _run(status="FAILED", exit_code=75, failure_kind="TRANSIENT", termination_message="connection reset",
+               stop_requested_at=NOW - 30)
+    found = diagnose("j", run, driver_alive=None, lag=0, now=NOW)
+    assert found.health == Health.FAILED and found.stop_requested_at == NOW - 30
+    assert "asked to stop at" in found.evidence[-1] and found.advice.startswith("Nothing to restart")
+    plain = diagnose("j", replace(run, stop_requested_at=None), driver_alive=None, lag=0, now=NOW)
+    assert plain.stop_requested_at is None and not plain.advice.startswith("Nothing to restart")
+
+
 def test_dead_by_heartbeat_age_where_the_process_cannot_be_checked():
     found = diagnose("j", _run(heartbeat_at=NOW - 45), driver_alive=None, lag=0, now=NOW,
                      thresholds=Thresholds(heartbeat_timeout_s=30))

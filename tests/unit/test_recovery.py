@@ -177,6 +177,16 @@ def test_a_run_that_died_while_it_was_being_stopped_is_not_restarted():
     assert decision.action == RecoveryAction.NONE and "a restart would undo the stop" in decision.why
 
 
+@pytest.mark.parametrize("kind", [FailureKind.TRANSIENT, FailureKind.USER_CODE, FailureKind.CHECKPOINT_INCOMPATIBLE])
+def test_a_run_whose_last_batch_failed_while_it_was_being_stopped_is_not_restarted(kind):
+    """A graceful stop whose last batch (or write-behind flush) failed: the driver ends FAILED, not STOPPED.
+    Restarted (or reset) for its failure kind, the job someone stopped would start again."""
+    found = _found(Health.FAILED, kind, stop_requested_at=NOW - 60)
+    decision = _decide(found)
+    assert decision.action == RecoveryAction.NONE and "a restart would undo the stop" in decision.why
+    assert _decide(_found(Health.FAILED, kind)).action != RecoveryAction.NONE  # not being stopped: acted on
+
+
 def _begun(run_id: str = "r1", age: float = 30.0, new_run_id: str | None = None) -> dict:
     """A restart recorded before its stop of ``run_id``; ``new_run_id`` once it launched its new run."""
     return {"at": NOW - age, "action": "restart", "reason": "STUCK: no batch for 600s", "failed_run_id": run_id,
@@ -186,7 +196,8 @@ def _begun(run_id: str = "r1", age: float = 30.0, new_run_id: str | None = None)
 @pytest.mark.parametrize("found", [
     _found(Health.STOPPED),
     _found(Health.DEAD, stop_requested_at=NOW - 60, evidence=["driver gone during a graceful stop (killed)"]),
-], ids=["stopped", "dead-while-stopping"])
+    _found(Health.FAILED, FailureKind.TRANSIENT, stop_requested_at=NOW - 60),
+], ids=["stopped", "dead-while-stopping", "failed-while-stopping"])
 def test_a_restart_interrupted_after_its_own_stop_is_finished(found):
     """A STUCK run stopped by its restart, whose launch then failed (brokers unreachable for a moment, the
     worker lost): no one asked the job to stop, so the next recovery starts the run the restart owed."""
