@@ -329,7 +329,8 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             if reset is None:
                 return self.launch_then(context, "_started", {"ctx": ctx}, spec_json=new.to_json(),
                                         on_fail="_start_refused")
-            return self.launch_reset(context, new, reset, reason, "_started", {"ctx": ctx})
+            return self.launch_reset(context, new, reset, reason, "_started", {"ctx": ctx},
+                                     on_fail="_failed_after_stop")
         ctx["successor_id"] = launch["run_id"]
         self._phase(ctx, UpgradePhase.STARTING)
         pending = {"launch": launch, "after": "_successor_started", "carry": {"ctx": ctx, "reset": reset,

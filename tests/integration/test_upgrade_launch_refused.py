@@ -19,9 +19,10 @@ from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 SPEC = {"job_id": "job", "version": "1.0"}
 
 
-@pytest.mark.parametrize("decision", ["reuse", "reset"])
+@pytest.mark.parametrize(("decision", "prewarmed"), [("reuse", False), ("reset", False), ("reset", True)],
+                         ids=["reuse", "reset", "reset-successor-gone"])
 def test_a_new_version_refused_before_its_submit_rolls_back_and_ends_the_upgrade(state_store, monkeypatch, tmp_path,
-                                                                                 topic, decision):
+                                                                                 topic, decision, prewarmed):
     # The refusal is the controller's own check before a start; the brokers cannot be taken down for one
     # check only, so the check raises what it raises when they do not answer.
     def unreachable(self, spec):
@@ -36,6 +37,8 @@ def test_a_new_version_refused_before_its_submit_rolls_back_and_ends_the_upgrade
     previous = {"application": "/jobs/v1.py", "spec_json": operator.job.to_json()}
     ctx = {"generation": 1, "outcome": {}, "previous": previous, "policy": "after_preflight",
            "decision": {"action": decision, "why": "preflight", "reset_on_start_failure": False}}
+    if prewarmed:  # its warm successor is gone by the stop (never recorded here): started cold instead
+        ctx["successor"] = {"standby_id": "gone", "application": "/jobs/v2.py", "spec": operator.job.to_json()}
     ctx["upgrade_id"] = UpgradeLog(state_store).begin("job", "1.0", "2.0", ctx)
 
     with pytest.raises(AirflowFailException) as failed:
