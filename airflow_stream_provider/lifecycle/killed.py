@@ -4,8 +4,8 @@ A person marking a deferred task failed or succeeded, or clearing it, ends the t
 operator's ``on_kill``.  Airflow (3.3 on) calls the trigger's ``on_kill`` instead, and only then: not when a
 triggerer restarts or hands its triggers to another.  The trigger does what the operator would have done, from
 the state database and this host: the driver the task started and waited on is killed (asked to stop through
-its row where it runs elsewhere), an upgrade's unreleased successor is ended, and the job's lease is let go at
-once instead of when the wait's deadline passes.  Where Airflow does not call it (3.1, 3.2), the lease's
+its row where it runs elsewhere), an upgrade's unreleased successor and its record are ended, and the job's
+lease is let go at once instead of when the wait's deadline passes.  Where Airflow does not call it (3.1, 3.2), the lease's
 expiry and the successor's own check remain.
 """
 
@@ -21,7 +21,11 @@ from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
 from airflow_stream_provider.state.store import StateStore
-from airflow_stream_provider.state.upgrades import UpgradeLog
+from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
+
+#: The phases an upgrade leaves the job down in when its task dies: the old run stopped, the new version (or
+#: the rollback's) not running yet.
+LEAVES_THE_JOB_DOWN = (UpgradePhase.STOPPING, UpgradePhase.STARTING, UpgradePhase.ROLLING_BACK)
 
 
 @dataclass(frozen=True)
@@ -52,11 +56,32 @@ def end_unreleased_successor(store: StateStore, job_id: str, why: str) -> str | 
     return found.successor_id if StandbyLog(store).end(found.successor_id, StandbyStatus.ENDED, why) else None
 
 
+def end_killed_upgrade(store: StateStore, job_id: str, why: str, log: logging.Logger) -> None:
+    """The job's unfinished upgrade, whose task was killed, ends (result ``killed``): left in its phase, it
+    would keep every recovery and lifecycle task away for ``UPGRADE_STALE_S``, with no task to finish it.
+    Killed after it stopped the old run and before the new version ran (or while it rolled back), it leaves
+    the job down: a restart of the old run is recorded as begun, so that the next recovery finishes it
+    with the code that ran before, as the upgrade's own rollback would (``recovery.interrupted_restart``)."""
+    upgrades = UpgradeLog(store)
+    found = upgrades.latest(job_id)
+    if found is None or found.phase == UpgradePhase.DONE:
+        return
+    old_run = store.get_run(found.detail.get("live_run_id") or "")
+    if found.phase in LEAVES_THE_JOB_DOWN and old_run is not None and not old_run.active:
+        store.record_restart(job_id, "restart", f"upgrade {found.upgrade_id} to version {found.to_version} was "
+                             f"killed in phase {found.phase.value} ({why}): back to version {found.from_version}",
+                             old_run.run_id, None)
+    upgrades.move(found.upgrade_id, UpgradePhase.DONE, {**found.detail, "killed": why}, result="killed")
+    log.warning("job %s: upgrade %s to version %s ended in phase %s: %s", job_id, found.upgrade_id,
+                found.to_version, found.phase.value, why)
+
+
 def undo(store: StateStore, killed: KilledTask, why: str, log: logging.Logger) -> None:
     """Undo what ``killed`` leaves behind; each step on its own, so that one failing leaves the rest done."""
     steps = [partial(_end_launch, store, killed.launch)] if killed.launch else []
     if killed.upgrade:
         steps.append(partial(_end_successor, store, killed.job_id))
+        steps.append(partial(end_killed_upgrade, store, killed.job_id))
     if killed.lease_owner:
         steps.append(partial(_release_lease, store, killed.job_id, killed.lease_owner))
     for step in steps:

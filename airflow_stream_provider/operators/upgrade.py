@@ -17,7 +17,7 @@ from airflow_stream_provider import spec as spec_module
 from airflow_stream_provider.failures import FailureKind
 from airflow_stream_provider.lifecycle.controller import StreamJobError
 from airflow_stream_provider.lifecycle.driver_log import log_tail
-from airflow_stream_provider.lifecycle.killed import KilledTask, end_unreleased_successor
+from airflow_stream_provider.lifecycle.killed import KilledTask, end_killed_upgrade, end_unreleased_successor
 from airflow_stream_provider.lifecycle.waits import RunWait
 from airflow_stream_provider.operators.base import (
     LAUNCH_KEY,
@@ -126,11 +126,13 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             raise
 
     def on_kill(self) -> None:
-        """Also end the successor the upgrade has not released.  A task killed while deferred does not
-        come here: its trigger does it (``lifecycle.killed``), and where Airflow does not tell the trigger,
-        the successor ends by itself once the upgrade's record goes stale (``runtime.standby``)."""
+        """Also end the successor the upgrade has not released, and the upgrade's record (a job it left down
+        is restarted with the old code by the next recovery).  A task killed while deferred does not come
+        here: its trigger does it (``lifecycle.killed``), and where Airflow does not tell the trigger, the
+        successor ends by itself once the upgrade's record goes stale (``runtime.standby``)."""
         super().on_kill()
         self._end_unreleased_successor("its upgrade task was killed")
+        end_killed_upgrade(self.state.store, self.new_spec.job_id, "its upgrade task was killed", self.log)
 
     def killed_task(self) -> KilledTask:
         return replace(super().killed_task(), upgrade=True)

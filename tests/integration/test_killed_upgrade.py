@@ -1,0 +1,86 @@
+"""An upgrade whose task a person kills (marked failed while it waits in the triggerer, or on its worker):
+its record ends, so that recoveries act on the job again at once instead of half an hour later, and a job
+the upgrade had already stopped is restarted with the code that ran before, by the next recovery.
+
+The trigger's ``undo`` is called as the triggerer calls it; the state is that of a real upgrade in each
+phase, on both databases."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from airflow_stream_provider import recovery
+from airflow_stream_provider.budget import RestartBudget
+from airflow_stream_provider.diagnosis import diagnose
+from airflow_stream_provider.lifecycle.health import with_interrupted_restart
+from airflow_stream_provider.lifecycle.killed import KilledTask, undo
+from airflow_stream_provider.recovery import RecoveryAction
+from airflow_stream_provider.state.leases import LeaseLog
+from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
+
+OWNER = "stream_upgrade/manual__1/upgrade/-1"
+log = logging.getLogger(__name__)
+
+
+def _upgrade(store, phase: UpgradePhase, *, old_stopped: bool) -> tuple[str, str]:
+    old = store.begin_run("job", 1, "1.0").run_id
+    store.mark_query_started(old)
+    if old_stopped:
+        store.request_stop(old)
+        store.finish_run(old, status="STOPPED", exit_code=0, message="stopped by the upgrade")
+    upgrades = UpgradeLog(store)
+    upgrade_id = upgrades.begin("job", "1.0", "2.0", {"live_run_id": old, "generation": 1})
+    upgrades.move(upgrade_id, phase, {"live_run_id": old, "generation": 1})
+    LeaseLog(store).take("job", OWNER, "upgrade", time.time() + 300)
+    return upgrade_id, old
+
+
+def _decision(store):
+    found = diagnose("job", store.latest_run("job"), driver_alive=None, lag=None)
+    found = with_interrupted_restart(found, store.latest_restart("job"))
+    return recovery.decide_recovery(found, on_incompatible="reset", budget=RestartBudget(),
+                                    history=store.restarts_since("job", 0), now=time.time(),
+                                    upgrade=UpgradeLog(store).latest("job"))
+
+
+@pytest.mark.parametrize("phase", [UpgradePhase.STOPPING, UpgradePhase.STARTING, UpgradePhase.ROLLING_BACK])
+def test_an_upgrade_killed_after_it_stopped_the_job_ends_and_the_old_code_is_restarted(state_store, phase):
+    upgrade_id, old = _upgrade(state_store, phase, old_stopped=True)
+    assert _decision(state_store).action == RecoveryAction.NONE  # the job is STOPPED and the upgrade acts
+
+    undo(state_store, KilledTask("job", lease_owner=OWNER, upgrade=True), "marked failed while deferred", log)
+
+    record = UpgradeLog(state_store).get(upgrade_id)
+    assert (record.phase, record.result) == (UpgradePhase.DONE, "killed"), record
+    assert record.detail["killed"] == "marked failed while deferred"
+    assert LeaseLog(state_store).get("job") is None
+    decision = _decision(state_store)
+    assert decision.action == RecoveryAction.RESTART, decision
+    assert f"killed in phase {phase.value}" in decision.reason and "back to version 1.0" in decision.reason
+    [restart] = state_store.restarts_since("job", 0)
+    assert (restart["failed_run_id"], restart["new_run_id"]) == (old, None)
+
+
+@pytest.mark.parametrize("phase", [UpgradePhase.PREFLIGHT, UpgradePhase.VERIFYING])
+def test_an_upgrade_killed_while_a_version_runs_ends_and_leaves_it_running(state_store, phase):
+    """In its preflight the old version runs on; while it verifies, the new one runs: nothing to restart."""
+    upgrade_id, _ = _upgrade(state_store, phase, old_stopped=False)
+
+    undo(state_store, KilledTask("job", lease_owner=OWNER, upgrade=True), "marked failed while deferred", log)
+
+    assert UpgradeLog(state_store).get(upgrade_id).result == "killed"
+    assert state_store.restarts_since("job", 0) == []
+    assert _decision(state_store).action == RecoveryAction.NONE
+
+
+def test_a_finished_upgrade_is_left_as_it_ended(state_store):
+    upgrade_id, _ = _upgrade(state_store, UpgradePhase.STARTING, old_stopped=True)
+    UpgradeLog(state_store).move(upgrade_id, UpgradePhase.DONE, {}, result="upgraded")
+
+    undo(state_store, KilledTask("job", lease_owner=OWNER, upgrade=True), "killed after it ended", log)
+
+    assert UpgradeLog(state_store).get(upgrade_id).result == "upgraded"
+    assert state_store.restarts_since("job", 0) == []
