@@ -427,6 +427,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         previous = ctx["previous"]
         old = StreamJobSpec.from_dict(json.loads(previous["spec_json"]))
         ctx["rollback_reason"] = f"rollback to version {old.version}: {_first_lines(ctx['error'], 1)}"
+        ctx["rollback_at"] = time.time()
         if self.state.current_generation(self.job.job_id) == ctx["generation"]:
             return self.launch_then(context, "_rollback_started", {"ctx": ctx}, application=previous["application"],
                                     spec_json=previous["spec_json"], on_fail="_rollback_refused")
@@ -435,8 +436,13 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
                                on_fail="_rollback_failed")
 
     def _rollback_refused(self, context, error, ctx) -> dict[str, Any]:
+        """The previous version did not start on its own generation: reset only where its own run found the
+        checkpoint incompatible.  Refused before its submit (the brokers away), or gone before its run
+        registered, the latest run is still the new version's, whose incompatibility says nothing of the
+        old code's: resetting then would throw away a checkpoint the old code reads, state and all."""
         failed = self.state.latest_run(self.job.job_id)
-        if not (failed and failed.failure_kind == FailureKind.CHECKPOINT_INCOMPATIBLE.value):
+        own = failed is not None and (failed.started_at or 0.0) >= ctx.get("rollback_at", 0.0)
+        if not (own and failed.failure_kind == FailureKind.CHECKPOINT_INCOMPATIBLE.value):
             return self._rollback_failed(context, error, ctx)
         previous = ctx["previous"]
         return self.reset_then(context, f"{ctx['rollback_reason']}; refused on start: {failed.error_class}",

@@ -7,6 +7,7 @@ an hour."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
@@ -51,3 +52,36 @@ def test_a_new_version_refused_before_its_submit_rolls_back_and_ends_the_upgrade
     record = UpgradeLog(state_store).latest("job")
     assert record.phase == UpgradePhase.DONE, record
     assert not recovery.upgrade_in_charge(record, time.time()), "recoveries act on the job again"
+
+
+def test_a_rollback_refused_before_its_submit_leaves_the_old_versions_checkpoint(state_store, monkeypatch, tmp_path,
+                                                                                  topic):
+    """The new version found the checkpoint incompatible; the rollback to the old one is refused before its
+    submit (the brokers away).  The latest run is still the new version's: its incompatibility is no reason
+    to reset the generation the old code reads, which would throw its streaming state away."""
+    def unreachable(self, spec):
+        raise StreamJobError("Kafka at the job's brokers is unreachable: NoBrokersAvailable; nothing was started")
+
+    monkeypatch.setattr(StreamJobController, "check_before_start", unreachable)
+    old = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.finish_run(old, status="STOPPED", exit_code=0, message="stopped by the upgrade")
+    new = state_store.begin_run("job", 1, "2.0").run_id
+    state_store.finish_run(new, status="FAILED", exit_code=3, failure_kind="CHECKPOINT_INCOMPATIBLE",
+                           error_class="STREAMING_STATEFUL_OPERATOR_NOT_MATCH_IN_STATE_METADATA",
+                           message="the new code cannot use the checkpoint")
+    spec = {**SPEC, "checkpoint_root": str(tmp_path / "checkpoints"), "kafka": {"topics": [topic]}}
+    operator = UpgradeStreamingJobOperator(task_id="upgrade", spec=spec, application="/jobs/v2.py", version="2.0")
+    previous = {"application": "/jobs/v1.py", "spec_json": operator.job.to_json()}
+    ctx = {"generation": 1, "outcome": {}, "previous": previous, "error": "version 2.0 refused the checkpoint"}
+    ctx["upgrade_id"] = UpgradeLog(state_store).begin("job", "1.0", "2.0", ctx)
+    kept = Path(operator.controller.checkpoints.generation_path("job", 1))
+    (kept / "offsets").mkdir(parents=True)
+    (kept / "offsets" / "0").write_text("v1\n")  # the old version's checkpoint, one batch planned
+
+    with pytest.raises(AirflowFailException) as failed:
+        operator._rollback_stopped({}, None, ctx)
+    assert "The rollback to version 1.0 (/jobs/v1.py) failed too: Kafka at the job's brokers is unreachable" \
+        in str(failed.value), failed.value
+    assert state_store.current_generation("job") == 1, "the old version's generation was archived"
+    assert (kept / "offsets" / "0").exists()
+    assert UpgradeLog(state_store).latest("job").phase == UpgradePhase.DONE
