@@ -34,7 +34,7 @@ from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.kafka_offsets import LostRange, Offsets
 from airflow_stream_provider.lifecycle.driver_log import log_tail
-from airflow_stream_provider.lifecycle.health import HealthProbe, standby_gone
+from airflow_stream_provider.lifecycle.health import HealthProbe, live_standby, standby_gone
 from airflow_stream_provider.lifecycle.waits import Outcome, RunWait, RunWatch
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.leases import Lease, LeaseLog
@@ -317,7 +317,14 @@ class StreamJobController:
 
     def live_standby(self) -> StandbyRecord | None:
         """The job's warm (or warming) standby, if one lives (a vanished one is recorded DEAD)."""
-        return self.probe.live_standby()
+        return live_standby(self.standbys, self.job_id, self.standby_thresholds)
+
+    @cached_property
+    def standby_thresholds(self) -> Thresholds:
+        """A standby heartbeats as the job's spec says: a spec that heartbeats slowly is judged by its own,
+        longer timeout, as its runs are (``diagnosis.heartbeat_timeout``)."""
+        return replace(self.thresholds, heartbeat_timeout_s=max(self.thresholds.heartbeat_timeout_s,
+                                                                 self.spec.heartbeat_timeout_seconds))
 
     def ensure_standby(self, application: str | None) -> dict[str, Any] | None:
         """Start a standby for the job's live run unless one is warm already (``spec.standby``): with the code
@@ -415,7 +422,7 @@ class StreamJobController:
         upgrade starts the new version cold)."""
         record = self.standbys.get(successor["standby_id"])
         gone = "it is not recorded" if record is None else (
-            f"it is {record.status.value}" if not record.status.live else standby_gone(record, self.thresholds))
+            f"it is {record.status.value}" if not record.status.live else standby_gone(record, self.standby_thresholds))
         if gone:
             self.log.warning("Successor %s of job %s cannot start: %s", successor["standby_id"], self.job_id, gone)
             if record is not None and record.status.live:

@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
@@ -71,9 +72,6 @@ class HealthProbe:
     def standbys(self) -> StandbyLog:
         return StandbyLog(self.state.store)
 
-    def live_standby(self) -> StandbyRecord | None:
-        return live_standby(self.standbys, self.job_id, self.thresholds)
-
     def close(self) -> None:
         self.state.close()
 
@@ -108,7 +106,9 @@ def with_standby(found: Diagnosis, run: RunRecord | None, standbys: StandbyLog, 
     """``found`` with its run's standby noted, where the run wants one and the job is not stopping."""
     if run is None or run.status not in _STANDBY_MATTERS or not wants_standby(run):
         return found
-    return diagnosis.note_standby(found, live_standby(standbys, run.job_id, thresholds))
+    # its standby heartbeats as the run does: judged by the run's own timeout where that is longer
+    judged = replace(thresholds, heartbeat_timeout_s=diagnosis.heartbeat_timeout(run, thresholds))
+    return diagnosis.note_standby(found, live_standby(standbys, run.job_id, judged))
 
 
 def live_standby(standbys: StandbyLog, job_id: str, thresholds: Thresholds,

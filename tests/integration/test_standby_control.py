@@ -307,3 +307,39 @@ def test_a_standby_that_cannot_be_started_does_not_fail_the_task_that_launched_t
     recover = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="/jobs/orders.py")
     with pytest.raises(AirflowFailException, match="no standby was started"):
         recover.execute({})
+
+
+def test_a_waiting_standby_is_judged_by_the_heartbeat_timeout_its_spec_asks_for(state_store, database_url):
+    """A job set to heartbeat every 30 s (timeout 120 s), its standby on another host: 60 s between two of
+    its heartbeats is no death, for the standby as for the run.  Judged by the watcher's 30 s default, it
+    was ended as DEAD, exited, and a new one was started: a JVM warm-up every few minutes, without end."""
+    import json
+    from dataclasses import replace
+
+    from airflow_stream_provider.diagnosis import Diagnosis, Health, Thresholds
+    from airflow_stream_provider.lifecycle.health import with_standby
+
+    log = StandbyLog(state_store)
+    run = state_store.begin_run("orders", 1, "1.0")
+    state_store.mark_query_started(run.run_id)
+    slow = {"job_id": "orders", "standby": True, "heartbeat_seconds": 30.0, "heartbeat_timeout_seconds": 120.0}
+    run = replace(state_store.get_run(run.run_id), spec=json.dumps(slow))
+    log.register("s-far", "orders", "1.0", 1, host="another-host", pid=4242, log_path=None)
+    log.ready("s-far")
+    with state_store.engine.begin() as conn:  # its last heartbeat, 60 s ago
+        from sqlalchemy import update
+
+        from airflow_stream_provider.state.standbys import standbys
+        conn.execute(update(standbys).where(standbys.c.standby_id == "s-far").values(heartbeat_at=time.time() - 60))
+
+    found = with_standby(Diagnosis("orders", Health.HEALTHY, run_id=run.run_id), run, log, Thresholds())
+    assert found.standby == StandbyStatus.WAITING.value and log.get("s-far").status == StandbyStatus.WAITING
+    controller = _controller(database_url)
+    controller.spec = replace(controller.spec, heartbeat_seconds=30.0, heartbeat_timeout_seconds=120.0)
+    assert controller.live_standby().standby_id == "s-far"
+    # silent past its own timeout, it is gone
+    with state_store.engine.begin() as conn:
+        conn.execute(update(standbys).where(standbys.c.standby_id == "s-far").values(heartbeat_at=time.time() - 150))
+    assert with_standby(Diagnosis("orders", Health.HEALTHY, run_id=run.run_id), run, log,
+                        Thresholds()).standby == "MISSING"
+    assert log.get("s-far").status == StandbyStatus.DEAD
