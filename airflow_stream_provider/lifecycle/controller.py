@@ -458,8 +458,10 @@ class StreamJobController:
             self.state.store.request_stop(run_id)
             self.log.info("Asked run %s of job %s to stop; waiting up to %ss", run_id, run.job_id, timeout)
         elif stage == "terminate":
-            self.log.warning("Run %s did not stop in time: sending SIGTERM", run_id)
-            self.driver.terminate(run)
+            sent = self.driver.terminate(run)
+            self.log.warning("Run %s did not stop in time: %s", run_id, "sent SIGTERM" if sent else
+                             f"no SIGTERM can reach it from {socket.gethostname()} (it runs on {run.host}, on a "
+                             "cluster, or is gone); the kill comes next")
         else:
             killed = self.driver.kill(run)
             self.log.warning("Run %s ignored SIGTERM: %s", run_id, killed)
