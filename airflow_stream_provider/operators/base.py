@@ -462,7 +462,12 @@ class StreamJobOperator(BaseOperator):
     def _reset_stopped(self, context, stopped, reason, allow_data_loss, spec_json, application, after,
                        carry, on_fail=None) -> Any:
         job = StreamJobSpec.from_dict(json.loads(spec_json)) if spec_json else self.job
-        reset = self.controller.before_reset(job, reason, allow_data_loss=allow_data_loss)
+        try:
+            reset = self.controller.before_reset(job, reason, allow_data_loss=allow_data_loss)
+        except Exception as err:
+            if on_fail:  # the live run is stopped already: the flow's own failure path (an upgrade rolls back)
+                return self.resume(context, on_fail, err, carry)
+            raise
         return self.launch_reset(context, job, reset, reason, after, carry, application=application,
                                  on_fail=on_fail)
 

@@ -15,6 +15,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_stream_provider import recovery
 from airflow_stream_provider.lifecycle.controller import StreamJobController, StreamJobError
 from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
+from airflow_stream_provider.state import schema
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 
 SPEC = {"job_id": "job", "version": "1.0"}
@@ -85,3 +86,36 @@ def test_a_rollback_refused_before_its_submit_leaves_the_old_versions_checkpoint
     assert state_store.current_generation("job") == 1, "the old version's generation was archived"
     assert (kept / "offsets" / "0").exists()
     assert UpgradeLog(state_store).latest("job").phase == UpgradePhase.DONE
+
+
+def test_a_new_generation_that_cannot_resume_from_the_stored_offsets_rolls_back(state_store, monkeypatch, tmp_path,
+                                                                                topic):
+    """The upgrade's reset finds, once the old run has stopped, that Kafka no longer holds the stored offsets
+    (here: the topic's log is behind them, as after its recreation).  The error escaped the flow saying
+    "Nothing was archived or started", with the job down and the upgrade's record in STARTING; it now takes
+    the flow's failure path: the rollback, on the generation that was never archived."""
+    def unreachable(self, spec):  # the rollback's own start: refused, so that no driver is spawned here
+        raise StreamJobError("Kafka at the job's brokers is unreachable: NoBrokersAvailable; nothing was started")
+
+    monkeypatch.setattr(StreamJobController, "check_before_start", unreachable)
+    old = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.finish_run(old, status="STOPPED", exit_code=0, message="stopped by the upgrade")
+    with state_store.engine.begin() as conn:  # applied up to offset 300 of each partition: Kafka holds none
+        conn.execute(schema.offsets.insert(), [
+            {"job_id": "job", "topic": topic, "partition": p, "next_offset": 300, "generation": 1, "batch_id": 4}
+            for p in (0, 1, 2)])
+    spec = {**SPEC, "checkpoint_root": str(tmp_path / "checkpoints"), "kafka": {"topics": [topic]}}
+    operator = UpgradeStreamingJobOperator(task_id="upgrade", spec=spec, application="/jobs/v2.py", version="2.0")
+    previous = {"application": "/jobs/v1.py", "spec_json": operator.job.to_json()}
+    ctx = {"generation": 1, "outcome": {}, "previous": previous, "policy": "after_preflight",
+           "decision": {"action": "reset", "why": "preflight", "reset_on_start_failure": False}}
+    ctx["upgrade_id"] = UpgradeLog(state_store).begin("job", "1.0", "2.0", ctx)
+
+    with pytest.raises(AirflowFailException) as failed:
+        operator._old_stopped({}, {"run_id": old, "outcome": "stopped"}, ctx)
+    message = str(failed.value)
+    assert message.startswith("job job: the upgrade to version 2.0 failed after the old run was stopped: job job: "
+                              "cannot resume from the stored offsets"), message
+    assert "The rollback to version 1.0 (/jobs/v1.py) failed too" in message, message
+    assert UpgradeLog(state_store).latest("job").phase == UpgradePhase.DONE
+    assert state_store.current_generation("job") == 1
