@@ -21,31 +21,43 @@ from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 SPEC = {"job_id": "job", "version": "1.0"}
 
 
-@pytest.mark.parametrize(("decision", "prewarmed"), [("reuse", False), ("reset", False), ("reset", True)],
-                         ids=["reuse", "reset", "reset-successor-gone"])
-def test_a_new_version_refused_before_its_submit_rolls_back_and_ends_the_upgrade(state_store, monkeypatch, tmp_path,
-                                                                                 topic, decision, prewarmed):
-    # The refusal is the controller's own check before a start; the brokers cannot be taken down for one
-    # check only, so the check raises what it raises when they do not answer.
-    def unreachable(self, spec):
-        raise StreamJobError("Kafka at the job's brokers is unreachable: NoBrokersAvailable; check the "
-                             "connection's brokers and that they are up; nothing was started")
+def _unreachable(self, spec):
+    """The controller's own check before a start, refusing: the brokers cannot be taken down for one check
+    only, so it raises what it raises when they do not answer."""
+    raise StreamJobError("Kafka at the job's brokers is unreachable: NoBrokersAvailable; check the connection's "
+                         "brokers and that they are up; nothing was started")
 
-    monkeypatch.setattr(StreamJobController, "check_before_start", unreachable)
-    old = state_store.begin_run("job", 1, "1.0").run_id
-    state_store.finish_run(old, status="STOPPED", exit_code=0, message="stopped by the upgrade")
+
+def _past_its_stop(store, tmp_path, topic: str, decision: str) -> tuple[UpgradeStreamingJobOperator, dict, str]:
+    """An upgrade from 1.0 to 2.0 whose old run has just stopped: the operator, its flow state (the upgrade
+    not begun yet), and the old run's id."""
+    old = store.begin_run("job", 1, "1.0").run_id
+    store.finish_run(old, status="STOPPED", exit_code=0, message="stopped by the upgrade")
     spec = {**SPEC, "checkpoint_root": str(tmp_path / "checkpoints"), "kafka": {"topics": [topic]}}
     operator = UpgradeStreamingJobOperator(task_id="upgrade", spec=spec, application="/jobs/v2.py", version="2.0")
     previous = {"application": "/jobs/v1.py", "spec_json": operator.job.to_json()}
     ctx = {"generation": 1, "outcome": {}, "previous": previous, "policy": "after_preflight",
            "decision": {"action": decision, "why": "preflight", "reset_on_start_failure": False}}
-    if prewarmed:  # its warm successor is gone by the stop (never recorded here): started cold instead
-        ctx["successor"] = {"standby_id": "gone", "application": "/jobs/v2.py", "spec": operator.job.to_json()}
-    ctx["upgrade_id"] = UpgradeLog(state_store).begin("job", "1.0", "2.0", ctx)
+    return operator, ctx, old
 
+
+def _fails_past_its_stop(store, operator: UpgradeStreamingJobOperator, ctx: dict, old: str) -> str:
+    """Begin the upgrade and run its flow from the old run's stop; the message it fails with."""
+    ctx["upgrade_id"] = UpgradeLog(store).begin("job", "1.0", "2.0", ctx)
     with pytest.raises(AirflowFailException) as failed:
         operator._old_stopped({}, {"run_id": old, "outcome": "stopped"}, ctx)
-    message = str(failed.value)
+    return str(failed.value)
+
+
+@pytest.mark.parametrize(("decision", "prewarmed"), [("reuse", False), ("reset", False), ("reset", True)],
+                         ids=["reuse", "reset", "reset-successor-gone"])
+def test_a_new_version_refused_before_its_submit_rolls_back_and_ends_the_upgrade(state_store, monkeypatch, tmp_path,
+                                                                                 topic, decision, prewarmed):
+    monkeypatch.setattr(StreamJobController, "check_before_start", _unreachable)
+    operator, ctx, old = _past_its_stop(state_store, tmp_path, topic, decision)
+    if prewarmed:  # its warm successor is gone by the stop (never recorded here): started cold instead
+        ctx["successor"] = {"standby_id": "gone", "application": "/jobs/v2.py", "spec": operator.job.to_json()}
+    message = _fails_past_its_stop(state_store, operator, ctx, old)
     assert message.startswith("job job: the upgrade to version 2.0 failed after the old run was stopped: Kafka at "
                               "the job's brokers is unreachable"), message
     assert "The rollback to version 1.0 (/jobs/v1.py) failed too" in message
@@ -60,10 +72,7 @@ def test_a_rollback_refused_before_its_submit_leaves_the_old_versions_checkpoint
     """The new version found the checkpoint incompatible; the rollback to the old one is refused before its
     submit (the brokers away).  The latest run is still the new version's: its incompatibility is no reason
     to reset the generation the old code reads, which would throw its streaming state away."""
-    def unreachable(self, spec):
-        raise StreamJobError("Kafka at the job's brokers is unreachable: NoBrokersAvailable; nothing was started")
-
-    monkeypatch.setattr(StreamJobController, "check_before_start", unreachable)
+    monkeypatch.setattr(StreamJobController, "check_before_start", _unreachable)
     old = state_store.begin_run("job", 1, "1.0").run_id
     state_store.finish_run(old, status="STOPPED", exit_code=0, message="stopped by the upgrade")
     new = state_store.begin_run("job", 1, "2.0").run_id
@@ -94,26 +103,13 @@ def test_a_new_generation_that_cannot_resume_from_the_stored_offsets_rolls_back(
     (here: the topic's log is behind them, as after its recreation).  The error escaped the flow saying
     "Nothing was archived or started", with the job down and the upgrade's record in STARTING; it now takes
     the flow's failure path: the rollback, on the generation that was never archived."""
-    def unreachable(self, spec):  # the rollback's own start: refused, so that no driver is spawned here
-        raise StreamJobError("Kafka at the job's brokers is unreachable: NoBrokersAvailable; nothing was started")
-
-    monkeypatch.setattr(StreamJobController, "check_before_start", unreachable)
-    old = state_store.begin_run("job", 1, "1.0").run_id
-    state_store.finish_run(old, status="STOPPED", exit_code=0, message="stopped by the upgrade")
+    monkeypatch.setattr(StreamJobController, "check_before_start", _unreachable)  # the rollback's own start
+    operator, ctx, old = _past_its_stop(state_store, tmp_path, topic, "reset")
     with state_store.engine.begin() as conn:  # applied up to offset 300 of each partition: Kafka holds none
         conn.execute(schema.offsets.insert(), [
             {"job_id": "job", "topic": topic, "partition": p, "next_offset": 300, "generation": 1, "batch_id": 4}
             for p in (0, 1, 2)])
-    spec = {**SPEC, "checkpoint_root": str(tmp_path / "checkpoints"), "kafka": {"topics": [topic]}}
-    operator = UpgradeStreamingJobOperator(task_id="upgrade", spec=spec, application="/jobs/v2.py", version="2.0")
-    previous = {"application": "/jobs/v1.py", "spec_json": operator.job.to_json()}
-    ctx = {"generation": 1, "outcome": {}, "previous": previous, "policy": "after_preflight",
-           "decision": {"action": "reset", "why": "preflight", "reset_on_start_failure": False}}
-    ctx["upgrade_id"] = UpgradeLog(state_store).begin("job", "1.0", "2.0", ctx)
-
-    with pytest.raises(AirflowFailException) as failed:
-        operator._old_stopped({}, {"run_id": old, "outcome": "stopped"}, ctx)
-    message = str(failed.value)
+    message = _fails_past_its_stop(state_store, operator, ctx, old)
     assert message.startswith("job job: the upgrade to version 2.0 failed after the old run was stopped: job job: "
                               "cannot resume from the stored offsets"), message
     assert "The rollback to version 1.0 (/jobs/v1.py) failed too" in message, message
