@@ -34,7 +34,15 @@ POLL_INTERVAL_S = 0.5
 #: rides it out until its deadline.
 DATABASE_OUTAGE = (OperationalError, InterfaceError)
 
+
 log = logging.getLogger(__name__)
+
+
+def outage_line(err: BaseException) -> str:
+    """A state-database error for a log line: its first line (SQLAlchemy's go on with the statement and
+    its parameters)."""
+    lines = str(err).splitlines()
+    return lines[0][:300] if lines else type(err).__name__
 
 
 @dataclass(frozen=True)
@@ -127,7 +135,7 @@ class RunWatch:
             if self._outage_since is None:
                 self._outage_since = time.monotonic()
                 log.warning("Waiting on run %s: the state database does not answer (%s); trying again until "
-                            "the wait's deadline", self.wait.run_id, str(err).splitlines()[0][:300])
+                            "the wait's deadline", self.wait.run_id, outage_line(err))
             return None
         if self._outage_since is not None:
             log.info("Waiting on run %s: the state database answers again after %.0fs", self.wait.run_id,

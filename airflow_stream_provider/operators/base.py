@@ -276,7 +276,7 @@ class StreamJobOperator(BaseOperator):
             # The wait rides the outage out; the lease taken on entry holds on for a while, and the resume
             # takes it again, or stops if another task took it meanwhile (``_leased``).
             self.log.warning("Could not extend the job's lease over this wait (%s); waiting all the same",
-                             str(err).splitlines()[0][:300])
+                             waits.outage_line(err))
         if self.deferrable:
             self._defer(wait, 0.0, method, state)
         outcome = self.controller.block(wait)
@@ -369,7 +369,7 @@ class StreamJobOperator(BaseOperator):
             self.controller.record_restart(*restart, run_id)
         except waits.DATABASE_OUTAGE as err:
             self.log.warning("Could not record the restart that launched run %s yet (%s); recording it once "
-                             "the launch is over", run_id, str(err).splitlines()[0][:300])
+                             "the launch is over", run_id, waits.outage_line(err))
 
     def _launch_waited(self, context, event, launch, after, carry, on_fail=None, restart=None) -> Any:
         self._in_flight = launch
