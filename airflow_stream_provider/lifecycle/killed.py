@@ -5,8 +5,8 @@ operator's ``on_kill``.  Airflow (3.3 on) calls the trigger's ``on_kill`` instea
 triggerer restarts or hands its triggers to another.  The trigger does what the operator would have done, from
 the state database and this host: the driver the task started and waited on is killed (asked to stop through
 its row where it runs elsewhere), an upgrade's unreleased successor and its record are ended, and the job's
-lease is let go at once instead of when the wait's deadline passes.  Where Airflow does not call it (3.1, 3.2), the lease's
-expiry and the successor's own check remain.
+lease is let go at once instead of when the wait's deadline passes.  Where Airflow does not call it (3.1,
+3.2), the lease's expiry and the successor's own check remain.
 """
 
 from __future__ import annotations

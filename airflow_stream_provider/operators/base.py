@@ -453,8 +453,8 @@ class StreamJobOperator(BaseOperator):
                    allow_data_loss: bool = False, spec_json: str | None = None,
                    application: str | None = None, on_fail: str | None = None) -> Any:
         """Archive the current generation and start the next one from the offsets stored with the results
-        (checked against Kafka; offsets it no longer holds fail unless ``allow_data_loss``).  A launch that
-        fails goes to ``on_fail(context, error, **carry)`` when given."""
+        (checked against Kafka; offsets it no longer holds fail unless ``allow_data_loss``).  A reset or a
+        launch that fails after the live run's stop goes to ``on_fail(context, error, **carry)`` when given."""
         flow = {"reason": reason, "allow_data_loss": allow_data_loss, "spec_json": spec_json,
                 "application": application, "after": after, "carry": carry, "on_fail": on_fail}
         return self.stop_live_then(context, "_reset_stopped", flow)
