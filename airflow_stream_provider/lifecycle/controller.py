@@ -537,8 +537,14 @@ class StreamJobController:
     # -- blocking ---------------------------------------------------------------------------------------
     def block(self, wait: RunWait) -> Outcome:
         """Wait in this process (``deferrable=False``)."""
-        watch = RunWatch(wait, self.get_run, self.driver.is_alive, self.caught_up, secrets=[self.state.password])
-        return watch.block(show=lambda line: self.log.info("driver | %s", line))
+        return self._watch(wait).block(show=lambda line: self.log.info("driver | %s", line))
+
+    def look(self, wait: RunWait) -> Outcome | None:
+        """One poll of ``wait``: its outcome if decided now, else None."""
+        return self._watch(wait).poll()
+
+    def _watch(self, wait: RunWait) -> RunWatch:
+        return RunWatch(wait, self.get_run, self.driver.is_alive, self.caught_up, secrets=[self.state.password])
 
 
 def watch_for(wait: RunWait, state_conn_id: str, kafka_conn_id: str,

@@ -16,8 +16,10 @@ passes it to the resumed method.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
@@ -251,6 +253,7 @@ class StreamJobOperator(BaseOperator):
             if _still_starting(run, pending["launch"]):
                 self.log.info("Picking up run %s, launched by an earlier try of this task, instead of "
                               "launching another", pending["launch"]["run_id"])
+                self._in_flight = pending["launch"]  # a kill now ends it, as it would have the first try's
                 return self.wait_then(context, self._launch_wait(pending["launch"]), "_launch_waited", **pending)
             _set_task_state(context, LAUNCH_KEY, None)
         return self.start(context)
@@ -372,6 +375,8 @@ class StreamJobOperator(BaseOperator):
                              "the launch is over", run_id, waits.outage_line(err))
 
     def _launch_waited(self, context, event, launch, after, carry, on_fail=None, restart=None) -> Any:
+        if event["outcome"] == "error":
+            event = self._launch_looked_at(event, launch)
         self._in_flight = launch
         if restart:  # a no-op unless the state database did not answer at the submit
             self.controller.record_restart(*restart, launch["run_id"])
@@ -388,6 +393,23 @@ class StreamJobOperator(BaseOperator):
             self._in_flight = None
         _set_task_state(context, LAUNCH_KEY, None)
         return self.resume(context, after, result, carry)
+
+    def _launch_looked_at(self, event: dict[str, Any], launch: dict[str, Any]) -> dict[str, Any]:
+        """The wait failed, not the launch as far as anyone knows (the state database away past the
+        deadline, Kafka away while the first batch settled, a fault in the trigger).  One look decides what
+        it can.  A launch still undecided fails the task and stays in the task state: the retry picks the run
+        up, where the failure path (``on_fail``) or a fresh start could put a second driver beside it."""
+        look = replace(self._launch_wait(launch), deadline=math.inf, settle_s=0.0)
+        try:
+            outcome = self.controller.look(look)
+        except waits.DATABASE_OUTAGE as err:
+            self.log.warning("Could not look at run %s again: %s", launch["run_id"], waits.outage_line(err))
+            outcome = None
+        if outcome is None:
+            raise StreamJobError(f"{event['message']}. Run {launch['run_id']} was submitted and may be starting "
+                                 "still: a retry of this task picks it up rather than launching another")
+        self.log.warning("%s. Run %s, looked at again: %s", event["message"], launch["run_id"], outcome)
+        return {"outcome": outcome, "run_id": launch["run_id"]}
 
     def refuse_during_upgrade(self, action: str) -> None:
         """Fail before anything is done while an upgrade stops, starts, verifies or rolls back the job: a

@@ -1,0 +1,89 @@
+"""A launch whose wait fails (the trigger's "error" event: the state database away past the deadline,
+Kafka away while the first batch settles, a fault in the trigger) is judged on one look when the task
+resumes, not taken for a failed launch.  Before, the task cleared the launch from its task state and took
+its failure path, or failed: its retry, or the failure path itself, then started a second driver beside
+one that may have been starting still.
+
+The trigger's event is handed to the operator as Airflow hands it over; the run is a registered row, as a
+driver on another host leaves it (the flow under test reads the row only, never the process)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from airflow.sdk.exceptions import TaskDeferred
+
+from airflow_stream_provider.lifecycle.controller import StreamJobError
+from airflow_stream_provider.operators.base import LAUNCH_KEY
+from airflow_stream_provider.operators.submit import SubmitStreamingJobOperator
+from tests.integration.task_state import TaskStateStore
+
+ERROR = "waiting on run {}: OperationalError('the database is gone')"
+
+
+def _submitted(store, tmp_path, topic) -> tuple[SubmitStreamingJobOperator, dict, dict, list]:
+    """A submit operator whose driver was submitted and registered its run on another host; the task
+    context holding the pending launch; what its failure path was handed."""
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": [topic]}}
+    operator = SubmitStreamingJobOperator(task_id="submit", spec=spec, application="/jobs/v1.py")
+    run = store.begin_run("job", 1, "1.0", host="another-host", pid=4242)
+    launch = {"job_id": "job", "run_id": run.run_id, "pid": 4242, "host": "another-host", "log_path": None,
+              "submission_id": None, "submitted_at": time.time(), "generation": 1, "version": "1.0",
+              "application": "/jobs/v1.py", "spec": operator.job.to_json(),
+              "checkpoint_path": str(tmp_path / "job")}
+    refused: list = []
+    operator._refused = lambda context, error: refused.append(error) or "failure path"
+    pending = {"launch": launch, "after": "_submitted", "carry": {}, "on_fail": "_refused"}
+    context = {"task_state_store": TaskStateStore({LAUNCH_KEY: pending})}
+    return operator, context, pending, refused
+
+
+def _wait_failed(operator, context, pending):
+    event = {"outcome": "error", "run_id": pending["launch"]["run_id"],
+             "message": ERROR.format(pending["launch"]["run_id"]),
+             "resume": {"method": "_launch_waited", "state": pending}}
+    return operator.execute_complete(context, event)
+
+
+def test_a_launch_still_starting_is_kept_for_the_retry_which_waits_on_it(state_store, tmp_path, topic):
+    operator, context, pending, refused = _submitted(state_store, tmp_path, topic)
+    run_id = pending["launch"]["run_id"]
+
+    with pytest.raises(StreamJobError, match="a retry of this task picks it up"):
+        _wait_failed(operator, context, pending)
+
+    assert refused == [], "the failure path ran for a launch nobody saw fail"
+    assert context["task_state_store"].get(LAUNCH_KEY)["launch"]["run_id"] == run_id
+    assert state_store.get_run(run_id).active
+
+    retry = SubmitStreamingJobOperator(task_id="submit", spec=operator.spec, application="/jobs/v1.py")
+    with pytest.raises(TaskDeferred) as deferred:
+        retry.execute(context)
+    assert deferred.value.trigger.wait.run_id == run_id, "the retry launched another driver"
+    # killed while it waits, the retry ends the run it picked up, as the first try would have
+    assert deferred.value.trigger.killed.launch["run_id"] == run_id
+    assert [run.run_id for run in state_store.recent_runs("job", 10)] == [run_id]
+
+
+def test_a_launch_whose_query_runs_by_then_goes_on(state_store, tmp_path, topic):
+    operator, context, pending, refused = _submitted(state_store, tmp_path, topic)
+    run_id = pending["launch"]["run_id"]
+    state_store.mark_query_started(run_id)
+
+    result = _wait_failed(operator, context, pending)
+
+    assert result["run_id"] == run_id and result["action"] == "submitted"
+    assert refused == [] and context["task_state_store"].get(LAUNCH_KEY) is None
+
+
+def test_a_launch_that_failed_by_then_takes_the_failure_path(state_store, tmp_path, topic):
+    operator, context, pending, refused = _submitted(state_store, tmp_path, topic)
+    run_id = pending["launch"]["run_id"]
+    state_store.finish_run(run_id, status="FAILED", exit_code=1, failure_kind="TRANSIENT",
+                           message="the brokers did not answer")
+
+    assert _wait_failed(operator, context, pending) == "failure path"
+
+    assert len(refused) == 1 and run_id in str(refused[0])
+    assert context["task_state_store"].get(LAUNCH_KEY) is None
