@@ -143,6 +143,11 @@ class StreamJobController:
         """Hold the job's lease for ``owner`` until ``until``; None once held, else the other holder's."""
         return self.leases.take(self.job_id, owner, action, until)
 
+    def lease_since(self, owner: str) -> float | None:
+        """When ``owner``'s hold on the job's lease began (None unless it holds it)."""
+        held = self.leases.get(self.job_id)
+        return held.taken_at if held is not None and held.owner == owner else None
+
     def release_lease(self, owner: str) -> None:
         self.leases.release(self.job_id, owner)
 

@@ -115,6 +115,7 @@ class StreamJobOperator(BaseOperator):
         self.deferrable = deferrable
         self._in_flight: dict[str, Any] | None = None
         self._lease_owner: str | None = None
+        self._held_since: float | None = None  # when this task's hold on the job's lease began
 
     @property
     def job_id(self) -> str | None:
@@ -196,9 +197,10 @@ class StreamJobOperator(BaseOperator):
         return self.controller.live_run()
 
     # -- the job's lease: taken on entry, extended over each wait, let go when the task ends ---------------
-    def _leased(self, context, step, *args: Any, resumed: bool = False) -> Any:
+    def _leased(self, context, step, *args: Any, resumed: bool = False, held_since: float | None = None) -> Any:
         """Run ``step(*args)`` holding the job's lease; a deferral keeps it (held over the wait by
-        ``_hold_lease``), anything else ends the task's hold on it."""
+        ``_hold_lease``), anything else ends the task's hold on it.  ``held_since``: when the hold a resumed
+        task deferred with began."""
         self._lease_owner = _lease_owner(context, self)
         held = self.controller.take_lease(self._lease_owner, self.lease_action, time.time() + LEASE_STEP_S)
         if held is not None and not resumed and _task_ended(context, held.owner, self.log):
@@ -215,6 +217,7 @@ class StreamJobOperator(BaseOperator):
                     f"{held.describe(time.time())} took it; that task acts on the job now, so this one stops "
                     "here. Look at what it did before running this again")
             return self.lease_held(context, held)
+        self._held_since = self._hold_continued(held_since)
         try:
             result = step(*args)
         except TaskDeferred:
@@ -224,6 +227,20 @@ class StreamJobOperator(BaseOperator):
             raise
         self.controller.release_lease(self._lease_owner)
         return result
+
+    def _hold_continued(self, held_since: float | None) -> float | None:
+        """When this task's hold on the lease began; for a resumed task, the same hold it deferred with.  A
+        hold that began since means its lease ran out while it waited, and another task took it and let go:
+        that task may have restarted, stopped or reset the job, so this one stops rather than go on from what
+        it saw before its wait."""
+        since = self.controller.lease_since(self._lease_owner)
+        if held_since is not None and since != held_since:
+            self.controller.release_lease(self._lease_owner)
+            raise StreamJobError(
+                f"job {self.job.job_id}: while this task waited, its lease on the job ran out, and another task "
+                "took it and let go of it since; what that task did may have changed the job, so this one stops "
+                "here. Look at the job (`python -m airflow_stream_provider status`) before running this again")
+        return since
 
     def lease_held(self, context, held: Lease) -> Any:
         """Another task holds the job's lease: nothing is done (a recover overrides this)."""
@@ -298,7 +315,8 @@ class StreamJobOperator(BaseOperator):
     def _defer(self, wait: RunWait | None, pause_s: float, method: str, state: dict[str, Any]) -> None:
         trigger = StreamRunTrigger(wait=wait and wait.to_dict(), state_conn_id=self.state_conn_id,
                                    kafka_conn_id=self.kafka_conn_id, topics=list(self.job.kafka.topics),
-                                   pause_s=pause_s, resume={"method": method, "state": state},
+                                   pause_s=pause_s,
+                                   resume={"method": method, "state": state, "held_since": self._held_since},
                                    killed=self.killed_task().to_dict())
         self.defer(trigger=trigger, method_name="execute_complete")
 
@@ -309,7 +327,8 @@ class StreamJobOperator(BaseOperator):
 
     def execute_complete(self, context, event: dict[str, Any]) -> Any:
         """Where every deferral comes back: the event names the method the flow continues in."""
-        return self._leased(context, self._resumed, context, event, resumed=True)
+        return self._leased(context, self._resumed, context, event, resumed=True,
+                            held_since=event.get("resume", {}).get("held_since"))
 
     def _resumed(self, context, event: dict[str, Any]) -> Any:
         resume = event.pop("resume")

@@ -401,6 +401,50 @@ def test_one_task_at_a_time_acts_on_a_job(state_store, tmp_path):
     assert leases.get("job") is None
 
 
+def test_a_task_resumed_after_another_held_its_lease_in_between_stops(state_store, tmp_path):
+    """A stop defers while its run finishes its batch.  Its lease runs out meanwhile (the extension over the
+    wait refused by a state database away for a moment, a triggerer or worker slot late), and a restart
+    takes the lease, acts and lets go.  Resumed, the stop takes a free lease: it must not go on from what it
+    saw before its wait, as if the restart had not happened.  A lease that ran out with nobody taking it
+    in between is the same hold, and the task goes on."""
+    import time
+
+    import pytest
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from airflow_stream_provider.lifecycle.controller import StreamJobError
+    from airflow_stream_provider.operators.stop import StopStreamingJobOperator
+    from airflow_stream_provider.state.leases import LeaseLog
+
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path / "checkpoints"),
+            "kafka": {"topics": ["events"]}}
+    live = state_store.begin_run("job", 1, "1.0", host="another-host", pid=4242).run_id
+    state_store.mark_query_started(live)
+    leases = LeaseLog(state_store)
+
+    def deferred_stop() -> tuple[StopStreamingJobOperator, dict]:
+        stop = StopStreamingJobOperator(task_id="stop", spec=spec)
+        stop._stop_waited = lambda context, event, **state: "went on"  # what follows the wait: not under test
+        with pytest.raises(TaskDeferred) as deferred:
+            stop.execute({})
+        resume = deferred.value.trigger.resume
+        held = leases.get("job")
+        assert (held.owner, held.taken_at) == (stop._lease_owner, resume["held_since"])
+        leases.take("job", held.owner, "stop", time.time() - 1)  # it runs out
+        return stop, {"outcome": "ended", "run_id": live, "resume": resume}
+
+    stop, event = deferred_stop()
+    restart_owner = "stream_restart/manual__1/restart/-1"
+    assert leases.take("job", restart_owner, "restart", time.time() + 300) is None
+    leases.release("job", restart_owner)
+    with pytest.raises(StreamJobError, match="another task took it and let go of it since"):
+        stop.execute_complete({}, event)
+    assert leases.get("job") is None, "the stopped task kept the lease it took back"
+
+    stop, event = deferred_stop()
+    assert stop.execute_complete({}, event) == "went on"
+
+
 def test_a_state_database_of_an_older_release_gains_the_new_columns_in_place(store):
     """An older release created ``stream_runs`` without ``ui_url``: the next start adds the column, and
     the runs recorded before read it as None.  A second start (or a racing one) changes nothing."""
