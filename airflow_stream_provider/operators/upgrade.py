@@ -414,8 +414,13 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
     def _failed_after_stop(self, context, error, ctx) -> dict[str, Any]:
         self.controller.end_successor(ctx.pop("successor", None), "the upgrade is rolling back")
         new = self.new_spec
-        self.log.error("Version %s of job %s failed after the stop: %s", new.version, new.job_id, error)
-        ctx["error"] = str(error)
+        if ctx.get("phase") == UpgradePhase.ROLLING_BACK.value and ctx.get("error"):
+            # A retry of a task killed while rolling back: what failed the upgrade is the first error
+            self.log.error("Rolling job %s back again (%s); the upgrade failed with: %s", new.job_id, error,
+                           _first_lines(ctx["error"], 1))
+        else:
+            self.log.error("Version %s of job %s failed after the stop: %s", new.version, new.job_id, error)
+            ctx["error"] = str(error)
         self._phase(ctx, UpgradePhase.ROLLING_BACK)
         if ctx["previous"] is None:
             return self._rollback_over(context, "No rollback: the previous version's job file is unknown (its run "

@@ -11,6 +11,7 @@ import logging
 import time
 
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_stream_provider import recovery
 from airflow_stream_provider.budget import RestartBudget
@@ -20,6 +21,7 @@ from airflow_stream_provider.lifecycle.killed import KilledTask, undo
 from airflow_stream_provider.recovery import RecoveryAction
 from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
+from tests.integration.task_state import TaskStateStore
 
 OWNER = "stream_upgrade/manual__1/upgrade/-1"
 log = logging.getLogger(__name__)
@@ -84,3 +86,24 @@ def test_a_finished_upgrade_is_left_as_it_ended(state_store):
 
     assert UpgradeLog(state_store).get(upgrade_id).result == "upgraded"
     assert state_store.restarts_since("job", 0) == []
+
+
+def test_the_retry_of_an_upgrade_killed_while_rolling_back_keeps_the_error_that_failed_it(state_store, tmp_path):
+    """The retry rolls back again; the error it ends with is what failed the new version, not the kill
+    (before, the record and the task's error said only "interrupted in phase ROLLING_BACK")."""
+    from airflow_stream_provider.operators.upgrade import UPGRADE_KEY, UpgradeStreamingJobOperator
+
+    upgrade_id, _ = _upgrade(state_store, UpgradePhase.ROLLING_BACK, old_stopped=True)
+    failed = "job job run r2 did not start: FAILED (USER_CODE): ZeroDivisionError in the new version's parse"
+    ctx = {"live_run_id": None, "generation": 1, "outcome": {}, "previous": None, "phase": "ROLLING_BACK",
+           "upgrade_id": upgrade_id, "error": failed}
+    UpgradeLog(state_store).move(upgrade_id, UpgradePhase.ROLLING_BACK, ctx)
+    LeaseLog(state_store).release("job", OWNER)
+    spec = {"job_id": "job", "version": "2.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    retry = UpgradeStreamingJobOperator(task_id="upgrade", spec=spec, application="/jobs/v2.py")
+
+    with pytest.raises(AirflowFailException, match="ZeroDivisionError in the new version's parse"):
+        retry.execute({"task_state_store": TaskStateStore({UPGRADE_KEY: upgrade_id})})
+    ended = UpgradeLog(state_store).get(upgrade_id)
+    assert ended.phase == UpgradePhase.DONE and "ZeroDivisionError" in ended.detail["error"]
+
