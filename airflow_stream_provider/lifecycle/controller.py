@@ -139,9 +139,15 @@ class StreamJobController:
     def leases(self) -> LeaseLog:
         return LeaseLog(self.state.store)
 
-    def take_lease(self, owner: str, action: str, until: float) -> Lease | None:
-        """Hold the job's lease for ``owner`` until ``until``; None once held, else the other holder's."""
-        return self.leases.take(self.job_id, owner, action, until)
+    def take_lease(self, owner: str, action: str, until: float,
+                   launch: Mapping[str, Any] | None = None) -> Lease | None:
+        """Hold the job's lease for ``owner`` until ``until``, waiting on ``launch``; None once held, else the
+        other holder's."""
+        return self.leases.take(self.job_id, owner, action, until, launch)
+
+    def lease(self) -> Lease | None:
+        """The job's lease as it stands (held, or run out and not taken since), if any."""
+        return self.leases.get(self.job_id)
 
     def lease_since(self, owner: str) -> float | None:
         """When ``owner``'s hold on the job's lease began (None unless it holds it)."""

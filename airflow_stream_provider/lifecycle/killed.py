@@ -6,7 +6,8 @@ triggerer restarts or hands its triggers to another.  The trigger does what the 
 the state database and this host: the driver the task started and waited on is killed (asked to stop through
 its row where it runs elsewhere), an upgrade's unreleased successor and its record are ended, and the job's
 lease is let go at once instead of when the wait's deadline passes.  Where Airflow does not call it (3.1,
-3.2), the lease's expiry and the successor's own check remain.
+3.2, a task marked failed before a triggerer took its trigger up, a worker lost while the task ran), the
+next task to want the job's lease does it (``undo_ended``), once Airflow says the holder has ended.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from airflow_stream_provider import local_driver
 from airflow_stream_provider.hooks.driver import StreamDriverHook
-from airflow_stream_provider.state.leases import LeaseLog
+from airflow_stream_provider.state.leases import Lease, LeaseLog
 from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
 from airflow_stream_provider.state.store import StateStore
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
@@ -76,9 +77,10 @@ def end_killed_upgrade(store: StateStore, job_id: str, why: str, log: logging.Lo
                 found.to_version, found.phase.value, why)
 
 
-def undo(store: StateStore, killed: KilledTask, why: str, log: logging.Logger) -> None:
-    """Undo what ``killed`` leaves behind; each step on its own, so that one failing leaves the rest done."""
-    steps = [partial(_end_launch, store, killed.launch)] if killed.launch else []
+def undo(store: StateStore, killed: KilledTask, why: str, log: logging.Logger, *, running_too: bool = True) -> None:
+    """Undo what ``killed`` leaves behind; each step on its own, so that one failing leaves the rest done.
+    ``running_too=False``: leave its launch alone once its query runs."""
+    steps = [partial(_end_launch, store, killed.launch, running_too)] if killed.launch else []
     if killed.upgrade:
         steps.append(partial(_end_successor, store, killed.job_id))
         steps.append(partial(end_killed_upgrade, store, killed.job_id))
@@ -92,10 +94,22 @@ def undo(store: StateStore, killed: KilledTask, why: str, log: logging.Logger) -
                         exc_info=True)
 
 
-def _end_launch(store: StateStore, launch: dict[str, Any], why: str, log: logging.Logger) -> None:
+def undo_ended(store: StateStore, held: Lease, log: logging.Logger) -> None:
+    """Undo what the task holding ``held`` left when it ended without letting go (its process lost, or
+    killed while deferred where no trigger undid it): as :func:`undo`, except that a driver it launched is
+    ended only while its query has not started.  The lease names the launch from the holder's last take,
+    which may be older than its ready: a run whose query runs is the job's run by then."""
+    undo(store, KilledTask(held.job_id, lease_owner=held.owner, launch=held.launch, upgrade=held.action == "upgrade"),
+         "its task ended without letting go of the job's lease", log, running_too=False)
+
+
+def _end_launch(store: StateStore, launch: dict[str, Any], running_too: bool, why: str,
+                log: logging.Logger) -> None:
     """As ``StreamJobController.abandon``, but for a registered run on another host or a cluster: asked to
     stop through its row, which its heartbeat reads (the trigger has no Spark connection to kill it by)."""
     run = store.get_run(launch["run_id"])
+    if run is not None and run.running_query and not running_too:
+        return
     if run is None:
         local_driver.kill_unregistered(launch, why, log)
     elif run.active and local_driver.run_alive(run):

@@ -33,7 +33,7 @@ from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle import waits
 from airflow_stream_provider.lifecycle.controller import STOP_STAGES, StreamJobController, StreamJobError
-from airflow_stream_provider.lifecycle.killed import KilledTask
+from airflow_stream_provider.lifecycle.killed import KilledTask, undo_ended
 from airflow_stream_provider.lifecycle.waits import RunWait
 from airflow_stream_provider.links import STREAM_LINKS
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
@@ -202,14 +202,9 @@ class StreamJobOperator(BaseOperator):
         ``_hold_lease``), anything else ends the task's hold on it.  ``held_since``: when the hold a resumed
         task deferred with began."""
         self._lease_owner = _lease_owner(context, self)
+        if not resumed:
+            self._take_over_from_ended_task(context)
         held = self.controller.take_lease(self._lease_owner, self.lease_action, time.time() + LEASE_STEP_S)
-        if held is not None and not resumed and _task_ended(context, held.owner, self.log):
-            # Its process is gone (a lost worker, an OOM kill): nothing let go of the lease, which would
-            # otherwise keep every task from the job until it runs out, minutes away.
-            self.log.warning("Job %s: %s has ended in Airflow without letting go of the job's lease; taking "
-                             "it over", self.job.job_id, held.describe(time.time()))
-            self.controller.release_lease(held.owner)
-            held = self.controller.take_lease(self._lease_owner, self.lease_action, time.time() + LEASE_STEP_S)
         if held is not None:
             if resumed:
                 raise StreamJobError(
@@ -227,6 +222,18 @@ class StreamJobOperator(BaseOperator):
             raise
         self.controller.release_lease(self._lease_owner)
         return result
+
+    def _take_over_from_ended_task(self, context) -> None:
+        """A lease left by a task that Airflow says has ended: its process is gone (a lost worker, an OOM
+        kill), or it was killed while deferred and no trigger undid it.  Nothing let go of the lease, which would
+        keep every task from the job until it ran out, and nothing ended what the task was doing: a driver
+        still starting, an upgrade that stopped the job.  Both are undone here, as its trigger would have."""
+        held = self.controller.lease()
+        if held is None or held.owner == self._lease_owner or not _task_ended(context, held.owner, self.log):
+            return
+        self.log.warning("Job %s: %s has ended in Airflow without letting go of the job's lease; undoing what "
+                         "it left and taking the lease over", self.job.job_id, held.describe(time.time()))
+        undo_ended(self.state.store, held, self.log)
 
     def _hold_continued(self, held_since: float | None) -> float | None:
         """When this task's hold on the lease began; for a resumed task, the same hold it deferred with.  A
@@ -254,7 +261,7 @@ class StreamJobOperator(BaseOperator):
         the step after one."""
         if self._lease_owner is None:  # a flow method called outside execute (a test driving it directly)
             return
-        held = self.controller.take_lease(self._lease_owner, self.lease_action, until)
+        held = self.controller.take_lease(self._lease_owner, self.lease_action, until, self._launch_in_flight())
         if held is not None:
             raise StreamJobError(f"job {self.job.job_id}: this task's lease on the job ran out and "
                                  f"{held.describe(time.time())} took it; this task stops here")
@@ -322,8 +329,11 @@ class StreamJobOperator(BaseOperator):
 
     def killed_task(self) -> KilledTask:
         """What ``on_kill`` would undo, for the trigger to undo when the task is killed while deferred."""
-        launch = self._in_flight and {k: self._in_flight.get(k) for k in ("run_id", "pid", "host", "submitted_at")}
-        return KilledTask(self.job.job_id, lease_owner=self._lease_owner, launch=launch)
+        return KilledTask(self.job.job_id, lease_owner=self._lease_owner, launch=self._launch_in_flight())
+
+    def _launch_in_flight(self) -> dict[str, Any] | None:
+        """The driver this task started and waits on, as whoever undoes the task needs it."""
+        return self._in_flight and {k: self._in_flight.get(k) for k in ("run_id", "pid", "host", "submitted_at")}
 
     def execute_complete(self, context, event: dict[str, Any]) -> Any:
         """Where every deferral comes back: the event names the method the flow continues in."""

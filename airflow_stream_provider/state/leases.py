@@ -5,15 +5,20 @@ two drivers on one checkpoint: a submit from the deploy DAG beside a recover fro
 seconds before the first driver registers its run, or a stop beside a restart.  A task takes the job's lease
 before it acts and holds it through its waits.  It is one row per job, taken by compare-and-set, and it
 expires: a task that dies (killed while deferred, its worker lost) holds it no longer than the wait it was
-in, plus a grace.  A task's retries and its resumes after a deferral are the same owner.
+in, plus a grace.  A task's retries and its resumes after a deferral are the same owner.  The lease also
+names the driver its holder launched and waits on, so that whoever takes over from a holder that died can
+end a launch it left starting.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Column, Float, String, Table, case, delete, insert, or_, select, update
+from sqlalchemy import Column, Float, String, Table, Text, case, delete, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from airflow_stream_provider.state import schema
@@ -29,6 +34,8 @@ leases = Table(
     Column("action", String(40), nullable=False),
     Column("until", Float, nullable=False),
     Column("taken_at", Float, nullable=False),
+    #: the driver the holder launched and waits on (JSON: run_id, pid, host, submitted_at), if any
+    Column("launch", Text),
 )
 
 
@@ -39,6 +46,7 @@ class Lease:
     action: str
     until: float
     taken_at: float
+    launch: dict[str, Any] | None = None
 
     def describe(self, now: float) -> str:
         return (f"task {self.owner} ({self.action}, for {now - self.taken_at:.0f} s; its lease runs out in "
@@ -51,23 +59,26 @@ class LeaseLog:
     def __init__(self, store: StateStore):
         self.engine = store.engine
         leases.create(self.engine, checkfirst=True)
+        schema.add_missing_columns(self.engine, [leases])
 
-    def take(self, job_id: str, owner: str, action: str, until: float) -> Lease | None:
-        """Hold ``job_id``'s lease for ``owner`` until ``until`` (taking it, or extending its own); returns
-        None once held, else the lease another owner holds."""
+    def take(self, job_id: str, owner: str, action: str, until: float,
+             launch: Mapping[str, Any] | None = None) -> Lease | None:
+        """Hold ``job_id``'s lease for ``owner`` until ``until`` (taking it, or extending its own), waiting on
+        ``launch``; returns None once held, else the lease another owner holds."""
+        launched = json.dumps(dict(launch)) if launch else None
         for _ in range(3):  # the row may be deleted or inserted between the two statements
             now = time.time()
             with self.engine.begin() as conn:
                 taken = conn.execute(
                     update(leases).where(leases.c.job_id == job_id, or_(leases.c.owner == owner, leases.c.until < now))
-                    .values(owner=owner, action=action, until=until,
+                    .values(owner=owner, action=action, until=until, launch=launched,
                             taken_at=case((leases.c.owner == owner, leases.c.taken_at), else_=now))).rowcount
             if taken:
                 return None
             try:
                 with self.engine.begin() as conn:
                     conn.execute(insert(leases).values(job_id=job_id, owner=owner, action=action, until=until,
-                                                       taken_at=now))
+                                                       taken_at=now, launch=launched))
                 return None
             except IntegrityError:
                 held = self.get(job_id)
@@ -83,4 +94,6 @@ class LeaseLog:
     def get(self, job_id: str) -> Lease | None:
         with self.engine.connect() as conn:
             row = conn.execute(select(leases).where(leases.c.job_id == job_id)).mappings().first()
-        return Lease(**row) if row else None
+        if row is None:
+            return None
+        return Lease(**{**row, "launch": json.loads(row["launch"]) if row["launch"] else None})

@@ -6,6 +6,8 @@ seconds (float): comparable in both dialects without time-zone conversions.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -204,8 +206,9 @@ health_reports = Table(
 )
 
 
-def add_missing_columns(engine: Engine) -> list[str]:
-    """Add the columns a newer release defines to tables an older release created; return what was added.
+def add_missing_columns(engine: Engine, tables: Sequence[Table] | None = None) -> list[str]:
+    """Add the columns a newer release defines to tables an older release created (``tables``: all of
+    them); return what was added.
 
     New columns are always nullable without a default, so ``ALTER TABLE ... ADD COLUMN`` runs in place on
     both dialects and old rows read as NULL.  Two processes starting at once may both try: the loser's
@@ -214,7 +217,7 @@ def add_missing_columns(engine: Engine) -> list[str]:
     added = []
     inspector = inspect(engine)
     quote = engine.dialect.identifier_preparer.quote
-    for table in metadata.sorted_tables:
+    for table in metadata.sorted_tables if tables is None else tables:
         present = {column["name"] for column in inspector.get_columns(table.name)}
         for column in table.columns:
             if column.name in present:

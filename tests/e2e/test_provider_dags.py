@@ -243,10 +243,10 @@ def test_a_restart_the_database_would_not_record_at_the_submit_is_recorded_once_
             raise refusal
         return real_record(self, job_id, action, reason, failed_run_id, new_run_id)
 
-    def flaky_take(self, owner, action, until):
+    def flaky_take(self, owner, action, until, launch=None):
         if lease_refusals:  # the extension over the launch wait, right after the refused record
             raise lease_refusals.pop()
-        return real_take(self, owner, action, until)
+        return real_take(self, owner, action, until, launch)
 
     monkeypatch.setattr(StateStore, "record_restart", flaky_record)
     monkeypatch.setattr(StreamJobController, "take_lease", flaky_take)
