@@ -49,6 +49,18 @@ def _recover_resumed_after_the_first_batch(deployment: StreamDeployment, recover
     assert epoch(recover["end_date"]) > recovered["committed_at"], (recover, recovered)
 
 
+def _upgrading(deployment: StreamDeployment, producer: EventProducer, job_file: str,
+               **conf) -> tuple[RunRecord, str]:
+    """Deploy the job, then trigger ``stream_upgrade`` to the fixture ``job_file`` as version 1.1: the run
+    live before the upgrade, and the upgrade's DAG run."""
+    producer.send(600)
+    deployment.deploy(producer.produced)
+    live = deployment.latest_run()
+    run_id = deployment.airflow.trigger_dag("stream_upgrade", {
+        "application": str(FIXTURE_JOBS / job_file), "version": "1.1", **conf})
+    return live, run_id
+
+
 def test_every_kill_is_repaired_by_airflow_alone_exactly_once(deployment, broker, topic, figures):
     producer = EventProducer(broker, topic, seed=5)
     producer.send(1500)
@@ -136,12 +148,8 @@ def test_an_upgrade_marked_failed_while_deferred_leaves_nothing_behind(deploymen
     the dry run is killed, the prewarmed successor ends, and the job's lease is let go at once instead of
     minutes later, so the stop that follows is not refused.  The old version runs on throughout."""
     producer = EventProducer(broker, topic, seed=9)
-    producer.send(600)
-    deployment.deploy(producer.produced)
-    live = deployment.latest_run()
+    live, run_id = _upgrading(deployment, producer, "stuck_on_batch.py", prewarm=True)
     leases, standbys = LeaseLog(deployment.store), StandbyLog(deployment.store)
-    run_id = deployment.airflow.trigger_dag("stream_upgrade", {
-        "application": str(FIXTURE_JOBS / "stuck_on_batch.py"), "version": "1.1", "prewarm": True})
 
     def upgrade_task() -> dict:
         return next(ti for ti in deployment.airflow.task_instances("stream_upgrade", run_id)
@@ -180,12 +188,8 @@ def test_an_upgrade_killed_after_it_stopped_the_job_leaves_the_old_code_restarte
     dead run, and ``stream_health`` restarts the job with the code that ran before.  Before, the record
     stayed in STARTING for half an hour, every recovery stood aside, and the job stayed down."""
     producer = EventProducer(broker, topic, seed=13)
-    producer.send(600)
-    deployment.deploy(producer.produced)
-    old = deployment.latest_run()
+    old, run_id = _upgrading(deployment, producer, "hangs_on_start.py")
     upgrades = UpgradeLog(deployment.store)
-    run_id = deployment.airflow.trigger_dag("stream_upgrade", {
-        "application": str(FIXTURE_JOBS / "hangs_on_start.py"), "version": "1.1"})
 
     def new_version_hanging() -> RunRecord | None:
         found = upgrades.latest(deployment.job_id)
@@ -230,12 +234,8 @@ def test_a_recovery_waits_for_the_task_holding_the_lease_then_repairs_what_it_le
     nothing done.  A person marks the upgrade failed; its lease is let go, and the waiting ``recover``
     restarts the job from its checkpoint: no record lost or applied twice."""
     producer = EventProducer(broker, topic, seed=11)
-    producer.send(600)
-    deployment.deploy(producer.produced)
-    victim = deployment.processing()
+    victim, upgrade_run = _upgrading(deployment, producer, "stuck_on_batch.py")
     leases = LeaseLog(deployment.store)
-    upgrade_run = deployment.airflow.trigger_dag("stream_upgrade", {
-        "application": str(FIXTURE_JOBS / "stuck_on_batch.py"), "version": "1.1"})
 
     def task(dag_id: str, run_id: str, task_id: str) -> dict | None:
         return next((ti for ti in deployment.airflow.task_instances(dag_id, run_id) if ti["task_id"] == task_id),
@@ -246,7 +246,7 @@ def test_a_recovery_waits_for_the_task_holding_the_lease_then_repairs_what_it_le
                "the upgrade to wait in the triggerer on its preflight", interval=1)
     assert leases.get(deployment.job_id).action == "upgrade"
     killed_at = time.time()
-    kill_driver(victim["pid"])
+    kill_driver(victim.pid)
 
     def recover_waiting() -> dict | None:
         for run in deployment.health_runs(since=killed_at):
@@ -258,13 +258,13 @@ def test_a_recovery_waits_for_the_task_holding_the_lease_then_repairs_what_it_le
     waiting = wait_until(recover_waiting, 120, "stream_health's recover to wait for the upgrade's lease",
                          interval=1)
     time.sleep(12)  # it looks again at least once (every 10 s), and waits on
-    assert deployment.latest_run().run_id == victim["run_id"], "nothing started beside the upgrade"
+    assert deployment.latest_run().run_id == victim.run_id, "nothing started beside the upgrade"
     assert task("stream_health", waiting["dag_run_id"], "recover")["state"] in (
         "deferred", "scheduled", "queued", "running"), "between two looks, it may be on a worker"
     deployment.airflow.set_task_state("stream_upgrade", upgrade_run, "upgrade", "failed")
 
     producer.send(300)  # for the restarted run to commit
-    recovered = deployment.processing(RECOVERY_TIMEOUT, other_than=victim["run_id"], after=killed_at)
+    recovered = deployment.processing(RECOVERY_TIMEOUT, other_than=victim.run_id, after=killed_at)
     (repair,) = deployment.repairs(recovered["run_id"], since=killed_at)
     assert repair["dag_run_id"] == waiting["dag_run_id"] and repair["run_type"] == "asset_triggered", repair
     log = deployment.airflow.task_log("stream_health", repair["dag_run_id"], "recover")
