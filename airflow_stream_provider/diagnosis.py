@@ -165,7 +165,7 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
         evidence = [f"driver exited with code {run.exit_code} ({_kind_named(run.failure_kind, kind)})",
                     f"error: {classification.evidence or _first_line(message)}"]
         if run.stop_requested_at is not None:  # its last batch failed while it stopped: stopped all the same
-            evidence.append(f"it was asked to stop at {_clock(run.stop_requested_at)} and failed before it "
+            evidence.append(f"it was asked to stop at {clock(run.stop_requested_at)} and failed before it "
                             "stopped cleanly")
             advice = (f"Nothing to restart: the job was being stopped. {advice} Submit the job to start it "
                       "again (the batch that failed is replayed; the sink skips what was committed).")
@@ -229,7 +229,8 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
     return Diagnosis(job_id, Health.HEALTHY, **base, evidence=evidence, stuck_at=stuck_at)
 
 
-def _clock(at: float) -> str:
+def clock(at: float) -> str:
+    """A moment for a message: UTC, to the second."""
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
 
 
@@ -260,7 +261,7 @@ def _dead_while_stopping(job_id: str, run: RunRecord, gone: str, base: dict[str,
     stopped, as asked, rather than undo the stop (or race the restart, reset or upgrade that asked for it).
     The sink's transactions keep its results and offsets consistent."""
     return Diagnosis(job_id, Health.DEAD, **base, stop_requested_at=run.stop_requested_at,
-                     evidence=[gone, f"it was asked to stop at {_clock(run.stop_requested_at)} and ended before "
+                     evidence=[gone, f"it was asked to stop at {clock(run.stop_requested_at)} and ended before "
                                "it stopped cleanly"],
                      advice="Nothing to restart: the job was being stopped. Submit it to start it again (it "
                      "resumes after its last committed batch; the batch cut short is replayed and the sink "

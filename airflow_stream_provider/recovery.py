@@ -40,14 +40,13 @@ says so; otherwise it waits the crash-loop backoff first.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from airflow_stream_provider.budget import RestartBudget, crash_loop_restarts
-from airflow_stream_provider.diagnosis import Diagnosis, Health
+from airflow_stream_provider.diagnosis import Diagnosis, Health, clock
 from airflow_stream_provider.failures import Recovery
 from airflow_stream_provider.state.upgrades import UpgradePhase, UpgradeRecord
 
@@ -175,6 +174,3 @@ def _within_budget(found: Diagnosis, budget: RestartBudget, history: Sequence[Ma
             f"then restart it by hand.")
     return RecoveryDecision(action, why, reason=reason, backoff_s=budget.backoff(times, now))
 
-
-def clock(at: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))

@@ -83,7 +83,7 @@ def with_interrupted_restart(found: Diagnosis, last_restart: Mapping[str, Any] |
     if owed is None:
         return found
     found.interrupted_restart = {"at": owed["at"], "reason": owed.get("reason")}
-    found.evidence.append(f"the restart begun at {recovery.clock(owed['at'])} ({owed.get('reason')}) stopped "
+    found.evidence.append(f"the restart begun at {diagnosis.clock(owed['at'])} ({owed.get('reason')}) stopped "
                           "this run and started no new one: nobody asked for this stop")
     found.advice = "A recovery finishes the restart from the checkpoint (stream_health does so by itself)."
     return found
