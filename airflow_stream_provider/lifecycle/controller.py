@@ -151,7 +151,7 @@ class StreamJobController:
 
     def lease_since(self, owner: str) -> float | None:
         """When ``owner``'s hold on the job's lease began (None unless it holds it)."""
-        held = self.leases.get(self.job_id)
+        held = self.lease()
         return held.taken_at if held is not None and held.owner == owner else None
 
     def release_lease(self, owner: str) -> None:

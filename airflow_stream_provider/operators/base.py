@@ -19,7 +19,6 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
@@ -428,7 +427,7 @@ class StreamJobOperator(BaseOperator):
         deadline, Kafka away while the first batch settled, a fault in the trigger).  One look decides what
         it can.  A launch still undecided fails the task and stays in the task state: the retry picks the run
         up, where the failure path (``on_fail``) or a fresh start could put a second driver beside it."""
-        look = replace(self._launch_wait(launch), deadline=math.inf, settle_s=0.0)
+        look = self.controller.launch_wait(launch, "ready", math.inf)  # no settling: a running query decides
         try:
             outcome = self.controller.look(look)
         except waits.DATABASE_OUTAGE as err:
