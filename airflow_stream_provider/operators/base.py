@@ -32,6 +32,7 @@ from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle import waits
 from airflow_stream_provider.lifecycle.controller import STOP_STAGES, StreamJobController, StreamJobError
+from airflow_stream_provider.lifecycle.holders import lease_owner, task_ended
 from airflow_stream_provider.lifecycle.killed import KilledTask, undo_ended
 from airflow_stream_provider.lifecycle.waits import RunWait
 from airflow_stream_provider.links import STREAM_LINKS
@@ -563,34 +564,15 @@ def _still_starting(run: RunRecord | None, launch: dict[str, Any]) -> bool:
 
 
 def _lease_owner(context, task: BaseOperator) -> str:
-    """The task instance, whatever its try or resume: a retry and a resumed deferral hold the same lease."""
+    """The task instance (``holders.lease_owner``); outside a task run, this operator object."""
     ti = context.get("ti") if context else None
-    if ti is None:  # called outside a task run (a test driving the operator): this operator object
-        return f"{task.task_id}@{id(task):x}"
-    return f"{ti.dag_id}/{ti.run_id}/{ti.task_id}/{getattr(ti, 'map_index', -1)}"
-
-
-#: Task instance states in which a task acts no more: its lease on a job is stale.
-ENDED_TASK_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
+    return lease_owner(ti) if ti is not None else f"{task.task_id}@{id(task):x}"
 
 
 def _task_ended(context, owner: str, log) -> bool:
-    """Whether Airflow says the task instance ``owner`` (a lease owner, ``_lease_owner``) has ended.  False
-    whenever that cannot be known: outside a task run, or an owner that is no task instance."""
+    """Whether Airflow says the lease owner ``owner`` has ended, asked through this task's instance."""
     ti = context.get("ti") if context else None
-    parts = owner.split("/")
-    if len(parts) < 4 or not hasattr(ti, "get_task_states"):
-        return False
-    dag_id, *run, task_id, map_index = parts
-    run_id, index = "/".join(run), int(map_index)
-    try:
-        states = ti.get_task_states(dag_id=dag_id, task_ids=[task_id], run_ids=[run_id],
-                                    map_index=index if index >= 0 else None)
-    except Exception as err:  # the lease then stands until it runs out
-        log.warning("Could not ask Airflow for the state of task %s: %r", owner, err)
-        return False
-    state = (states.get(run_id) or {}).get(task_id if index < 0 else f"{task_id}_{index}")
-    return state in ENDED_TASK_STATES
+    return task_ended(owner, log, getattr(ti, "get_task_states", None))
 
 
 def _task_state(context, key: str) -> Any:
