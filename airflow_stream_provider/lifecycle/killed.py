@@ -22,11 +22,7 @@ from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.state.leases import Lease, LeaseLog
 from airflow_stream_provider.state.standbys import StandbyLog, StandbyStatus
 from airflow_stream_provider.state.store import StateStore
-from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
-
-#: The phases an upgrade leaves the job down in when its task dies: the old run stopped, the new version (or
-#: the rollback's) not running yet.
-LEAVES_THE_JOB_DOWN = (UpgradePhase.STOPPING, UpgradePhase.STARTING, UpgradePhase.ROLLING_BACK)
+from airflow_stream_provider.state.upgrades import LEAVES_THE_JOB_DOWN, UpgradeLog, UpgradePhase
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Column, Float, String, Table, Text, insert, select, update
+from sqlalchemy import Column, Float, String, Table, Text, and_, func, insert, select, update
 
 from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.leases import Lease, LeaseLog, leases
 from airflow_stream_provider.state.store import StateStore
 
 
@@ -24,6 +25,10 @@ class UpgradePhase(enum.StrEnum):
     ROLLING_BACK = "ROLLING_BACK"
     DONE = "DONE"
 
+
+#: The phases an upgrade leaves the job down in when its task dies: the old run stopped, the new version (or
+#: the rollback's) not running yet.
+LEAVES_THE_JOB_DOWN = (UpgradePhase.STOPPING, UpgradePhase.STARTING, UpgradePhase.ROLLING_BACK)
 
 #: Longer than any one phase takes (its stop, its start, its verification: minutes each): an upgrade whose
 #: record has not moved for this long lost its task.  It no longer keeps recoveries away, and the successor
@@ -76,6 +81,7 @@ class UpgradeLog:
     def __init__(self, store: StateStore):
         self.engine = store.engine
         upgrades.create(self.engine, checkfirst=True)
+        self._leases_ready = False
 
     def begin(self, job_id: str, from_version: str | None, to_version: str | None,
               detail: dict[str, Any]) -> str:
@@ -102,6 +108,26 @@ class UpgradeLog:
             row = conn.execute(select(upgrades).where(upgrades.c.job_id == job_id)
                                .order_by(upgrades.c.started_at.desc()).limit(1)).mappings().first()
         return _record(row) if row else None
+
+    def holding_down(self, job_id: str | None = None) -> dict[str, tuple[UpgradeRecord, Lease]]:
+        """Each job (or ``job_id`` only) whose latest upgrade is in a phase that leaves it down
+        (``LEAVES_THE_JOB_DOWN``) while an upgrade's task holds its lease, or held it until it ran out: with
+        that lease, so that the caller can tell a task at work from one that is gone.  One query."""
+        if not self._leases_ready:  # once: a watcher asks every poll
+            LeaseLog.ensure(self.engine)
+            self._leases_ready = True
+        ranked = select(upgrades, func.row_number().over(partition_by=upgrades.c.job_id,
+                                                         order_by=upgrades.c.started_at.desc()).label("rank"))
+        if job_id is not None:
+            ranked = ranked.where(upgrades.c.job_id == job_id)
+        latest = ranked.subquery()
+        query = (select(latest, *[c.label(f"lease_{c.name}") for c in leases.c])
+                 .join(leases, and_(leases.c.job_id == latest.c.job_id, leases.c.action == "upgrade"))
+                 .where(latest.c.rank == 1, latest.c.phase.in_([p.value for p in LEAVES_THE_JOB_DOWN])))
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).mappings().all()
+        return {row["job_id"]: (_record(row), LeaseLog.from_row({c.name: row[f"lease_{c.name}"] for c in leases.c}))
+                for row in rows}
 
 
 def _record(row) -> UpgradeRecord:
