@@ -78,7 +78,8 @@ def next_step(diagnosis: dict) -> str:
     * a healthy job that wants a warm standby and has none (a standby took over, or died): ``recover``,
       which starts one;
     * a stopped or dead run that a restart stopped and started nothing after (its launch failed, its task
-      was lost): ``recover``, which finishes the restart;
+      was lost), or that an upgrade stopped whose task then ended without finishing it: ``recover``, which
+      finishes the restart (with the code that ran before the upgrade);
     * a healthy run whose driver lives but has gone silent (hung, frozen): ``recover``, which looks again
       when the silence makes it STUCK.  A watcher on another host, which cannot see the process, reports
       it DEAD at once and never again;

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 from airflow_stream_provider import diagnosis, local_driver, recovery
@@ -16,8 +16,11 @@ from airflow_stream_provider.diagnosis import Diagnosis, Thresholds
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
+from airflow_stream_provider.lifecycle.holders import task_ended
+from airflow_stream_provider.state.leases import Lease
 from airflow_stream_provider.state.records import RunRecord, RunStatus
 from airflow_stream_provider.state.standbys import STANDBY, StandbyLog, StandbyRecord, StandbyStatus
+from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradeRecord
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +69,44 @@ class HealthProbe:
         self.state.record_death(run, found)
         if found.health in recovery.INTERRUPTIBLE:  # only a run that is down can be owed a restart
             found = with_interrupted_restart(found, self.state.store.latest_restart(self.job_id))
+            holding = None if found.restart_owed else self.upgrades.holding_down(self.job_id).get(self.job_id)
+            found = with_abandoned_upgrade(found, holding, partial(task_ended, log=log))
         return run, with_standby(found, run, self.standbys, self.thresholds)
 
     @cached_property
     def standbys(self) -> StandbyLog:
         return StandbyLog(self.state.store)
 
+    @cached_property
+    def upgrades(self) -> UpgradeLog:
+        return UpgradeLog(self.state.store)
+
     def close(self) -> None:
         self.state.close()
+
+
+def with_abandoned_upgrade(found: Diagnosis, holding: tuple[UpgradeRecord, Lease] | None,
+                           ended: Callable[[str], bool]) -> Diagnosis:
+    """``found`` with the restart it is owed noted (``Diagnosis.interrupted_restart``), where the job is down
+    because an upgrade stopped it and its task ended without finishing or undoing that (its worker lost, or
+    killed while deferred where no trigger undid it).  ``holding``: the job's upgrade in a phase that leaves
+    it down, with the lease its task holds (``UpgradeLog.holding_down``); ``ended``: whether Airflow says a
+    lease owner has ended.  The recovery that takes the lease over undoes the upgrade (``killed.undo_ended``)
+    and restarts the version that ran before."""
+    if holding is None or found.restart_owed or found.health not in recovery.INTERRUPTIBLE:
+        return found
+    upgrade, lease = holding
+    if not ended(lease.owner):  # at work (or Airflow cannot say): its own task finishes or undoes it
+        return found
+    found.interrupted_restart = {"at": upgrade.updated_at, "upgrade_id": upgrade.upgrade_id,
+                                 "reason": f"upgrade {upgrade.upgrade_id} to version {upgrade.to_version} left in "
+                                           f"phase {upgrade.phase.value}"}
+    found.evidence.append(f"upgrade {upgrade.upgrade_id} to version {upgrade.to_version} has been in phase "
+                          f"{upgrade.phase.value} since {diagnosis.clock(upgrade.updated_at)}, and its task "
+                          f"{lease.owner} has ended in Airflow without finishing it: nobody brings the job back")
+    found.advice = ("A recovery ends the upgrade and restarts the version that ran before from the checkpoint "
+                    "(stream_health does so by itself).")
+    return found
 
 
 def with_interrupted_restart(found: Diagnosis, last_restart: Mapping[str, Any] | None) -> Diagnosis:

@@ -23,9 +23,11 @@ def lease_owner(ti: Any) -> str:
 
 def airflow_task_states(**query: Any) -> dict[str, Any]:
     """Airflow's task states, asked through the process's supervisor: a worker's or the triggerer's."""
-    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+    from airflow.sdk.execution_time import task_runner
 
-    return RuntimeTaskInstance.get_task_states(**query)
+    if not hasattr(task_runner, "SUPERVISOR_COMMS"):  # a command line, a test: no supervisor to ask through
+        raise RuntimeError("not inside an Airflow task or triggerer, which alone can ask Airflow")
+    return task_runner.RuntimeTaskInstance.get_task_states(**query)
 
 
 def task_ended(owner: str, log: logging.Logger, get_task_states: TaskStates | None = airflow_task_states) -> bool:

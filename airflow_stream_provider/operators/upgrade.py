@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
-from airflow_stream_provider import kafka_offsets, upgrade
+from airflow_stream_provider import faults, kafka_offsets, upgrade
 from airflow_stream_provider import spec as spec_module
 from airflow_stream_provider.failures import FailureKind
 from airflow_stream_provider.lifecycle.controller import StreamJobError
@@ -305,6 +305,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
     def _old_stopped(self, context, stopped, ctx) -> dict[str, Any]:
         if stopped is not None:
             ctx["outcome"]["stopped"] = stopped
+        faults.maybe_crash("upgrade_after_stop")  # the task lost between the old run's stop and the new start
         self._phase(ctx, UpgradePhase.STARTING)
         new = self.new_spec
         reason = f"upgrade to version {new.version}: {ctx['decision']['why']}"

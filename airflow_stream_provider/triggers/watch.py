@@ -5,7 +5,8 @@ the triggerer for as long as a DAG is scheduled on the job's asset, and turns ev
 into DEAD, STUCK or FAILED into one asset event that carries the diagnosis; the health DAG runs on it.
 So does a healthy run that wants a warm standby and has none (NO_STANDBY: after a takeover, or when its
 standby died), so that the health DAG starts one at once, and a run that a restart stopped and started
-nothing after (INTERRUPTED_RESTART: its launch failed, its task was lost), so that the restart is finished.
+nothing after (INTERRUPTED_RESTART: its launch failed, its task was lost), so that the restart is finished;
+likewise a run an upgrade stopped, once Airflow says the upgrade's task has ended without finishing it.
 
 * One poll, one query: every watcher of the same state database shares one poll loop (Airflow's shared
   streams), which reads the latest run of every job in one state-database query and diagnoses each with
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,7 +35,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 
-from airflow_stream_provider import diagnosis
+from airflow_stream_provider import diagnosis, recovery
 from airflow_stream_provider.diagnosis import (
     INTERRUPTED_RESTART,
     NO_STANDBY,
@@ -45,10 +47,16 @@ from airflow_stream_provider.diagnosis import (
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
-from airflow_stream_provider.lifecycle.health import with_interrupted_restart, with_standby
+from airflow_stream_provider.lifecycle.health import (
+    with_abandoned_upgrade,
+    with_interrupted_restart,
+    with_standby,
+)
+from airflow_stream_provider.lifecycle.holders import task_ended
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.standbys import StandbyLog
 from airflow_stream_provider.state.store import HealthReportKey, WatchedJob
+from airflow_stream_provider.state.upgrades import UpgradeLog
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +64,8 @@ log = logging.getLogger(__name__)
 #: new standby starts at once after a takeover, not at the next sweep; INTERRUPTED_RESTART so that the
 #: health DAG finishes the restart, which a STOPPED run would otherwise never get.
 FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, NO_STANDBY, INTERRUPTED_RESTART)
+#: How long a lease owner Airflow said has ended is taken as ended without asking again
+ENDED_REMEMBERED_S = 30.0
 
 
 @dataclass
@@ -81,6 +91,8 @@ class JobsWatch:
         #: when the state database answered again after this watcher last failed to read it
         self.answering_since: float | None = None
         self._away = False
+        #: lease owners Airflow said have ended, and when it said so (``time.monotonic``)
+        self._ended: dict[str, float] = {}
 
     def poll(self) -> Snapshot:
         now = time.time()
@@ -104,7 +116,36 @@ class JobsWatch:
                     "clears; the watcher keeps polling, and watches the other jobs all the same.")
                 continue
             snapshot.reported[job.job_id] = job.reported
+        self._note_abandoned_upgrades(snapshot.diagnoses)
         return snapshot
+
+    def _note_abandoned_upgrades(self, diagnoses: dict[str, Diagnosis]) -> None:
+        """Note the restart owed to each job that is down because an upgrade stopped it and its task ended
+        in Airflow without finishing or undoing that: nothing else would report it, and the job would stay
+        down until a sweep.  One more query, and only in a poll that finds a job down and owed nothing."""
+        down = [job_id for job_id, found in diagnoses.items()
+                if found.health in recovery.INTERRUPTIBLE and not found.restart_owed]
+        if not down:
+            return
+        try:
+            holding = self.upgrades.holding_down()
+        except Exception as err:  # the diagnoses stand without this fact; the next poll asks again
+            log.warning("Could not read the upgrades holding jobs down: %s", _one_line(err))
+            return
+        for job_id in down:
+            if job_id in holding:
+                diagnoses[job_id] = with_abandoned_upgrade(diagnoses[job_id], holding[job_id], self._task_ended)
+
+    def _task_ended(self, owner: str) -> bool:
+        """Whether Airflow says the lease owner has ended; an ended task is not asked about again for a while
+        (a cleared one runs again under the same owner, and takes its own lease back)."""
+        now = time.monotonic()
+        if now - self._ended.get(owner, -math.inf) < ENDED_REMEMBERED_S:
+            return True
+        ended = task_ended(owner, log)
+        if ended:
+            self._ended[owner] = now
+        return ended
 
     def diagnose(self, job: WatchedJob, now: float) -> Diagnosis:
         lag = self._lag(job) if diagnosis.lag_matters(job.run, self.thresholds, now) else None
@@ -123,6 +164,10 @@ class JobsWatch:
     @cached_property
     def standbys(self) -> StandbyLog:
         return StandbyLog(self.state.store)
+
+    @cached_property
+    def upgrades(self) -> UpgradeLog:
+        return UpgradeLog(self.state.store)
 
     def _lag(self, job: WatchedJob) -> int | None:
         """Kafka records not applied yet; read only for a query idle past ``stuck_after``."""

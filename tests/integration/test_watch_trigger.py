@@ -13,7 +13,9 @@ import time
 import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
 
+from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.store import HealthReportKey, StateStore
+from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 from airflow_stream_provider.triggers import watch
 from airflow_stream_provider.triggers.watch import StreamJobWatchTrigger
 from tests.dagtest import airflow as airflow_stack
@@ -408,3 +410,41 @@ def test_a_healthy_run_that_wants_a_standby_and_has_none_is_reported_once_per_lo
     state_store.record_launch(plain, "/jobs/events.py", json.dumps({"kafka": {"topics": ["e"]}}))
     assert asyncio.run(_events(_trigger(), 4)) == []
     assert asyncio.run(_events(_trigger("plain"), 4)) == []
+
+
+def test_a_run_an_upgrade_stopped_and_its_ended_task_left_down_is_reported_once(state_store, monkeypatch):
+    """An upgrade stopped the job, and its task ended (its worker lost) before it started the new version:
+    the record stays in STOPPING and the lease names the ended task.  The watcher reports the restart owed,
+    once, as soon as Airflow says that task has ended; while it is at work, nothing.  Airflow's answer comes
+    through the triggerer's supervisor, which does not run here: a stand-in gives it (the real ask is
+    ``real_airflow/test_lost_upgrade.py``)."""
+    states = {"stream_upgrade/manual__1/upgrade/-1": "running"}
+    asked = []
+
+    def task_ended(owner, log):
+        asked.append(owner)
+        return states.get(owner) == "failed"
+
+    monkeypatch.setattr(watch, "task_ended", task_ended)
+    old = _running(state_store)
+    upgrades = UpgradeLog(state_store)
+    upgrade_id = upgrades.begin("job", "1.0", "1.1", {"live_run_id": old})
+    LeaseLog(state_store).take("job", "stream_upgrade/manual__1/upgrade/-1", "upgrade", time.time() + 300)
+    upgrades.move(upgrade_id, UpgradePhase.STOPPING, {"live_run_id": old})
+    assert asyncio.run(_events(_trigger(), 3)) == [] and asked == [], "a running job: Airflow is not asked"
+
+    state_store.request_stop(old)
+    state_store.finish_run(old, status="STOPPED", exit_code=0, message="stopped")
+    assert asyncio.run(_events(_trigger(), 3)) == [], "its task at work: it starts the new version itself"
+    assert len(asked) == 3, asked
+
+    states["stream_upgrade/manual__1/upgrade/-1"] = "failed"
+    events = asyncio.run(_events(_trigger(), 5))
+    assert [(e["diagnosis"]["health"], e["diagnosis"]["run_id"]) for e in events] == [("STOPPED", old)], events
+    assert events[0]["diagnosis"]["interrupted_restart"]["upgrade_id"] == upgrade_id
+    assert "has ended in Airflow without finishing it" in events[0]["message"]
+    assert len(asked) == 4, "an ended task is remembered: not asked at every poll"
+    assert asyncio.run(_events(_trigger(), 3)) == [], "reported once, also across a triggerer restart"
+
+    upgrades.move(upgrade_id, UpgradePhase.DONE, {"live_run_id": old}, result="killed")  # a recovery undid it
+    assert asyncio.run(_events(_trigger(), 3)) == []

@@ -7,12 +7,14 @@ import pytest
 from airflow_stream_provider.budget import RestartBudget
 from airflow_stream_provider.diagnosis import Diagnosis, Health
 from airflow_stream_provider.failures import FailureKind, Recovery
+from airflow_stream_provider.lifecycle.health import with_abandoned_upgrade
 from airflow_stream_provider.recovery import (
     RecoveryAction,
     check_on_incompatible,
     decide_recovery,
     history_since,
 )
+from airflow_stream_provider.state.leases import Lease
 from airflow_stream_provider.state.upgrades import UpgradePhase, UpgradeRecord
 
 NOW = 1_800_000_000.0
@@ -232,3 +234,30 @@ def test_a_restart_owed_older_than_the_history_window_is_finished():
     owed = {"at": NOW - history_since(BUDGET, NOW) - 3600, "reason": "STUCK: no batch for 600s"}
     decision = _decide(_found(Health.STOPPED, interrupted_restart=owed))
     assert decision.action == RecoveryAction.RESTART and decision.reason == "STUCK: no batch for 600s", decision
+
+
+@pytest.mark.parametrize(("health", "ended", "noted"), [
+    (Health.STOPPED, True, True), (Health.DEAD, True, True), (Health.STOPPED, False, False),
+    (Health.HEALTHY, True, False), (Health.STARTING, True, False)])
+def test_a_job_an_upgrade_stopped_is_owed_a_restart_once_its_task_has_ended(health, ended, noted):
+    """The watcher's and the sensors' note (``lifecycle.health.with_abandoned_upgrade``): only a job that is
+    down, only once Airflow says the upgrade's task has ended.  The recovery then waits for the upgrade
+    while it is in charge: the task that takes the lease over ends it first (``killed.undo_ended``)."""
+    upgrade = _upgrade(UpgradePhase.STOPPING)
+    lease = Lease("j", "stream_upgrade/r/upgrade/-1", "upgrade", NOW + 60, NOW - 300)
+    asked = []
+    found = with_abandoned_upgrade(_found(health, stop_requested_at=NOW - 40), (upgrade, lease),
+                                   lambda owner: asked.append(owner) or ended)
+    assert (found.condition == "INTERRUPTED_RESTART") is noted
+    assert asked == ([] if health in (Health.HEALTHY, Health.STARTING) else [lease.owner])
+    if noted:
+        assert found.interrupted_restart["upgrade_id"] == "u1"
+        assert _decide(found, upgrade=upgrade).action == RecoveryAction.NONE, "its upgrade is in charge"
+        assert _decide(found, upgrade=_upgrade(UpgradePhase.DONE)).action == RecoveryAction.RESTART
+
+
+def test_a_restart_already_owed_is_not_noted_twice():
+    owed = {"at": NOW - 30, "reason": "STUCK"}
+    found = with_abandoned_upgrade(_found(Health.STOPPED, interrupted_restart=owed),
+                                   (_upgrade(UpgradePhase.STOPPING), None), lambda owner: True)
+    assert found.interrupted_restart is owed
