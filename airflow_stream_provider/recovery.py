@@ -41,7 +41,7 @@ says so; otherwise it waits the crash-loop backoff first.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -76,6 +76,9 @@ class RecoveryDecision:
     reason: str = ""
     #: seconds to wait before a RESTART or RESET: consecutive restarts back off
     backoff_s: float = 0.0
+    #: for a RESTART that finishes an interrupted one: the run it restarts (the job's latest otherwise).  An
+    #: upgrade's task that ended after its stop owes the run it stopped, not the new version's
+    restart_run_id: str | None = None
 
 
 def check_on_incompatible(value: str) -> str:
@@ -125,10 +128,11 @@ def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBu
     # the history looks back a window only; the diagnosis found the newest restart however old
     interrupted = interrupted_restart(found, history) or found.interrupted_restart
     if interrupted is not None and not upgrade_in_charge(upgrade, now):
-        return _within_budget(found, budget, history, now, RecoveryAction.RESTART,
-                              f"{found.summary()}: the restart begun at {clock(interrupted['at'])} stopped it and "
-                              "started no new run; finishing that restart from the checkpoint",
-                              interrupted.get("reason") or found.summary())
+        decision = _within_budget(found, budget, history, now, RecoveryAction.RESTART,
+                                  f"{found.summary()}: the restart begun at {clock(interrupted['at'])} stopped it "
+                                  "and started no new run; finishing that restart from the checkpoint",
+                                  interrupted.get("reason") or found.summary())
+        return replace(decision, restart_run_id=interrupted.get("failed_run_id"))
     if found.health in (Health.STARTING, Health.HEALTHY, Health.STOPPED):
         return RecoveryDecision(RecoveryAction.NONE, f"the job is {found.health.value}: nothing to do")
     if found.health in (Health.DEAD, Health.FAILED) and found.stop_requested_at is not None:

@@ -17,7 +17,6 @@ from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle.holders import task_ended
-from airflow_stream_provider.state.leases import Lease
 from airflow_stream_provider.state.records import RunRecord, RunStatus
 from airflow_stream_provider.state.standbys import STANDBY, StandbyLog, StandbyRecord, StandbyStatus
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradeRecord
@@ -69,8 +68,8 @@ class HealthProbe:
         self.state.record_death(run, found)
         if found.health in recovery.INTERRUPTIBLE:  # only a run that is down can be owed a restart
             found = with_interrupted_restart(found, self.state.store.latest_restart(self.job_id))
-            holding = None if found.restart_owed else self.upgrades.holding_down(self.job_id).get(self.job_id)
-            found = with_abandoned_upgrade(found, holding, partial(task_ended, log=log))
+            upgrade = None if found.restart_owed else self.upgrades.leaving_down(self.job_id).get(self.job_id)
+            found = with_abandoned_upgrade(found, upgrade, partial(task_ended, log=log))
         return run, with_standby(found, run, self.standbys, self.thresholds)
 
     @cached_property
@@ -85,25 +84,27 @@ class HealthProbe:
         self.state.close()
 
 
-def with_abandoned_upgrade(found: Diagnosis, holding: tuple[UpgradeRecord, Lease] | None,
+def with_abandoned_upgrade(found: Diagnosis, upgrade: UpgradeRecord | None,
                            ended: Callable[[str], bool]) -> Diagnosis:
     """``found`` with the restart it is owed noted (``Diagnosis.interrupted_restart``), where the job is down
-    because an upgrade stopped it and its task ended without finishing or undoing that (its worker lost, or
-    killed while deferred where no trigger undid it).  ``holding``: the job's upgrade in a phase that leaves
-    it down, with the lease its task holds (``UpgradeLog.holding_down``); ``ended``: whether Airflow says a
-    lease owner has ended.  The recovery that takes the lease over undoes the upgrade (``killed.undo_ended``)
-    and restarts the version that ran before."""
-    if holding is None or found.restart_owed or found.health not in recovery.INTERRUPTIBLE:
+    because an upgrade stopped its run and the upgrade's task ended without finishing or undoing that: its
+    worker lost, killed while deferred where no trigger undid it, or failed past the stop on its last try.
+    ``upgrade``: the job's latest upgrade in a phase that leaves it down (``UpgradeLog.leaving_down``);
+    ``ended``: whether Airflow says a task instance has ended (a retry to come is not).  The recovery ends
+    the upgrade and restarts the run it stopped, with the code that ran before."""
+    if upgrade is None or found.restart_owed or found.health not in recovery.INTERRUPTIBLE:
         return found
-    upgrade, lease = holding
-    if not ended(lease.owner):  # at work (or Airflow cannot say): its own task finishes or undoes it
+    if not upgrade.detail.get("live_run_id") or not upgrade.task:  # it stopped nothing; or an older release's
+        return found
+    if not ended(upgrade.task):  # at work (or Airflow cannot say): its own task finishes or undoes it
         return found
     found.interrupted_restart = {"at": upgrade.updated_at, "upgrade_id": upgrade.upgrade_id,
+                                 "failed_run_id": upgrade.detail["live_run_id"],
                                  "reason": f"upgrade {upgrade.upgrade_id} to version {upgrade.to_version} left in "
                                            f"phase {upgrade.phase.value}"}
     found.evidence.append(f"upgrade {upgrade.upgrade_id} to version {upgrade.to_version} has been in phase "
                           f"{upgrade.phase.value} since {diagnosis.clock(upgrade.updated_at)}, and its task "
-                          f"{lease.owner} has ended in Airflow without finishing it: nobody brings the job back")
+                          f"{upgrade.task} has ended in Airflow without finishing it: nobody brings the job back")
     found.advice = ("A recovery ends the upgrade and restarts the version that ran before from the checkpoint "
                     "(stream_health does so by itself).")
     return found

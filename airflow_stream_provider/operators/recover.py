@@ -12,6 +12,7 @@ from airflow_stream_provider.budget import RestartBudget
 from airflow_stream_provider.diagnosis import Diagnosis, Health
 from airflow_stream_provider.lifecycle import waits
 from airflow_stream_provider.lifecycle.controller import NOT_STARTED, WITHHELD
+from airflow_stream_provider.lifecycle.killed import end_killed_upgrade
 from airflow_stream_provider.lifecycle.waits import RunWait
 from airflow_stream_provider.operators.base import StreamJobOperator
 from airflow_stream_provider.recovery import RecoveryAction
@@ -143,6 +144,8 @@ class RecoverStreamingJobOperator(StreamJobOperator):
             raise AirflowFailException(str(err)) from None
         found = self.diagnose()
         self.log.info("Diagnosis: %s", found.summary())
+        if (found.interrupted_restart or {}).get("upgrade_id"):
+            self._end_abandoned_upgrade(found)
         now = time.time()
         history = self.state.restarts_since(self.job.job_id, recovery.history_since(self.budget, now))
         decision = recovery.decide_recovery(found, on_incompatible=self.on_incompatible, budget=self.budget,
@@ -178,7 +181,17 @@ class RecoverStreamingJobOperator(StreamJobOperator):
             self.log.info("Backing off %.0fs before the %s (consecutive restarts)", decision.backoff_s,
                           decision.action.value)
         return self.pause_then(context, decision.backoff_s, "_act", action=decision.action.value,
-                               reason=decision.reason, outcome=outcome)
+                               reason=decision.reason, outcome=outcome, run_id=decision.restart_run_id)
+
+    def _end_abandoned_upgrade(self, found: Diagnosis) -> None:
+        """The diagnosis found the job down in an upgrade whose task has ended without finishing it (its
+        worker lost, or failed past the stop on its last try): ended here (result ``killed``), so that it
+        keeps recoveries away no longer, with the restart of the run it stopped owed."""
+        owed = found.interrupted_restart
+        upgrade = self.controller.latest_upgrade()
+        if upgrade is not None and upgrade.upgrade_id == owed["upgrade_id"]:
+            end_killed_upgrade(self.state.store, self.job.job_id, f"its task {upgrade.task} ended in Airflow in "
+                               f"phase {upgrade.phase.value} without finishing it", self.log)
 
     def _watch_silent(self, context, found: Diagnosis) -> Any:
         """Its driver lives but has stopped heartbeating (hung, frozen, a long pause): look again once the
@@ -204,10 +217,11 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         return self.pause_then(context, decision["backoff_s"], "_act", action=decision["action"],
                                reason=decision["reason"], outcome=outcome)
 
-    def _act(self, context, event, action: str, reason: str, outcome: dict[str, Any]) -> dict[str, Any]:
+    def _act(self, context, event, action: str, reason: str, outcome: dict[str, Any],
+             run_id: str | None = None) -> dict[str, Any]:
         if action == RecoveryAction.RESET:
             return self.reset_then(context, reason, "done", {"outcome": outcome})
-        last = self.state.latest_run(self.job.job_id)
+        last = self.state.latest_run(self.job.job_id) if run_id is None else self.state.store.get_run(run_id)
         return self.restart_then(context, reason, last and last.run_id, "done", {"outcome": outcome})
 
     def done(self, context, result, outcome=None) -> dict[str, Any]:

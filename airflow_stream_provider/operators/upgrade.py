@@ -163,6 +163,8 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         self.log.info("Upgrading job %s from %s to %s (generation %s, %s)", job_id, before and before.version,
                       new.version, generation, f"run {live.run_id} live" if live else "no live run")
         ctx: dict[str, Any] = {
+            # the task: where it ends without finishing, the watcher asks Airflow about it (``UpgradeRecord.task``)
+            "task": self._lease_owner,
             "policy": policy, "generation": generation, "live_run_id": live and live.run_id,
             "previous": previous and {"application": previous[0], "spec_json": previous[1].to_json()},
             "outcome": {"job_id": job_id, "from_version": before and before.version, "to_version": new.version,

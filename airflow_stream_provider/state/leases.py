@@ -58,17 +58,8 @@ class LeaseLog:
 
     def __init__(self, store: StateStore):
         self.engine = store.engine
-        self.ensure(self.engine)
-
-    @staticmethod
-    def ensure(engine) -> None:
-        """Create ``stream_leases``, or add the columns an older release's table lacks."""
-        leases.create(engine, checkfirst=True)
-        schema.add_missing_columns(engine, [leases])
-
-    @staticmethod
-    def from_row(row: Mapping[str, Any]) -> Lease:
-        return Lease(**{**row, "launch": json.loads(row["launch"]) if row["launch"] else None})
+        leases.create(self.engine, checkfirst=True)
+        schema.add_missing_columns(self.engine, [leases])
 
     def take(self, job_id: str, owner: str, action: str, until: float,
              launch: Mapping[str, Any] | None = None) -> Lease | None:
@@ -103,4 +94,6 @@ class LeaseLog:
     def get(self, job_id: str) -> Lease | None:
         with self.engine.connect() as conn:
             row = conn.execute(select(leases).where(leases.c.job_id == job_id)).mappings().first()
-        return self.from_row(row) if row is not None else None
+        if row is None:
+            return None
+        return Lease(**{**row, "launch": json.loads(row["launch"]) if row["launch"] else None})

@@ -10,10 +10,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Column, Float, String, Table, Text, and_, func, insert, select, update
+from sqlalchemy import Column, Float, String, Table, Text, func, insert, select, update
 
 from airflow_stream_provider.state import schema
-from airflow_stream_provider.state.leases import Lease, LeaseLog, leases
 from airflow_stream_provider.state.store import StateStore
 
 
@@ -70,6 +69,11 @@ class UpgradeRecord:
         return now - self.updated_at >= UPGRADE_STALE_S
 
     @property
+    def task(self) -> str | None:
+        """The task instance running the upgrade (a lease owner, ``lifecycle.holders.lease_owner``)."""
+        return self.detail.get("task")
+
+    @property
     def successor_id(self) -> str | None:
         """The prewarmed successor the upgrade holds, until it releases it."""
         return (self.detail.get("successor") or {}).get("standby_id")
@@ -81,7 +85,6 @@ class UpgradeLog:
     def __init__(self, store: StateStore):
         self.engine = store.engine
         upgrades.create(self.engine, checkfirst=True)
-        self._leases_ready = False
 
     def begin(self, job_id: str, from_version: str | None, to_version: str | None,
               detail: dict[str, Any]) -> str:
@@ -109,25 +112,19 @@ class UpgradeLog:
                                .order_by(upgrades.c.started_at.desc()).limit(1)).mappings().first()
         return _record(row) if row else None
 
-    def holding_down(self, job_id: str | None = None) -> dict[str, tuple[UpgradeRecord, Lease]]:
-        """Each job (or ``job_id`` only) whose latest upgrade is in a phase that leaves it down
-        (``LEAVES_THE_JOB_DOWN``) while an upgrade's task holds its lease, or held it until it ran out: with
-        that lease, so that the caller can tell a task at work from one that is gone.  One query."""
-        if not self._leases_ready:  # once: a watcher asks every poll
-            LeaseLog.ensure(self.engine)
-            self._leases_ready = True
+    def leaving_down(self, job_id: str | None = None) -> dict[str, UpgradeRecord]:
+        """Each job's (or ``job_id``'s) latest upgrade where it is in a phase that leaves the job down
+        (``LEAVES_THE_JOB_DOWN``): at work, or left there by a task that ended.  One query, for a watcher
+        that polls every second."""
         ranked = select(upgrades, func.row_number().over(partition_by=upgrades.c.job_id,
                                                          order_by=upgrades.c.started_at.desc()).label("rank"))
         if job_id is not None:
             ranked = ranked.where(upgrades.c.job_id == job_id)
         latest = ranked.subquery()
-        query = (select(latest, *[c.label(f"lease_{c.name}") for c in leases.c])
-                 .join(leases, and_(leases.c.job_id == latest.c.job_id, leases.c.action == "upgrade"))
-                 .where(latest.c.rank == 1, latest.c.phase.in_([p.value for p in LEAVES_THE_JOB_DOWN])))
+        query = select(latest).where(latest.c.rank == 1,
+                                     latest.c.phase.in_([p.value for p in LEAVES_THE_JOB_DOWN]))
         with self.engine.connect() as conn:
-            rows = conn.execute(query).mappings().all()
-        return {row["job_id"]: (_record(row), LeaseLog.from_row({c.name: row[f"lease_{c.name}"] for c in leases.c}))
-                for row in rows}
+            return {row["job_id"]: _record(row) for row in conn.execute(query).mappings()}
 
 
 def _record(row) -> UpgradeRecord:

@@ -91,7 +91,7 @@ class JobsWatch:
         #: when the state database answered again after this watcher last failed to read it
         self.answering_since: float | None = None
         self._away = False
-        #: lease owners Airflow said have ended, and when it said so (``time.monotonic``)
+        #: task instances Airflow said have ended, and when it said so (``time.monotonic``)
         self._ended: dict[str, float] = {}
 
     def poll(self) -> Snapshot:
@@ -128,17 +128,17 @@ class JobsWatch:
         if not down:
             return
         try:
-            holding = self.upgrades.holding_down()
+            upgrades = self.upgrades.leaving_down()
         except Exception as err:  # the diagnoses stand without this fact; the next poll asks again
-            log.warning("Could not read the upgrades holding jobs down: %s", _one_line(err))
+            log.warning("Could not read the upgrades that leave jobs down: %s", _one_line(err))
             return
         for job_id in down:
-            if job_id in holding:
-                diagnoses[job_id] = with_abandoned_upgrade(diagnoses[job_id], holding[job_id], self._task_ended)
+            if job_id in upgrades:
+                diagnoses[job_id] = with_abandoned_upgrade(diagnoses[job_id], upgrades[job_id], self._task_ended)
 
     def _task_ended(self, owner: str) -> bool:
-        """Whether Airflow says the lease owner has ended; an ended task is not asked about again for a while
-        (a cleared one runs again under the same owner, and takes its own lease back)."""
+        """Whether Airflow says the task instance has ended; an ended task is not asked about again for a
+        while (a cleared one runs again, and moves its upgrade on or ends it)."""
         now = time.monotonic()
         if now - self._ended.get(owner, -math.inf) < ENDED_REMEMBERED_S:
             return True

@@ -11,13 +11,15 @@ import logging
 import time
 
 import pytest
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from airflow_stream_provider import recovery
 from airflow_stream_provider.budget import RestartBudget
 from airflow_stream_provider.diagnosis import diagnose
+from airflow_stream_provider.lifecycle import health
 from airflow_stream_provider.lifecycle.health import with_interrupted_restart
 from airflow_stream_provider.lifecycle.killed import KilledTask, undo
+from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
 from airflow_stream_provider.recovery import RecoveryAction
 from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
@@ -27,16 +29,18 @@ OWNER = "stream_upgrade/manual__1/upgrade/-1"
 log = logging.getLogger(__name__)
 
 
-def _upgrade(store, phase: UpgradePhase, *, old_stopped: bool) -> tuple[str, str]:
+def _upgrade(store, phase: UpgradePhase, *, old_stopped: bool, leased: bool = True) -> tuple[str, str]:
     old = store.begin_run("job", 1, "1.0").run_id
     store.mark_query_started(old)
     if old_stopped:
         store.request_stop(old)
         store.finish_run(old, status="STOPPED", exit_code=0, message="stopped by the upgrade")
     upgrades = UpgradeLog(store)
-    upgrade_id = upgrades.begin("job", "1.0", "2.0", {"live_run_id": old, "generation": 1})
-    upgrades.move(upgrade_id, phase, {"live_run_id": old, "generation": 1})
-    LeaseLog(store).take("job", OWNER, "upgrade", time.time() + 300)
+    detail = {"task": OWNER, "live_run_id": old, "generation": 1}
+    upgrade_id = upgrades.begin("job", "1.0", "2.0", detail)
+    upgrades.move(upgrade_id, phase, detail)
+    if leased:
+        LeaseLog(store).take("job", OWNER, "upgrade", time.time() + 300)
     return upgrade_id, old
 
 
@@ -107,3 +111,33 @@ def test_the_retry_of_an_upgrade_killed_while_rolling_back_keeps_the_error_that_
     ended = UpgradeLog(state_store).get(upgrade_id)
     assert ended.phase == UpgradePhase.DONE and "ZeroDivisionError" in ended.detail["error"]
 
+
+
+def test_an_upgrade_whose_task_failed_past_its_stop_is_ended_by_a_recovery_that_restarts_the_old_run(
+        state_store, tmp_path, monkeypatch):
+    """The upgrade's task failed on its last try after it stopped the job and launched the new version,
+    which failed at its start (the task's own error: an outage past what it rides out, its lease lost).
+    It let go of the lease, so no takeover undoes it, and its record stays in STARTING.  Once Airflow says
+    that task has ended, the diagnosis owes the job a restart; the recovery ends the upgrade (``killed``)
+    and restarts the run the upgrade stopped, not the new version's failed one.  Airflow's answer about the
+    task stands in (``health.task_ended``): this tier runs no Airflow.  The recovery's crash-loop backoff
+    defers it before its launch, which is where this test looks."""
+    upgrade_id, old = _upgrade(state_store, UpgradePhase.STARTING, old_stopped=True, leased=False)
+    new = state_store.begin_run("job", 1, "2.0").run_id
+    state_store.finish_run(new, status="FAILED", exit_code=1, failure_kind="USER_CODE",
+                           message="ValueError: the new version's start failed")
+    asked = []
+    monkeypatch.setattr(health, "task_ended", lambda owner, log: asked.append(owner) or True)
+    spec = {"job_id": "job", "version": "2.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+
+    with pytest.raises(TaskDeferred) as deferred:
+        RecoverStreamingJobOperator(task_id="recover", spec=spec).execute({})
+
+    assert asked == [OWNER]
+    record = UpgradeLog(state_store).get(upgrade_id)
+    assert (record.phase, record.result) == (UpgradePhase.DONE, "killed"), record
+    assert record.detail["killed"] == f"its task {OWNER} ended in Airflow in phase STARTING without finishing it"
+    resume = deferred.value.trigger.resume
+    assert (resume["method"], resume["state"]["action"], resume["state"]["run_id"]) == ("_act", "restart", old)
+    [restart] = state_store.restarts_since("job", 0)
+    assert (restart["failed_run_id"], restart["new_run_id"]) == (old, None)

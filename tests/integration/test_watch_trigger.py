@@ -13,7 +13,6 @@ import time
 import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
 
-from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.store import HealthReportKey, StateStore
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 from airflow_stream_provider.triggers import watch
@@ -413,13 +412,13 @@ def test_a_healthy_run_that_wants_a_standby_and_has_none_is_reported_once_per_lo
 
 
 def test_a_run_an_upgrade_stopped_and_its_ended_task_left_down_is_reported_once(state_store, monkeypatch):
-    """An upgrade stopped the job, and its task ended (its worker lost) before it started the new version:
-    the record stays in STOPPING and the lease names the ended task.  The watcher reports the restart owed,
-    once, as soon as Airflow says that task has ended; while it is at work, nothing.  Airflow's answer comes
-    through the triggerer's supervisor, which does not run here: a stand-in gives it (the real ask is
-    ``real_airflow/test_lost_upgrade.py``)."""
-    states = {"stream_upgrade/manual__1/upgrade/-1": "running"}
-    asked = []
+    """An upgrade stopped the job, and its task ended (its worker lost, or failed on its last try) before it
+    started the new version: the record stays in STOPPING.  The watcher reports the restart owed, once, as
+    soon as Airflow says that task has ended; while it is at work (a retry to come included), nothing.
+    Airflow's answer comes through the triggerer's supervisor, which does not run here: a stand-in gives it
+    (the real ask is ``real_airflow/test_lost_upgrade.py``)."""
+    task = "stream_upgrade/manual__1/upgrade/-1"
+    states, asked = {task: "running"}, []
 
     def task_ended(owner, log):
         asked.append(owner)
@@ -428,23 +427,26 @@ def test_a_run_an_upgrade_stopped_and_its_ended_task_left_down_is_reported_once(
     monkeypatch.setattr(watch, "task_ended", task_ended)
     old = _running(state_store)
     upgrades = UpgradeLog(state_store)
-    upgrade_id = upgrades.begin("job", "1.0", "1.1", {"live_run_id": old})
-    LeaseLog(state_store).take("job", "stream_upgrade/manual__1/upgrade/-1", "upgrade", time.time() + 300)
-    upgrades.move(upgrade_id, UpgradePhase.STOPPING, {"live_run_id": old})
+    detail = {"task": task, "live_run_id": old}
+    upgrade_id = upgrades.begin("job", "1.0", "1.1", detail)
+    upgrades.move(upgrade_id, UpgradePhase.STOPPING, detail)
     assert asyncio.run(_events(_trigger(), 3)) == [] and asked == [], "a running job: Airflow is not asked"
 
     state_store.request_stop(old)
     state_store.finish_run(old, status="STOPPED", exit_code=0, message="stopped")
-    assert asyncio.run(_events(_trigger(), 3)) == [], "its task at work: it starts the new version itself"
-    assert len(asked) == 3, asked
+    for state in ("running", "up_for_retry"):
+        states[task] = state
+        assert asyncio.run(_events(_trigger(), 3)) == [], f"its task {state}: it goes on with the upgrade itself"
+    assert asked == [task] * 6, asked
 
-    states["stream_upgrade/manual__1/upgrade/-1"] = "failed"
+    states[task] = "failed"
     events = asyncio.run(_events(_trigger(), 5))
     assert [(e["diagnosis"]["health"], e["diagnosis"]["run_id"]) for e in events] == [("STOPPED", old)], events
-    assert events[0]["diagnosis"]["interrupted_restart"]["upgrade_id"] == upgrade_id
+    owed = events[0]["diagnosis"]["interrupted_restart"]
+    assert (owed["upgrade_id"], owed["failed_run_id"]) == (upgrade_id, old), owed
     assert "has ended in Airflow without finishing it" in events[0]["message"]
-    assert len(asked) == 4, "an ended task is remembered: not asked at every poll"
+    assert len(asked) == 7, "an ended task is remembered: not asked at every poll"
     assert asyncio.run(_events(_trigger(), 3)) == [], "reported once, also across a triggerer restart"
 
-    upgrades.move(upgrade_id, UpgradePhase.DONE, {"live_run_id": old}, result="killed")  # a recovery undid it
+    upgrades.move(upgrade_id, UpgradePhase.DONE, detail, result="killed")  # a recovery ended it
     assert asyncio.run(_events(_trigger(), 3)) == []

@@ -14,7 +14,6 @@ from airflow_stream_provider.recovery import (
     decide_recovery,
     history_since,
 )
-from airflow_stream_provider.state.leases import Lease
 from airflow_stream_provider.state.upgrades import UpgradePhase, UpgradeRecord
 
 NOW = 1_800_000_000.0
@@ -33,8 +32,8 @@ def _decide(found: Diagnosis, on_incompatible: str = "reset", history=(), upgrad
                            upgrade=upgrade)
 
 
-def _upgrade(phase: UpgradePhase, age: float = 30.0) -> UpgradeRecord:
-    return UpgradeRecord("u1", "j", "1.0", "2.0", phase, None, {}, NOW - 600, NOW - age)
+def _upgrade(phase: UpgradePhase, age: float = 30.0, detail: dict | None = None) -> UpgradeRecord:
+    return UpgradeRecord("u1", "j", "1.0", "2.0", phase, None, detail or {}, NOW - 600, NOW - age)
 
 
 def _restarts(*ages: float, committed: bool = False) -> list[dict]:
@@ -237,27 +236,37 @@ def test_a_restart_owed_older_than_the_history_window_is_finished():
 
 
 @pytest.mark.parametrize(("health", "ended", "noted"), [
-    (Health.STOPPED, True, True), (Health.DEAD, True, True), (Health.STOPPED, False, False),
-    (Health.HEALTHY, True, False), (Health.STARTING, True, False)])
+    (Health.STOPPED, True, True), (Health.DEAD, True, True), (Health.FAILED, True, True),
+    (Health.STOPPED, False, False), (Health.HEALTHY, True, False), (Health.STARTING, True, False)])
 def test_a_job_an_upgrade_stopped_is_owed_a_restart_once_its_task_has_ended(health, ended, noted):
     """The watcher's and the sensors' note (``lifecycle.health.with_abandoned_upgrade``): only a job that is
-    down, only once Airflow says the upgrade's task has ended.  The recovery then waits for the upgrade
-    while it is in charge: the task that takes the lease over ends it first (``killed.undo_ended``)."""
-    upgrade = _upgrade(UpgradePhase.STOPPING)
-    lease = Lease("j", "stream_upgrade/r/upgrade/-1", "upgrade", NOW + 60, NOW - 300)
+    down, only once Airflow says the upgrade's task has ended.  The recovery waits while the upgrade is in
+    charge (the recover task ends it first), then restarts the run the upgrade stopped, whichever is latest."""
+    upgrade = _upgrade(UpgradePhase.STOPPING, detail={"task": "stream_upgrade/r/upgrade/-1", "live_run_id": "r0"})
     asked = []
-    found = with_abandoned_upgrade(_found(health, stop_requested_at=NOW - 40), (upgrade, lease),
+    found = with_abandoned_upgrade(_found(health, stop_requested_at=NOW - 40), upgrade,
                                    lambda owner: asked.append(owner) or ended)
     assert (found.condition == "INTERRUPTED_RESTART") is noted
-    assert asked == ([] if health in (Health.HEALTHY, Health.STARTING) else [lease.owner])
+    assert asked == ([] if health in (Health.HEALTHY, Health.STARTING) else [upgrade.task])
     if noted:
         assert found.interrupted_restart["upgrade_id"] == "u1"
         assert _decide(found, upgrade=upgrade).action == RecoveryAction.NONE, "its upgrade is in charge"
-        assert _decide(found, upgrade=_upgrade(UpgradePhase.DONE)).action == RecoveryAction.RESTART
+        decision = _decide(found, upgrade=_upgrade(UpgradePhase.DONE))
+        assert (decision.action, decision.restart_run_id) == (RecoveryAction.RESTART, "r0"), decision
+
+
+@pytest.mark.parametrize("detail", [
+    {"task": "stream_upgrade/r/upgrade/-1"},  # it stopped nothing: the job was down before it
+    {"live_run_id": "r0"},  # an older release's record: no task to ask about
+])
+def test_an_upgrade_that_stopped_nothing_or_names_no_task_owes_nothing(detail):
+    found = with_abandoned_upgrade(_found(Health.STOPPED), _upgrade(UpgradePhase.STOPPING, detail=detail),
+                                   lambda owner: True)
+    assert found.interrupted_restart is None
 
 
 def test_a_restart_already_owed_is_not_noted_twice():
     owed = {"at": NOW - 30, "reason": "STUCK"}
     found = with_abandoned_upgrade(_found(Health.STOPPED, interrupted_restart=owed),
-                                   (_upgrade(UpgradePhase.STOPPING), None), lambda owner: True)
+                                   _upgrade(UpgradePhase.STOPPING), lambda owner: True)
     assert found.interrupted_restart is owed

@@ -1,5 +1,5 @@
 """The job's lease on SQLite and PostgreSQL: one owner at a time, its own to extend, free once it runs out,
-one winner when several tasks take it at the same moment, and the upgrades whose task holds a job down."""
+and one winner when several tasks take it at the same moment."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import threading
 import time
 
 from airflow_stream_provider.state.leases import LeaseLog
-from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 
 
 def test_one_owner_holds_the_lease_until_it_lets_go_or_it_runs_out(store):
@@ -57,28 +56,3 @@ def test_of_tasks_taking_the_lease_at_once_exactly_one_holds_it(store):
     assert len(results) == 8 and len(winners) == 1, results
     assert leases.get("job").owner == winners[0]
     assert all(held.owner == winners[0] for held in results.values() if held is not None)
-
-
-def test_the_upgrades_holding_jobs_down_are_read_with_their_leases_in_one_query(store):
-    """The watcher's question: which job's latest upgrade stopped it (or rolls it back) while an upgrade's
-    task holds the lease, or held it until it ran out.  Not an earlier upgrade, not a finished one, not a
-    job whose lease another kind of task holds."""
-    upgrades, leases, now = UpgradeLog(store), LeaseLog(store), time.time()
-    for job_id in ("down", "expired", "done", "other-task", "preflight", "no-lease"):
-        upgrades.move(upgrades.begin(job_id, "1.0", "1.1", {}), UpgradePhase.STOPPING, {"n": 1})
-    leases.take("down", "up/r1/upgrade/-1", "upgrade", now + 300, {"run_id": "r-new"})
-    leases.take("expired", "up/r2/upgrade/-1", "upgrade", now - 1)  # its task died; the lease ran out
-    time.sleep(0.01)  # a newer upgrade of the same jobs
-    upgrades.move(upgrades.begin("done", "1.1", "1.2", {}), UpgradePhase.DONE, {}, result="upgraded")
-    leases.take("done", "up/r3/upgrade/-1", "upgrade", now + 300)
-    leases.take("other-task", "health/r4/recover/-1", "recover", now + 300)
-    upgrades.begin("preflight", "1.1", "1.2", {})  # a newer one, still in its preflight: the job runs
-    leases.take("preflight", "up/r5/upgrade/-1", "upgrade", now + 300)
-
-    holding = upgrades.holding_down()
-    assert sorted(holding) == ["down", "expired"], holding
-    upgrade, lease = holding["down"]
-    assert (upgrade.phase, upgrade.detail, upgrade.to_version) == (UpgradePhase.STOPPING, {"n": 1}, "1.1")
-    assert (lease.owner, lease.launch) == ("up/r1/upgrade/-1", {"run_id": "r-new"})
-    assert holding["expired"][1].until < time.time()
-    assert list(upgrades.holding_down("down")) == ["down"] and upgrades.holding_down("done") == {}
