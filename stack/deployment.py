@@ -198,3 +198,9 @@ def epoch(iso: str) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+def task_lost_once(tmp_path, point: str) -> dict[str, str]:
+    """The ``airflow_env`` that kills the first Airflow task process reaching the task fault ``point``
+    (``faults.TASK_POINTS``), as a lost worker or an OOM kill would, and no later one."""
+    return {"STREAM_FAULT": point, "STREAM_FAULT_ONCE": str(tmp_path / f"{point}-fired")}

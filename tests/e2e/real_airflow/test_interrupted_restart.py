@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from stack.deployment import task_lost_once
 from stack.events import EventProducer
 from stack.jobs import check_exactly_once, wait_until
 
@@ -23,8 +24,7 @@ REPAIR_TIMEOUT = 300
 @pytest.fixture
 def deployment_options(tmp_path) -> dict:
     return {"spec": {"trigger_interval": "10 minutes"}, "watch": {"stuck_after": 8},
-            "airflow_env": {"STREAM_FAULT": "restart_after_stop",
-                            "STREAM_FAULT_ONCE": str(tmp_path / "restart-task-lost")}}
+            "airflow_env": task_lost_once(tmp_path, "restart_after_stop")}
 
 
 def test_a_restart_whose_task_is_lost_after_its_stop_is_finished_by_stream_health(deployment, broker, topic):

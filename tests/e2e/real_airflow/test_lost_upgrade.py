@@ -17,6 +17,7 @@ import time
 import pytest
 
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
+from stack.deployment import task_lost_once
 from stack.events import EventProducer
 from stack.jobs import check_exactly_once, wait_until
 from tests.dagtest.dagruns import FIXTURE_JOBS
@@ -28,8 +29,7 @@ REPAIR_TIMEOUT = 240
 
 @pytest.fixture
 def deployment_options(tmp_path) -> dict:
-    return {"airflow_env": {"STREAM_FAULT": "upgrade_after_stop",
-                            "STREAM_FAULT_ONCE": str(tmp_path / "upgrade-task-lost")}}
+    return {"airflow_env": task_lost_once(tmp_path, "upgrade_after_stop")}
 
 
 def test_an_upgrade_whose_task_is_lost_after_its_stop_leaves_the_old_code_restarted(deployment, broker, topic):
