@@ -73,6 +73,23 @@ def end_killed_upgrade(store: StateStore, job_id: str, why: str, log: logging.Lo
                 found.to_version, found.phase.value, why)
 
 
+def end_stopped_upgrade(store: StateStore, job_id: str, why: str, log: logging.Logger) -> str | None:
+    """The job's unfinished upgrade ends (result ``stopped``) under a person's stop, which holds the job's
+    lease, so its task acts no longer (gone, or waiting for a retry): the stop supersedes it.  Left in its
+    phase, a job it had stopped would be restarted once its task is found ended (``health.with_abandoned_
+    upgrade``), undoing the stop; and a retry of it would roll back to the old code, starting the job again.
+    Its id, if one ended."""
+    upgrades = UpgradeLog(store)
+    found = upgrades.latest(job_id)
+    if found is None or found.phase == UpgradePhase.DONE:
+        return None
+    upgrades.move(found.upgrade_id, UpgradePhase.DONE, {**found.detail, "stopped": why, "stopped_in": found.phase.value},
+                  result="stopped")
+    log.warning("job %s: upgrade %s to version %s, left in phase %s, ended: %s", job_id, found.upgrade_id,
+                found.to_version, found.phase.value, why)
+    return found.upgrade_id
+
+
 def undo(store: StateStore, killed: KilledTask, why: str, log: logging.Logger, *, running_too: bool = True) -> None:
     """Undo what ``killed`` leaves behind; each step on its own, so that one failing leaves the rest done.
     ``running_too=False``: leave its launch alone once its query runs."""

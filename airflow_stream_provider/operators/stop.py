@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from airflow_stream_provider.lifecycle.killed import end_stopped_upgrade
 from airflow_stream_provider.operators.base import StreamJobOperator
 
 
@@ -17,10 +18,13 @@ class StopStreamingJobOperator(StreamJobOperator):
 
     def start(self, context) -> dict[str, Any]:
         # First: a standby would take over a run that the stop's escalation ends with a kill, and a recovery
-        # would finish a restart that stopped the job and launched nothing.
+        # would finish a restart (or an upgrade's task's retry, an upgrade) that stopped the job and launched
+        # nothing.
         self.controller.end_standbys("the job is being stopped")
         if self.state.cancel_begun_restarts(self.job.job_id):
             self.log.info("Job %s: a restart begun and never launched will not be finished", self.job.job_id)
+        end_stopped_upgrade(self.state.store, self.job.job_id, f"the job was stopped by task {self._lease_owner}",
+                            self.log)
         run = self.live_run()
         if run is None:
             last = self.state.latest_run(self.job.job_id)

@@ -181,6 +181,12 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
     def _unfinished(self, context):
         upgrade_id = _task_state(context, UPGRADE_KEY)
         found = self.upgrades.get(upgrade_id) if upgrade_id else None
+        if found is not None and found.result == "stopped":  # a person's stop ended it between two tries
+            _set_task_state(context, UPGRADE_KEY, None)
+            raise AirflowFailException(
+                f"upgrade {found.upgrade_id} of job {found.job_id} to version {found.to_version} was ended in phase "
+                f"{found.detail['stopped_in']}: {found.detail['stopped']}. This retry does nothing; trigger the "
+                "upgrade again to upgrade the job")
         return found if found is not None and found.phase != UpgradePhase.DONE else None
 
     def _resume(self, context, found) -> dict[str, Any]:

@@ -112,7 +112,6 @@ def test_the_retry_of_an_upgrade_killed_while_rolling_back_keeps_the_error_that_
     assert ended.phase == UpgradePhase.DONE and "ZeroDivisionError" in ended.detail["error"]
 
 
-
 def test_an_upgrade_whose_task_failed_past_its_stop_is_ended_by_a_recovery_that_restarts_the_old_run(
         state_store, tmp_path, monkeypatch):
     """The upgrade's task failed on its last try after it stopped the job and launched the new version,
@@ -141,3 +140,30 @@ def test_an_upgrade_whose_task_failed_past_its_stop_is_ended_by_a_recovery_that_
     assert (resume["method"], resume["state"]["action"], resume["state"]["run_id"]) == ("_act", "restart", old)
     [restart] = state_store.restarts_since("job", 0)
     assert (restart["failed_run_id"], restart["new_run_id"]) == (old, None)
+
+
+def test_a_person_s_stop_supersedes_an_upgrade_left_after_its_stop_and_its_retry_does_nothing(state_store, tmp_path):
+    """An upgrade's task failed after it stopped the job and lets go of the lease (a retry to come, or none);
+    then a person stops the job.  The stop ends the upgrade (``stopped``): no restart is owed, so nothing
+    undoes the stop, and the task's retry fails saying why instead of rolling back to the old code, which
+    would start the job again."""
+    from airflow_stream_provider.operators.stop import StopStreamingJobOperator
+    from airflow_stream_provider.operators.upgrade import UPGRADE_KEY, UpgradeStreamingJobOperator
+
+    upgrade_id, old = _upgrade(state_store, UpgradePhase.STOPPING, old_stopped=True, leased=False)
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+
+    stopped = StopStreamingJobOperator(task_id="stop", spec=spec).execute({})
+
+    assert stopped["outcome"] == "not running"
+    record = UpgradeLog(state_store).get(upgrade_id)
+    assert (record.phase, record.result, record.detail["stopped_in"]) == (UpgradePhase.DONE, "stopped", "STOPPING")
+    assert UpgradeLog(state_store).leaving_down() == {} and state_store.restarts_since("job", 0) == []
+    assert _decision(state_store).action == RecoveryAction.NONE, "the job stays stopped"
+
+    retry = UpgradeStreamingJobOperator(task_id="upgrade", spec={**spec, "version": "2.0"}, application="/jobs/v2.py")
+    task_state = TaskStateStore({UPGRADE_KEY: upgrade_id})
+    with pytest.raises(AirflowFailException, match=r"was ended in phase STOPPING: the job was stopped by task "):
+        retry.execute({"task_state_store": task_state})
+    assert state_store.latest_run("job").run_id == old, "the retry launched nothing"
+    assert task_state.get(UPGRADE_KEY) is None
