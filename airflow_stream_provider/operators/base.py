@@ -33,7 +33,7 @@ from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle import waits
 from airflow_stream_provider.lifecycle.controller import STOP_STAGES, StreamJobController, StreamJobError
 from airflow_stream_provider.lifecycle.holders import lease_owner, task_ended
-from airflow_stream_provider.lifecycle.killed import KilledTask, undo_ended
+from airflow_stream_provider.lifecycle.killed import KilledTask, undo, undo_ended
 from airflow_stream_provider.lifecycle.waits import RunWait
 from airflow_stream_provider.links import STREAM_LINKS
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
@@ -207,7 +207,7 @@ class StreamJobOperator(BaseOperator):
         held = self.controller.take_lease(self._lease_owner, self.lease_action, time.time() + LEASE_STEP_S)
         if held is not None:
             if resumed:
-                raise StreamJobError(
+                raise LeaseLost(
                     f"job {self.job.job_id}: while this task waited, its lease on the job ran out and "
                     f"{held.describe(time.time())} took it; that task acts on the job now, so this one stops "
                     "here. Look at what it did before running this again")
@@ -243,7 +243,7 @@ class StreamJobOperator(BaseOperator):
         since = self.controller.lease_since(self._lease_owner)
         if held_since is not None and since != held_since:
             self.controller.release_lease(self._lease_owner)
-            raise StreamJobError(
+            raise LeaseLost(
                 f"job {self.job.job_id}: while this task waited, its lease on the job ran out, and another task "
                 "took it and let go of it since; what that task did may have changed the job, so this one stops "
                 "here. Look at the job (`python -m airflow_stream_provider status`) before running this again")
@@ -337,8 +337,22 @@ class StreamJobOperator(BaseOperator):
 
     def execute_complete(self, context, event: dict[str, Any]) -> Any:
         """Where every deferral comes back: the event names the method the flow continues in."""
-        return self._leased(context, self._resumed, context, event, resumed=True,
-                            held_since=event.get("resume", {}).get("held_since"))
+        try:
+            return self._leased(context, self._resumed, context, event, resumed=True,
+                                held_since=event.get("resume", {}).get("held_since"))
+        except LeaseLost:
+            self._drop_waited_launch(event)
+            raise
+
+    def _drop_waited_launch(self, event: dict[str, Any]) -> None:
+        """This task lost its hold on the lease while it waited on a driver it launched, and another task
+        acted on the job meanwhile (a person's stop, a restart): that driver must not come up behind it.  Ended
+        while its query has not started, as the undo of a killed task ends it; one whose query runs is the
+        job's run by then."""
+        launch = ((event.get("resume") or {}).get("state") or {}).get("launch")
+        if launch:
+            undo(self.state.store, KilledTask(self.job.job_id, launch=launch),
+                 "its task lost the job's lease while it waited on it", self.log, running_too=False)
 
     def _resumed(self, context, event: dict[str, Any]) -> Any:
         resume = event.pop("resume")
@@ -561,6 +575,11 @@ def _still_starting(run: RunRecord | None, launch: dict[str, Any]) -> bool:
     # Started from another host: only its registration or the launch wait's deadline can tell.
     return bool(launch.get("pid")) and local_driver.launch_alive(
         launch["pid"], launch.get("host"), launch.get("submitted_at")) is not False
+
+
+class LeaseLost(AirflowFailException):
+    """A resumed task found that its hold on the job's lease broke while it waited: another task took it, and
+    may have changed the job.  No retry: a person looks first, as the message says."""
 
 
 def _lease_owner(context, task: BaseOperator) -> str:

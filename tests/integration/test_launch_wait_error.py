@@ -87,3 +87,30 @@ def test_a_launch_that_failed_by_then_takes_the_failure_path(state_store, tmp_pa
 
     assert len(refused) == 1 and run_id in str(refused[0])
     assert context["task_state_store"].get(LAUNCH_KEY) is None
+
+
+@pytest.mark.parametrize("query_runs", [False, True])
+def test_a_task_that_lost_its_lease_while_it_waited_on_its_launch_ends_the_launch(state_store, tmp_path, topic,
+                                                                                  query_runs):
+    """The submit's lease ran out while it waited on its driver's start (a triggerer late by minutes), and a
+    person's stop took it, acted and let go.  Resumed, the submit stops, and the driver it launched must not
+    come up behind the stop: one still starting is asked to stop (through its row: it runs on another host).
+    One whose query runs by then is the job's run, and is left to whoever acts on it."""
+    from airflow_stream_provider.operators.base import LeaseLost
+    from airflow_stream_provider.state.leases import LeaseLog
+
+    operator, context, pending, _ = _submitted(state_store, tmp_path, topic)
+    run_id = pending["launch"]["run_id"]
+    if query_runs:
+        state_store.mark_query_started(run_id)
+    leases = LeaseLog(state_store)
+    leases.take("job", "stream_stop/manual__1/stop/-1", "stop", time.time() + 300)
+    leases.release("job", "stream_stop/manual__1/stop/-1")
+    event = {"outcome": "ready", "run_id": run_id,
+             "resume": {"method": "_launch_waited", "state": pending, "held_since": time.time() - 600}}
+
+    with pytest.raises(LeaseLost, match="another task took it and let go of it since"):
+        operator.execute_complete(context, event)
+
+    assert (state_store.get_run(run_id).stop_requested_at is None) is query_runs
+    assert leases.get("job") is None

@@ -358,7 +358,7 @@ def test_one_task_at_a_time_acts_on_a_job(state_store, tmp_path):
     import pytest
     from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
-    from airflow_stream_provider.lifecycle.controller import StreamJobError
+    from airflow_stream_provider.operators.base import LeaseLost
     from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
     from airflow_stream_provider.operators.restart import RestartStreamingJobOperator
     from airflow_stream_provider.state.leases import LeaseLog
@@ -384,7 +384,7 @@ def test_one_task_at_a_time_acts_on_a_job(state_store, tmp_path):
     recover = RecoverStreamingJobOperator(task_id="recover", spec=spec, application="job.py")
     event = {"outcome": "paused", "resume": {"method": "_act", "state": {"action": "restart", "reason": "x",
                                                                         "outcome": {}}}}
-    with pytest.raises(StreamJobError, match="while this task waited, its lease on the job ran out"):
+    with pytest.raises(LeaseLost, match="while this task waited, its lease on the job ran out"):
         recover.execute_complete({}, event)
     assert [r.run_id for r in state_store.runs("job")] == [ticket.run_id]
 
@@ -412,7 +412,7 @@ def test_a_task_resumed_after_another_held_its_lease_in_between_stops(state_stor
     import pytest
     from airflow.sdk.exceptions import TaskDeferred
 
-    from airflow_stream_provider.lifecycle.controller import StreamJobError
+    from airflow_stream_provider.operators.base import LeaseLost
     from airflow_stream_provider.operators.stop import StopStreamingJobOperator
     from airflow_stream_provider.state.leases import LeaseLog
 
@@ -437,7 +437,7 @@ def test_a_task_resumed_after_another_held_its_lease_in_between_stops(state_stor
     restart_owner = "stream_restart/manual__1/restart/-1"
     assert leases.take("job", restart_owner, "restart", time.time() + 300) is None
     leases.release("job", restart_owner)
-    with pytest.raises(StreamJobError, match="another task took it and let go of it since"):
+    with pytest.raises(LeaseLost, match="another task took it and let go of it since"):
         stop.execute_complete({}, event)
     assert leases.get("job") is None, "the stopped task kept the lease it took back"
 
