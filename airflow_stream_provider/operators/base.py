@@ -217,6 +217,9 @@ class StreamJobOperator(BaseOperator):
             result = step(*args)
         except TaskDeferred:
             raise
+        except LeaseLost:  # another task holds the lease: nothing of this task's to let go of
+            self._drop_launch(self._launch_in_flight())
+            raise
         except BaseException:
             self.controller.release_lease(self._lease_owner)
             raise
@@ -263,8 +266,9 @@ class StreamJobOperator(BaseOperator):
             return
         held = self.controller.take_lease(self._lease_owner, self.lease_action, until, self._launch_in_flight())
         if held is not None:
-            raise StreamJobError(f"job {self.job.job_id}: this task's lease on the job ran out and "
-                                 f"{held.describe(time.time())} took it; this task stops here")
+            raise LeaseLost(f"job {self.job.job_id}: this task's lease on the job ran out and "
+                            f"{held.describe(time.time())} took it; that task acts on the job now, so this one "
+                            "stops here. Look at what it did before running this again")
 
     # -- execute: pick up a launch an earlier try left running, else start ------------------------------
     def execute(self, context) -> Any:
@@ -341,18 +345,17 @@ class StreamJobOperator(BaseOperator):
             return self._leased(context, self._resumed, context, event, resumed=True,
                                 held_since=event.get("resume", {}).get("held_since"))
         except LeaseLost:
-            self._drop_waited_launch(event)
+            self._drop_launch(((event.get("resume") or {}).get("state") or {}).get("launch"))
             raise
 
-    def _drop_waited_launch(self, event: dict[str, Any]) -> None:
-        """This task lost its hold on the lease while it waited on a driver it launched, and another task
-        acted on the job meanwhile (a person's stop, a restart): that driver must not come up behind it.  Ended
-        while its query has not started, as the undo of a killed task ends it; one whose query runs is the
-        job's run by then."""
-        launch = ((event.get("resume") or {}).get("state") or {}).get("launch")
+    def _drop_launch(self, launch: dict[str, Any] | None) -> None:
+        """This task lost its hold on the lease while a driver it launched was starting, and another task
+        acts on the job, or did meanwhile (a person's stop, a restart): that driver must not come up behind
+        it.  Ended while its query has not started, as the undo of a killed task ends it; one whose query
+        runs is the job's run by then."""
         if launch:
             undo(self.state.store, KilledTask(self.job.job_id, launch=launch),
-                 "its task lost the job's lease while it waited on it", self.log, running_too=False)
+                 "its task lost the job's lease while the driver was starting", self.log, running_too=False)
 
     def _resumed(self, context, event: dict[str, Any]) -> Any:
         resume = event.pop("resume")

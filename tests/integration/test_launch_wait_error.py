@@ -114,3 +114,26 @@ def test_a_task_that_lost_its_lease_while_it_waited_on_its_launch_ends_the_launc
 
     assert (state_store.get_run(run_id).stop_requested_at is None) is query_runs
     assert leases.get("job") is None
+
+
+def test_a_task_whose_lease_was_taken_during_its_launch_ends_the_driver_it_launched(state_store, tmp_path, topic):
+    """A step ran past its lease (a submit slower than five minutes) and another task took the lease.  The
+    task learns it when it extends the lease over its launch's wait: it stops without a retry, and the
+    driver it launched is asked to stop before it comes up behind the other task."""
+    from airflow_stream_provider.operators.base import LeaseLost
+    from airflow_stream_provider.state.leases import LeaseLog
+
+    operator, context, pending, _ = _submitted(state_store, tmp_path, topic)
+    launch, leases = pending["launch"], LeaseLog(state_store)
+
+    def launched_then_waits():
+        leases.take("job", operator._lease_owner, "submit", time.time() - 1)  # ran out during the step
+        assert leases.take("job", "stream_stop/manual__1/stop/-1", "stop", time.time() + 300) is None
+        operator._in_flight = launch
+        return operator.wait_then(context, operator._launch_wait(launch), "_launch_waited", **pending)
+
+    with pytest.raises(LeaseLost, match="stream_stop/manual__1/stop/-1 .* took it; that task acts on the job now"):
+        operator._leased(context, launched_then_waits)
+
+    assert state_store.get_run(launch["run_id"]).stop_requested_at is not None
+    assert leases.get("job").owner == "stream_stop/manual__1/stop/-1", "the other task's lease is left alone"
