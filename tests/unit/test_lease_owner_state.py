@@ -1,7 +1,8 @@
-"""Which lease owner Airflow says has ended (``operators.base._task_ended``).  The real path, a task killed
-on a real Airflow whose lease the next task takes over, is ``real_airflow/test_interrupted_restart.py``;
-here a stand-in task instance answers as Airflow's ``get_task_states`` does, to cover the owner forms
-(a run id holding a slash, a mapped task) and what must never break a lease."""
+"""Which lease owner Airflow says has ended (``lifecycle.holders.task_ended``, asked through the task's
+instance by ``operators.base._task_ended``).  The real path, a task killed on a real Airflow whose lease the
+next task takes over, is ``real_airflow/test_interrupted_restart.py``; here a stand-in task instance answers
+as Airflow's ``get_task_states`` does, to cover the owner forms (a run id holding a slash, a mapped task) and
+what must never break a lease."""
 
 from __future__ import annotations
 
