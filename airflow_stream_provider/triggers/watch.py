@@ -11,7 +11,8 @@ likewise a run an upgrade stopped, once Airflow says the upgrade's task has ende
 * One poll, one query: every watcher of the same state database shares one poll loop (Airflow's shared
   streams), which reads the latest run of every job in one state-database query and diagnoses each with
   the shared pure :func:`~airflow_stream_provider.diagnosis.diagnose`.  Each watcher then picks its own
-  job out of that snapshot.
+  job out of that snapshot.  A poll that finds a job down reads the latest upgrades too: a second query,
+  however many jobs are down.
 * Never twice: an event is keyed on (run, health, failure kind).  The key is recorded in the state
   database one poll after the event left the trigger (time for Airflow to store the event), so a condition
   that persists never fires again, not even after a triggerer restart; a triggerer killed in that second
