@@ -581,8 +581,8 @@ def _still_starting(run: RunRecord | None, launch: dict[str, Any]) -> bool:
 
 
 class LeaseLost(AirflowFailException):
-    """A resumed task found that its hold on the job's lease broke while it waited: another task took it, and
-    may have changed the job.  No retry: a person looks first, as the message says."""
+    """This task's hold on the job's lease broke (while it waited, or during a step that outlasted it): another
+    task took it, and may have changed the job.  No retry: a person looks first, as the message says."""
 
 
 def _lease_owner(context, task: BaseOperator) -> str:

@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 #: new standby starts at once after a takeover, not at the next sweep; INTERRUPTED_RESTART so that the
 #: health DAG finishes the restart, which a STOPPED run would otherwise never get.
 FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, NO_STANDBY, INTERRUPTED_RESTART)
-#: How long a lease owner Airflow said has ended is taken as ended without asking again
+#: How long an upgrade's task that Airflow said has ended is taken as ended without asking again
 ENDED_REMEMBERED_S = 30.0
 
 
