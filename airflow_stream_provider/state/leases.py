@@ -44,20 +44,25 @@ class Lease:
     job_id: str
     owner: str
     action: str
+    #: when it runs out, by this host's clock
     until: float
+    #: when the hold began, as stored (by the database's clock): the hold's identity, which a resumed task
+    #: compares on another worker, whose clock may differ
     taken_at: float
     launch: dict[str, Any] | None = None
+    #: the database's clock minus this host's (``state.clock``)
+    offset: float = 0.0
 
     def describe(self, now: float) -> str:
-        return (f"task {self.owner} ({self.action}, for {now - self.taken_at:.0f} s; its lease runs out in "
-                f"{max(0.0, self.until - now):.0f} s)")
+        return (f"task {self.owner} ({self.action}, for {now - (self.taken_at - self.offset):.0f} s; its lease "
+                f"runs out in {max(0.0, self.until - now):.0f} s)")
 
 
 class LeaseLog:
     """Reads and writes ``stream_leases`` (created on first use: older state databases lack it)."""
 
     def __init__(self, store: StateStore):
-        self.engine = store.engine
+        self.engine, self.clock = store.engine, store.clock
         leases.create(self.engine, checkfirst=True)
         schema.add_missing_columns(self.engine, [leases])
 
@@ -66,8 +71,9 @@ class LeaseLog:
         """Hold ``job_id``'s lease for ``owner`` until ``until`` (taking it, or extending its own), waiting on
         ``launch``; returns None once held, else the lease another owner holds."""
         launched = json.dumps(dict(launch)) if launch else None
+        until = self.clock.to_database(until)  # ``until`` is by this host's clock; another host judges it
         for _ in range(3):  # the row may be deleted or inserted between the two statements
-            now = time.time()
+            now = self.clock.now()
             with self.engine.begin() as conn:
                 taken = conn.execute(
                     update(leases).where(leases.c.job_id == job_id, or_(leases.c.owner == owner, leases.c.until < now))
@@ -96,4 +102,6 @@ class LeaseLog:
             row = conn.execute(select(leases).where(leases.c.job_id == job_id)).mappings().first()
         if row is None:
             return None
-        return Lease(**{**row, "launch": json.loads(row["launch"]) if row["launch"] else None})
+        offset = self.clock.offset()
+        return Lease(**{**row, "until": row["until"] - offset, "offset": offset,
+                        "launch": json.loads(row["launch"]) if row["launch"] else None})

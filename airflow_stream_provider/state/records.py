@@ -6,6 +6,8 @@ import enum
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from airflow_stream_provider.state.clock import in_host_terms
+
 
 class RunStatus(enum.StrEnum):
     """A run's status in ``stream_runs``.  The driver writes STARTING -> RUNNING -> STOPPING -> STOPPED or
@@ -30,9 +32,14 @@ ACTIVE_STATUSES = frozenset({RunStatus.STARTING, RunStatus.RUNNING, RunStatus.ST
 TERMINAL_STATUSES = frozenset({RunStatus.STOPPED, RunStatus.FAILED, RunStatus.DEAD})
 
 
+#: the times of a run's row
+RUN_TIMES = ("started_at", "heartbeat_at", "query_started_at", "last_batch_at", "stop_requested_at", "ended_at")
+
+
 @dataclass(frozen=True)
 class RunRecord:
-    """One row of ``stream_runs``: a driver's life, as the driver and the Airflow side recorded it."""
+    """One row of ``stream_runs``: a driver's life, as the driver and the Airflow side recorded it.  Its
+    times (``RUN_TIMES``) are this host's clock's, however the database stores them (``state.clock``)."""
 
     run_id: str
     job_id: str
@@ -68,9 +75,10 @@ class RunRecord:
     spec: str | None = None
 
     @classmethod
-    def from_row(cls, row: Any) -> RunRecord:
-        """From a row mapping of ``stream_runs`` (extra keys of a joined query are ignored)."""
-        values = {f.name: row[f.name] for f in fields(cls)}
+    def from_row(cls, row: Any, offset: float = 0.0) -> RunRecord:
+        """From a row mapping of ``stream_runs`` (extra keys of a joined query are ignored); its times in this
+        host's terms (``offset``: the database's clock minus this host's, ``state.clock``)."""
+        values = in_host_terms({f.name: row[f.name] for f in fields(cls)}, RUN_TIMES, offset)
         values["status"] = RunStatus(values["status"])
         values["dry_run"] = bool(values["dry_run"])
         return cls(**values)

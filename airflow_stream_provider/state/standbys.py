@@ -9,7 +9,6 @@ it ended (took over, refused, stopped with the job, or found dead).
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -17,6 +16,7 @@ from sqlalchemy import Column, Float, Integer, String, Table, Text, insert, sele
 from sqlalchemy.exc import IntegrityError
 
 from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.clock import in_host_terms
 from airflow_stream_provider.state.store import StateStore, plain_text
 
 
@@ -68,6 +68,9 @@ standbys = Table(
 STANDBY = "standby"
 SUCCESSOR = "successor"
 
+#: the times of a standby's row
+STANDBY_TIMES = ("started_at", "ready_at", "heartbeat_at", "ended_at", "took_over_at")
+
 
 @dataclass(frozen=True)
 class StandbyRecord:
@@ -92,8 +95,9 @@ class StandbyRecord:
     release_epoch: int | None = None
 
     @classmethod
-    def from_row(cls, row: Any) -> StandbyRecord:
-        values = {f.name: row[f.name] for f in fields(cls)}
+    def from_row(cls, row: Any, offset: float = 0.0) -> StandbyRecord:
+        """Its times in this host's terms (``offset``: ``state.clock``), as a run's."""
+        values = in_host_terms({f.name: row[f.name] for f in fields(cls)}, STANDBY_TIMES, offset)
         values["status"] = StandbyStatus(values["status"])
         return cls(**values)
 
@@ -115,7 +119,7 @@ class StandbyLog:
     """Reads and writes ``stream_standbys`` (created on first use: older state databases lack it)."""
 
     def __init__(self, store: StateStore):
-        self.engine = store.engine
+        self.engine, self.clock = store.engine, store.clock
         standbys.create(self.engine, checkfirst=True)
 
     def register(self, standby_id: str, job_id: str, version: str, generation: int, *, host: str, pid: int,
@@ -123,7 +127,7 @@ class StandbyLog:
         """Record a standby WARMING.  Its launcher records it first (under the launcher's process: the
         spark-submit), the driver again when it is up (under its own): that updates the row, unless the
         standby was ended in between (a stop of the job), which returns False."""
-        now = time.time()
+        now = self.clock.now()
         values = {"host": host, "pid": pid, "log_path": log_path, "started_at": now, "heartbeat_at": now}
         with self.engine.begin() as conn:
             updated = conn.execute(update(standbys).where(standbys.c.standby_id == standby_id, _live())
@@ -143,14 +147,14 @@ class StandbyLog:
         return True
 
     def ready(self, standby_id: str) -> None:
-        now = time.time()
+        now = self.clock.now()
         self._update(standby_id, status=StandbyStatus.WAITING.value, ready_at=now, heartbeat_at=now)
 
     def heartbeat(self, standby_id: str) -> StandbyStatus | None:
         """Record that the standby is alive; return its status (ENDED once someone asked it to end)."""
         with self.engine.begin() as conn:
             conn.execute(update(standbys).where(standbys.c.standby_id == standby_id, _live())
-                         .values(heartbeat_at=time.time()))
+                         .values(heartbeat_at=self.clock.now()))
             status = conn.execute(select(standbys.c.status).where(standbys.c.standby_id == standby_id)).scalar()
         return StandbyStatus(status) if status else None
 
@@ -163,7 +167,7 @@ class StandbyLog:
         return result.rowcount == 1
 
     def took_over(self, standby_id: str, replaced_run_id: str | None, why: str) -> None:
-        now = time.time()
+        now = self.clock.now()
         self._update(standby_id, status=StandbyStatus.TOOK_OVER.value, replaced_run_id=replaced_run_id,
                      took_over_at=now, ended_at=now, message=plain_text(why)[:4000])
 
@@ -171,7 +175,7 @@ class StandbyLog:
         """End a live standby (REFUSED, ENDED or DEAD); False when it had already ended."""
         with self.engine.begin() as conn:
             result = conn.execute(update(standbys).where(standbys.c.standby_id == standby_id, _live()).values(
-                status=status.value, ended_at=time.time(), message=plain_text(why)[:4000]))
+                status=status.value, ended_at=self.clock.now(), message=plain_text(why)[:4000]))
         return result.rowcount == 1
 
     def end_all(self, job_id: str, why: str) -> list[str]:
@@ -183,7 +187,7 @@ class StandbyLog:
     def get(self, standby_id: str) -> StandbyRecord | None:
         with self.engine.connect() as conn:
             row = conn.execute(select(standbys).where(standbys.c.standby_id == standby_id)).mappings().first()
-        return StandbyRecord.from_row(row) if row else None
+        return StandbyRecord.from_row(row, self.clock.offset()) if row else None
 
     def live(self, job_id: str, role: str | None = None) -> list[StandbyRecord]:
         """The standbys of ``job_id`` recorded as warming or waiting, oldest first (some may have died
@@ -191,14 +195,14 @@ class StandbyLog:
         with self.engine.connect() as conn:
             rows = conn.execute(select(standbys).where(standbys.c.job_id == job_id, _live())
                                 .order_by(standbys.c.started_at)).mappings().all()
-        found = [StandbyRecord.from_row(row) for row in rows]
+        found = [StandbyRecord.from_row(row, self.clock.offset()) for row in rows]
         return [s for s in found if role is None or (s.role or STANDBY) == role]
 
     def recent(self, job_id: str, limit: int = 10) -> list[StandbyRecord]:
         with self.engine.connect() as conn:
             rows = conn.execute(select(standbys).where(standbys.c.job_id == job_id)
                                 .order_by(standbys.c.started_at.desc()).limit(limit)).mappings().all()
-        return [StandbyRecord.from_row(row) for row in rows]
+        return [StandbyRecord.from_row(row, self.clock.offset()) for row in rows]
 
     def _update(self, standby_id: str, **values: Any) -> None:
         with self.engine.begin() as conn:

@@ -3,14 +3,14 @@
 ``state`` is the one door to that database: no module outside it builds or runs a statement.  Every
 statement goes through SQLAlchemy Core with bound parameters; what differs between SQLite and
 PostgreSQL (engine settings, upserts) is in ``state.dialect``, and the batch commit in
-``state.transaction``.
+``state.transaction``.  Times are written by the database's clock and handed out in the reading host's
+terms (``state.clock``): hosts whose clocks disagree still agree on a heartbeat's age.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,11 +24,14 @@ from airflow_stream_provider import kafka_offsets
 from airflow_stream_provider.kafka_offsets import LostRange, Offsets
 from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV
 from airflow_stream_provider.state import schema
+from airflow_stream_provider.state.clock import clock_for, in_host_terms
 from airflow_stream_provider.state.dialect import engine_for
 from airflow_stream_provider.state.records import ACTIVE_STATUSES, RunRecord, RunStatus
 
 STARTING, RUNNING, STOPPING = RunStatus.STARTING, RunStatus.RUNNING, RunStatus.STOPPING
 STOPPED, FAILED, DEAD = RunStatus.STOPPED, RunStatus.FAILED, RunStatus.DEAD
+#: the times of a restart's row
+RESTART_TIMES = ("at", "cancelled_at")
 
 
 def make_engine(url: str, password: str | None = None) -> Engine:
@@ -79,10 +82,15 @@ class StateStore:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.clock = clock_for(engine)
 
     @classmethod
     def from_url(cls, url: str, password: str | None = None) -> StateStore:
         return cls(make_engine(url, password))
+
+    def now(self) -> float:
+        """Now by the state database's clock (``state.clock``): what every stored time is written and judged by."""
+        return self.clock.now()
 
     @property
     def dialect(self) -> str:
@@ -132,7 +140,7 @@ class StateStore:
         epoch has moved on: someone else took over first.
         """
         run_id = run_id or uuid.uuid4().hex
-        now = time.time()
+        now = self.now()
         with self.engine.begin() as conn:
             row = conn.execute(
                 select(schema.jobs.c.epoch).where(schema.jobs.c.job_id == job_id).with_for_update()
@@ -178,12 +186,12 @@ class StateStore:
             return conn.execute(select(schema.jobs.c.epoch).where(schema.jobs.c.job_id == job_id)).scalar()
 
     def mark_query_started(self, run_id: str) -> None:
-        self._update_run(run_id, status=RUNNING, query_started_at=time.time(), heartbeat_at=time.time())
+        self._update_run(run_id, status=RUNNING, query_started_at=self.now(), heartbeat_at=self.now())
 
     def heartbeat(self, run_id: str) -> Heartbeat:
         """Record that the driver is alive; say whether a graceful stop was requested and which epoch the
         job holds now (one round trip: a driver whose epoch was taken learns it here)."""
-        now = time.time()
+        now = self.now()
         runs, jobs = schema.runs, schema.jobs
         with self.engine.begin() as conn:
             conn.execute(update(runs).where(runs.c.run_id == run_id).values(heartbeat_at=now))
@@ -194,9 +202,9 @@ class StateStore:
     def record_progress(
         self, run_id: str, batch_id: int, progress: Mapping[str, Any] | None, committed: bool
     ) -> None:
-        values: dict[str, Any] = {"heartbeat_at": time.time(), "last_progress": json.dumps(progress or {})}
+        values: dict[str, Any] = {"heartbeat_at": self.now(), "last_progress": json.dumps(progress or {})}
         if committed:
-            values.update(last_batch_id=batch_id, last_batch_at=time.time())
+            values.update(last_batch_id=batch_id, last_batch_at=self.now())
         self._update_run(run_id, **values)
 
     def request_stop(self, run_id: str) -> bool:
@@ -209,7 +217,7 @@ class StateStore:
                     schema.runs.c.stop_requested_at.is_(None),
                     schema.runs.c.status.in_(ACTIVE_STATUSES),
                 )
-                .values(stop_requested_at=time.time())
+                .values(stop_requested_at=self.now())
             )
             return result.rowcount == 1
 
@@ -233,7 +241,7 @@ class StateStore:
             result = conn.execute(
                 update(schema.runs)
                 .where(schema.runs.c.run_id == run_id, schema.runs.c.status.in_(ACTIVE_STATUSES))
-                .values(status=DEAD, ended_at=time.time(), termination_message=evidence)
+                .values(status=DEAD, ended_at=self.now(), termination_message=evidence)
             )
             return result.rowcount == 1
 
@@ -257,7 +265,7 @@ class StateStore:
             failure_kind=failure_kind,
             error_class=error_class,
             termination_message=plain_text(message) if message else message,
-            ended_at=time.time(),
+            ended_at=self.now(),
         )
 
     def _update_run(self, run_id: str, **values: Any) -> None:
@@ -267,7 +275,7 @@ class StateStore:
     def get_run(self, run_id: str) -> RunRecord | None:
         with self.engine.connect() as conn:
             row = conn.execute(select(schema.runs).where(schema.runs.c.run_id == run_id)).mappings().first()
-            return RunRecord.from_row(row) if row else None
+        return RunRecord.from_row(row, self.clock.offset()) if row else None
 
     def latest_run(self, job_id: str, *, include_dry_runs: bool = False) -> RunRecord | None:
         query = select(schema.runs).where(schema.runs.c.job_id == job_id)
@@ -277,15 +285,16 @@ class StateStore:
             # By epoch, which the database hands out in order: the driver hosts' clocks may disagree.
             row = conn.execute(query.order_by(schema.runs.c.epoch.desc(), schema.runs.c.started_at.desc())
                                .limit(1)).mappings().first()
-            return RunRecord.from_row(row) if row else None
+        return RunRecord.from_row(row, self.clock.offset()) if row else None
 
     def first_commit(self, job_id: str, run_id: str, after: float = 0.0) -> float | None:
         """When ``run_id`` first committed a batch after ``after`` (from the ledger): the moment a run that
         replaced another is processing again."""
-        ledger = schema.batches
+        ledger, offset = schema.batches, self.clock.offset()
         with self.engine.connect() as conn:
-            return conn.execute(select(func.min(ledger.c.committed_at)).where(
-                ledger.c.job_id == job_id, ledger.c.run_id == run_id, ledger.c.committed_at > after)).scalar()
+            first = conn.execute(select(func.min(ledger.c.committed_at)).where(
+                ledger.c.job_id == job_id, ledger.c.run_id == run_id, ledger.c.committed_at > after + offset)).scalar()
+        return None if first is None else first - offset
 
     def result_tables(self, job_id: str) -> list[str]:
         """The tables the job's newest run that wrote anything wrote (its sink names them at its first
@@ -304,20 +313,21 @@ class StateStore:
         if not include_dry_runs:
             query = query.where(schema.runs.c.dry_run.is_(False))
         with self.engine.connect() as conn:
-            return [RunRecord.from_row(row) for row in conn.execute(
-                query.order_by(schema.runs.c.started_at, schema.runs.c.epoch)).mappings()]
+            rows = conn.execute(query.order_by(schema.runs.c.started_at, schema.runs.c.epoch)).mappings().all()
+        return [RunRecord.from_row(row, self.clock.offset()) for row in rows]
 
     def recent_runs(self, job_id: str, limit: int) -> list[RunRecord]:
         """The ``limit`` newest runs of ``job_id`` by start time, newest first, dry runs included."""
         with self.engine.connect() as conn:
             rows = conn.execute(select(schema.runs).where(schema.runs.c.job_id == job_id)
                                 .order_by(schema.runs.c.started_at.desc()).limit(limit)).mappings().all()
-        return [RunRecord.from_row(row) for row in rows]
+        return [RunRecord.from_row(row, self.clock.offset()) for row in rows]
 
     def watched_jobs(self) -> list[WatchedJob]:
         """Every job with its latest run and what the watcher already reported for that run: ONE query,
         however many jobs the database holds, so an always-on watcher costs one round trip per poll."""
         runs, reports, restarts = schema.runs, schema.health_reports, schema.restarts
+        offset = self.clock.offset()  # before the query's connection: a measure takes one of its own
         ranked = (select(runs, func.row_number().over(partition_by=runs.c.job_id,
                                                       order_by=(runs.c.epoch.desc(), runs.c.started_at.desc()))
                                        .label("rank"))
@@ -340,8 +350,9 @@ class StateStore:
             for row in conn.execute(query).mappings():
                 job_id = row["watched_job_id"]
                 if job_id not in found:
-                    run = RunRecord.from_row(row) if row["run_id"] else None
-                    restart = ({c.name: row[f"restart_{c.name}"] for c in restarts.c}
+                    run = RunRecord.from_row(row, offset) if row["run_id"] else None
+                    restart = (in_host_terms({c.name: row[f"restart_{c.name}"] for c in restarts.c},
+                                             RESTART_TIMES, offset)
                                if row["restart_id"] is not None else None)
                     found[job_id] = WatchedJob(job_id, run, set(), restart)
                 if row["reported_health"]:
@@ -355,7 +366,7 @@ class StateStore:
             with self.engine.begin() as conn:
                 conn.execute(schema.health_reports.insert().values(
                     job_id=job_id, run_id=key.run_id, health=key.health, failure_kind=key.failure_kind,
-                    reported_at=time.time(), message=plain_text(message)[:4000]))
+                    reported_at=self.now(), message=plain_text(message)[:4000]))
         except IntegrityError:
             return False
         return True
@@ -381,7 +392,7 @@ class StateStore:
                         generation=generation,
                         checkpoint_path=checkpoint_path,
                         starting_offsets=starting_offsets,
-                        created_at=time.time(),
+                        created_at=self.now(),
                     )
                 )
                 row = self._generation(conn, job_id, generation)
@@ -428,7 +439,7 @@ class StateStore:
         table = schema.generations
         with self.engine.begin() as conn:
             conn.execute(table.update().where(table.c.job_id == job_id, table.c.generation == generation)
-                         .values(archived_at=time.time(), archive_path=archive_path, reason=reason))
+                         .values(archived_at=self.now(), archive_path=archive_path, reason=reason))
 
     def recorded_start(self, job_id: str) -> Offsets:
         """Where the newest generation that recorded a start began (its batch 0): what a reset resumes
@@ -449,7 +460,7 @@ class StateStore:
         Kafka: its stored offset is removed.  Moving back is allowed here only: a recreated topic's
         offsets begin again below the stored ones, and the old log's dead letters from there on are
         archived (``archive_dead_letters``)."""
-        now = time.time()
+        now = self.now()
         offsets, losses = schema.offsets, schema.accepted_losses
         with self.engine.begin() as conn:
             conn.execute(select(schema.jobs.c.epoch).where(schema.jobs.c.job_id == job_id).with_for_update())
@@ -511,7 +522,7 @@ class StateStore:
             if begun is not None:
                 conn.execute(update(table).where(table.c.id == begun).values(new_run_id=new_run_id))
                 return
-            conn.execute(table.insert().values(job_id=job_id, at=time.time(), action=action, reason=reason[:2000],
+            conn.execute(table.insert().values(job_id=job_id, at=self.now(), action=action, reason=reason[:2000],
                                                failed_run_id=failed_run_id, new_run_id=new_run_id))
 
     def cancel_begun_restarts(self, job_id: str) -> int:
@@ -521,7 +532,7 @@ class StateStore:
         with self.engine.begin() as conn:
             return conn.execute(update(table).where(table.c.job_id == job_id, table.c.new_run_id.is_(None),
                                                     table.c.cancelled_at.is_(None))
-                                .values(cancelled_at=time.time())).rowcount
+                                .values(cancelled_at=self.now())).rowcount
 
     def latest_restart(self, job_id: str) -> dict[str, Any] | None:
         """The job's newest restart record, however old (``restarts_since`` looks back a window only)."""
@@ -529,18 +540,19 @@ class StateStore:
         query = select(table).where(table.c.job_id == job_id).order_by(table.c.id.desc()).limit(1)
         with self.engine.connect() as conn:
             row = conn.execute(query).mappings().first()
-        return dict(row) if row else None
+        return in_host_terms(dict(row), RESTART_TIMES, self.clock.offset()) if row else None
 
     def restarts_since(self, job_id: str, since: float) -> list[dict[str, Any]]:
         """Restarts of the job, each with ``new_run_committed``: whether the run it started committed a
         batch (a restart that got somewhere is no part of a crash loop)."""
-        table, runs = schema.restarts, schema.runs
+        table, runs, offset = schema.restarts, schema.runs, self.clock.offset()
         query = (select(table, runs.c.last_batch_id.is_not(None).label("new_run_committed"))
                  .select_from(table.outerjoin(runs, runs.c.run_id == table.c.new_run_id))
-                 .where(table.c.job_id == job_id, table.c.at >= since).order_by(table.c.at))
+                 .where(table.c.job_id == job_id, table.c.at >= since + offset).order_by(table.c.at))
         with self.engine.connect() as conn:
             rows = conn.execute(query).mappings().all()
-        return [{**r, "new_run_committed": bool(r["new_run_committed"])} for r in rows]
+        return [in_host_terms({**r, "new_run_committed": bool(r["new_run_committed"])}, RESTART_TIMES, offset)
+                for r in rows]
 
     def count(self, table, **where: Any) -> int:
         query = select(func.count()).select_from(table)

@@ -202,7 +202,8 @@ def commit(
         tp = (row["topic"], row["partition"])
         outcome.dead[tp] = outcome.dead.get(tp, 0) + 1
     outcome.applied = {tp: n - outcome.dead.get(tp, 0) for tp, n in read.items()}
-    now = time.time()
+    now = store.now()
+    started = None if started_at is None else store.clock.to_database(started_at)
     with store.engine.begin() as conn:
         _check_epoch(conn, run)
         stored = store.stored_offsets(run.job_id, conn)
@@ -249,7 +250,7 @@ def commit(
                     "epoch": run.epoch,
                     "run_id": run.run_id,
                     "committed_at": now,
-                    "started_at": started_at,
+                    "started_at": started,
                 }
             )
         if ledger:
@@ -270,15 +271,15 @@ def trial_write(
     database says about them (e.g. a value it refuses), changes nothing.  No epoch or offset check: this
     is a question about the rows, not a commit; a restarted partition's old dead letters are archived
     first, as the commit does."""
-    batch_id = batch_plan.range.batch_id
+    batch_id, now = batch_plan.range.batch_id, store.now()
     with store.engine.connect() as conn:
         tx = conn.begin()
         try:
-            _archive_gone_logs(conn, run, batch_plan, time.time())
+            _archive_gone_logs(conn, run, batch_plan, now)
             for write in writes:
                 write_rows(conn, write.table, write.key, write.increments, write.rows)
             if dead_letters:
-                conn.execute(schema.dead_letters.insert(), _dead_letter_rows(run, batch_id, dead_letters, time.time()))
+                conn.execute(schema.dead_letters.insert(), _dead_letter_rows(run, batch_id, dead_letters, now))
         finally:
             tx.rollback()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 import json
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -83,12 +82,12 @@ class UpgradeLog:
     """Reads and writes ``stream_upgrades`` (created on first use: older state databases lack it)."""
 
     def __init__(self, store: StateStore):
-        self.engine = store.engine
+        self.engine, self.clock = store.engine, store.clock
         upgrades.create(self.engine, checkfirst=True)
 
     def begin(self, job_id: str, from_version: str | None, to_version: str | None,
               detail: dict[str, Any]) -> str:
-        upgrade_id, now = uuid.uuid4().hex, time.time()
+        upgrade_id, now = uuid.uuid4().hex, self.clock.now()
         with self.engine.begin() as conn:
             conn.execute(insert(upgrades).values(
                 upgrade_id=upgrade_id, job_id=job_id, from_version=from_version, to_version=to_version,
@@ -99,18 +98,18 @@ class UpgradeLog:
              result: str | None = None) -> None:
         with self.engine.begin() as conn:
             conn.execute(update(upgrades).where(upgrades.c.upgrade_id == upgrade_id).values(
-                phase=phase.value, detail=json.dumps(detail), result=result, updated_at=time.time()))
+                phase=phase.value, detail=json.dumps(detail), result=result, updated_at=self.clock.now()))
 
     def get(self, upgrade_id: str) -> UpgradeRecord | None:
         with self.engine.connect() as conn:
             row = conn.execute(select(upgrades).where(upgrades.c.upgrade_id == upgrade_id)).mappings().first()
-        return _record(row) if row else None
+        return _record(row, self.clock.offset()) if row else None
 
     def latest(self, job_id: str) -> UpgradeRecord | None:
         with self.engine.connect() as conn:
             row = conn.execute(select(upgrades).where(upgrades.c.job_id == job_id)
                                .order_by(upgrades.c.started_at.desc()).limit(1)).mappings().first()
-        return _record(row) if row else None
+        return _record(row, self.clock.offset()) if row else None
 
     def leaving_down(self, job_id: str | None = None) -> dict[str, UpgradeRecord]:
         """Each job's (or ``job_id``'s) latest upgrade where it is in a phase that leaves the job down
@@ -124,10 +123,12 @@ class UpgradeLog:
         query = select(latest).where(latest.c.rank == 1,
                                      latest.c.phase.in_([p.value for p in LEAVES_THE_JOB_DOWN]))
         with self.engine.connect() as conn:
-            return {row["job_id"]: _record(row) for row in conn.execute(query).mappings()}
+            rows = conn.execute(query).mappings().all()
+        return {row["job_id"]: _record(row, self.clock.offset()) for row in rows}
 
 
-def _record(row) -> UpgradeRecord:
+def _record(row, offset: float) -> UpgradeRecord:
+    """Its times in this host's terms (``offset``: ``state.clock``), as a run's."""
     return UpgradeRecord(row["upgrade_id"], row["job_id"], row["from_version"], row["to_version"],
                          UpgradePhase(row["phase"]), row["result"], json.loads(row["detail"] or "{}"),
-                         row["started_at"], row["updated_at"])
+                         row["started_at"] - offset, row["updated_at"] - offset)
