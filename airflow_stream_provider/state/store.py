@@ -89,7 +89,7 @@ class StateStore:
         return cls(make_engine(url, password))
 
     def now(self) -> float:
-        """Now by the state database's clock (``state.clock``): what every stored time is written and judged by."""
+        """Now by the state database's clock (``state.clock``): what every stored time is written by."""
         return self.clock.now()
 
     @property
