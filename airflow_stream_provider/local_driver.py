@@ -8,6 +8,8 @@ Pure (no airflow, no pyspark): the Airflow driver hook and the test-suite share 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import shlex
 import signal
@@ -123,9 +125,29 @@ def process_alive(pid: int, registered_at: float | None = None) -> bool:
         return True
 
 
+@functools.cache
+def this_host() -> str:
+    """This host as recorded beside a driver's pid: its name and, on Linux, a digest of its boot and of the
+    process namespace its pids belong to.  Containers that share a hostname (host networking) number their
+    processes apart, and so do two machines of one name: a pid recorded under another identity is never
+    checked or signalled here, where the same number may be another process."""
+    name = socket.gethostname()
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            where = f"{boot.read().strip()}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # not Linux: the name alone, as it was
+        return name
+    return f"{name} ({hashlib.sha256(where.encode()).hexdigest()[:8]})"
+
+
+def is_this_host(host: str | None) -> bool:
+    """Whether a recorded host is this one.  A bare name, as earlier releases recorded, counts by its name."""
+    return host is not None and host in (this_host(), socket.gethostname())
+
+
 def on_this_host(pid: int | None, host: str | None, submission_id: str | None = None) -> bool:
     """Whether a recorded driver's process is one of this host's (not a cluster's, not another host's)."""
-    return bool(pid) and host == socket.gethostname() and not submission_id
+    return bool(pid) and is_this_host(host) and not submission_id
 
 
 def alive_on_this_host(pid: int | None, host: str | None, started_at: float | None,
@@ -140,7 +162,7 @@ def launch_alive(pid: int | None, host: str | None, started_at: float | None) ->
     for it): True/False on the host that started it, None on any other (a triggerer or a worker elsewhere has
     only the run's row and the deadline).  A launch recorded without its host, by an earlier version, counts
     as this host's, as it did then."""
-    return alive_on_this_host(pid, host or socket.gethostname(), started_at)
+    return alive_on_this_host(pid, host or this_host(), started_at)
 
 
 def run_alive(run: RunRecord | None) -> bool | None:
@@ -157,7 +179,7 @@ def kill_unregistered(launch: Mapping[str, object], why: str, log) -> None:
         signal_group(pid, signal.SIGKILL)
     elif pid:
         log.warning("Run %s (pid %s on %s) is not registered and cannot be killed from %s: if it still starts, "
-                    "stop it there (%s)", run_id, pid, host, socket.gethostname(), why)
+                    "stop it there (%s)", run_id, pid, host, this_host(), why)
 
 
 def signal_group(pgid: int, sig: int) -> None:

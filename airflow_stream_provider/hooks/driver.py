@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import uuid
 from collections.abc import Mapping
@@ -233,7 +232,7 @@ class StreamDriverHook(BaseHook):
             return Kill(True, f"killed process group of pid {run.pid} on {run.host}")
         if run.submission_id:
             return self.kill_submission(run.job_id, run.submission_id)
-        return Kill(False, f"cannot kill run {run.run_id} from {socket.gethostname()}: it runs on {run.host}")
+        return Kill(False, f"cannot kill run {run.run_id} from {local_driver.this_host()}: it runs on {run.host}")
 
     def kill_submission(self, job_id: str, submission_id: str) -> Kill:
         """Kill a cluster-mode driver by the handle its submission returned, through its cluster manager.

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -250,7 +249,7 @@ class StreamJobController:
     def _submitted(self, application: str, spec: StreamJobSpec, run_id: str) -> dict[str, Any]:
         """Start the driver; what a launch wait and ``abandon`` need of it (its pid is this host's)."""
         submitted = self.driver.submit(application, spec, run_id, self.state.password)
-        return {"job_id": spec.job_id, "run_id": run_id, "pid": submitted.pid, "host": socket.gethostname(),
+        return {"job_id": spec.job_id, "run_id": run_id, "pid": submitted.pid, "host": local_driver.this_host(),
                 "log_path": submitted.log_path, "submission_id": submitted.submission_id,
                 "submitted_at": time.time()}
 
@@ -394,7 +393,7 @@ class StreamJobController:
         standby_id = uuid.uuid4().hex
         submitted = self.driver.submit(application, spec, standby_id, self.state.password,
                                        standby=role == STANDBY, successor=role == SUCCESSOR)
-        self.standbys.register(standby_id, self.job_id, spec.version, spec.generation, host=socket.gethostname(),
+        self.standbys.register(standby_id, self.job_id, spec.version, spec.generation, host=local_driver.this_host(),
                                pid=submitted.pid, log_path=submitted.log_path, role=role)
         return standby_id, submitted
 
@@ -471,7 +470,7 @@ class StreamJobController:
         elif stage == "terminate":
             sent = self.driver.terminate(run)
             self.log.warning("Run %s did not stop in time: %s", run_id, "sent SIGTERM" if sent else
-                             f"no SIGTERM can reach it from {socket.gethostname()} (it runs on {run.host}, on a "
+                             f"no SIGTERM can reach it from {local_driver.this_host()} (it runs on {run.host}, on a "
                              "cluster, or is gone); the kill comes next")
         else:
             killed = self.driver.kill(run)
@@ -498,7 +497,7 @@ class StreamJobController:
             # Still there after the kill: alive here, or on another host, where nothing here could signal it
             # and its heartbeat is still fresh.  Whatever comes next (a restart, a reset, an upgrade's new
             # version) must not start a second driver beside it.
-            where = "is still alive" if alive else f"cannot be signalled from {socket.gethostname()}"
+            where = "is still alive" if alive else f"cannot be signalled from {local_driver.this_host()}"
             raise StreamJobError(
                 f"job {final.job_id} run {run_id} did not stop: its driver (pid {final.pid} on {final.host}) "
                 f"ignored the stop marker, {where}, and its heartbeat is "

@@ -21,7 +21,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -32,7 +31,14 @@ from pyspark import SparkConf
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
-from airflow_stream_provider import confluent_reader, failures, faults, kafka_client, kafka_offsets
+from airflow_stream_provider import (
+    confluent_reader,
+    failures,
+    faults,
+    kafka_client,
+    kafka_offsets,
+    local_driver,
+)
 from airflow_stream_provider.runtime import kafka_source, planner_workers, source_lookup
 from airflow_stream_provider.runtime.checkpoint_log import (
     OffsetLog,
@@ -143,7 +149,7 @@ class StreamHarness:
             self.startup.skip()  # a standby's start is its warm-up; what counts is its takeover
         else:
             self._begin(self.store.begin_run(spec.job_id, spec.generation, spec.version, run_id=self.run_id,
-                                             dry_run=spec.dry_run, host=socket.gethostname(), pid=os.getpid(),
+                                             dry_run=spec.dry_run, host=local_driver.this_host(), pid=os.getpid(),
                                              log_path=log_path))
         self.startup.done("state_database")
         self.spark: SparkSession | None = None

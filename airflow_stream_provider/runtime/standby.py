@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -79,7 +78,7 @@ class Standby:
     def __init__(self, store: StateStore, spec: StreamJobSpec, standby_id: str, *, pid: int,
                  log_path: str | None, successor: bool = False):
         self.store, self.spec, self.standby_id = store, spec, standby_id
-        self.host, self.pid, self.log_path = socket.gethostname(), pid, log_path
+        self.host, self.pid, self.log_path = local_driver.this_host(), pid, log_path
         self.successor = successor
         self.log = StandbyLog(store)
         self.upgrades = UpgradeLog(store) if successor else None

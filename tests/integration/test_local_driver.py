@@ -1,15 +1,20 @@
 """The local process check the sensors, triggers and operators rely on: a dead driver, a zombie, and a
-pid the system handed to a newer process are all "not alive", and none of them is signalled."""
+pid the system handed to a newer process are all "not alive", and none of them is signalled; a pid recorded
+in another process namespace under this host's name is not this host's to check or signal."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import psutil
+import pytest
 
+from airflow_stream_provider import local_driver
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.local_driver import process_alive, process_started
 from airflow_stream_provider.state.records import RunRecord
@@ -43,8 +48,6 @@ def test_a_zombie_is_not_alive():
 
 
 def _run(pid: int, started_at: float) -> RunRecord:
-    import socket
-
     return RunRecord(run_id="r1", job_id="job", epoch=1, generation=1, status="RUNNING", pid=pid,
                      host=socket.gethostname(), started_at=started_at, heartbeat_at=started_at)
 
@@ -69,3 +72,39 @@ def test_a_stop_or_kill_never_signals_a_process_that_took_a_gone_drivers_pid():
     finally:
         other.kill()
         other.wait()
+
+
+def _in_a_process_namespace_of_its_own(code: str) -> str:
+    """What ``code`` prints, run as pid 1 of a new pid namespace (as in a container that shares this host's
+    name through host networking): as root, or else in a user namespace of its own."""
+    refused = ""
+    for unshare in (["unshare", "--pid", "--fork", "--mount-proc"],
+                    ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]):
+        try:
+            done = subprocess.run([*unshare, sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        except FileNotFoundError:
+            pytest.skip("no unshare(1) here to start a process in a pid namespace of its own")
+        if done.returncode == 0:
+            return done.stdout
+        refused = done.stderr.strip()
+    pytest.skip(f"this machine refuses a pid namespace of its own: {refused}")
+
+
+def test_a_pid_recorded_in_another_process_namespace_under_this_hosts_name_is_not_checked_or_signalled():
+    """A driver started in a container that shares this host's name numbers its processes apart: its pid 1
+    here is another process.  It records another identity, so its run is judged by its heartbeat alone and
+    no signal is sent from here."""
+    pid, host = _in_a_process_namespace_of_its_own(
+        "import os; from airflow_stream_provider.local_driver import this_host; print(os.getpid()); "
+        "print(this_host())").splitlines()[:2]
+    assert host.startswith(f"{socket.gethostname()} (") and host != local_driver.this_host(), host
+    run = replace(_run(int(pid), started_at=time.time()), host=host)
+    assert not local_driver.is_this_host(host)
+    assert local_driver.run_alive(run) is None  # another host's, as far as pids go: its heartbeat decides
+    hook = StreamDriverHook()
+    assert hook.terminate(run) is False
+    killed = hook.kill(run)
+    assert not killed.done and f"it runs on {host}" in killed.message, killed
+    # By its name alone, as earlier releases recorded a host, this namespace's own pid 1 (older than any
+    # run) would pass for that driver, and a kill would signal its group.
+    assert local_driver.run_alive(replace(run, host=socket.gethostname())) is True
