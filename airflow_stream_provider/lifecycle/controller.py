@@ -36,6 +36,7 @@ from airflow_stream_provider.lifecycle.driver_log import log_tail
 from airflow_stream_provider.lifecycle.health import HealthProbe, live_standby, standby_gone
 from airflow_stream_provider.lifecycle.waits import Outcome, RunWait, RunWatch
 from airflow_stream_provider.spec import StreamJobSpec
+from airflow_stream_provider.state.clock import DatabaseClock
 from airflow_stream_provider.state.leases import Lease, LeaseLog
 from airflow_stream_provider.state.records import RunRecord, RunStatus
 from airflow_stream_provider.state.standbys import (
@@ -74,6 +75,11 @@ class StreamJobController:
         self.checkpoint_conn_id = checkpoint_conn_id
         self.thresholds = thresholds or Thresholds()
         self.log = log or logging.getLogger(__name__)
+
+    @property
+    def clock(self) -> DatabaseClock:
+        """The state database's clock, which a wait's deadline is by (``state.clock``)."""
+        return self.state.store.clock
 
     @cached_property
     def checkpoints(self) -> CheckpointHook:
@@ -253,9 +259,8 @@ class StreamJobController:
                 "log_path": submitted.log_path, "submission_id": submitted.submission_id,
                 "submitted_at": time.time()}
 
-    @staticmethod
-    def launch_wait(launch: dict[str, Any], until: str, timeout: float, **extra: Any) -> RunWait:
-        return RunWait.within(timeout, run_id=launch["run_id"], job_id=launch["job_id"], until=until,
+    def launch_wait(self, launch: dict[str, Any], until: str, timeout: float, **extra: Any) -> RunWait:
+        return RunWait.within(timeout, self.clock.now(), run_id=launch["run_id"], job_id=launch["job_id"], until=until,
                               pid=launch.get("pid"), host=launch.get("host"), started_at=launch.get("submitted_at"),
                               log_path=launch.get("log_path"), **extra)
 
@@ -481,7 +486,7 @@ class StreamJobController:
                     f"job {run.job_id} run {run_id} did not stop: it ignored the stop marker (a cluster driver "
                     f"cannot be signalled from here), and {killed}. Nothing was started beside it; once it has "
                     "ended, retry this task")
-        return RunWait.within(timeout, run_id=run_id, job_id=run.job_id, until="ended", pid=run.pid, host=run.host,
+        return RunWait.within(timeout, self.clock.now(), run_id=run_id, job_id=run.job_id, until="ended", pid=run.pid, host=run.host,
                               started_at=run.started_at)
 
     def finish_stop(self, run_id: str, outcome: str, started: float) -> dict[str, Any]:
@@ -554,7 +559,8 @@ class StreamJobController:
         return self._watch(wait).poll()
 
     def _watch(self, wait: RunWait) -> RunWatch:
-        return RunWatch(wait, self.get_run, self.driver.is_alive, self.caught_up, secrets=[self.state.password])
+        return RunWatch(wait, self.get_run, self.driver.is_alive, self.caught_up, secrets=[self.state.password],
+                        now=self.clock.now)
 
 
 def watch_for(wait: RunWait, state_conn_id: str, kafka_conn_id: str,
@@ -562,7 +568,8 @@ def watch_for(wait: RunWait, state_conn_id: str, kafka_conn_id: str,
     """A watch over ``wait`` built from connections (for the trigger), and how to close its clients."""
     state, kafka = StreamStateHook(state_conn_id), KafkaOffsetsHook(kafka_conn_id)
     return (RunWatch(wait, state.store.get_run, StreamDriverHook.is_alive,
-                     lambda: caught_up(state, kafka, wait.job_id, topics), secrets=[state.password]),
+                     lambda: caught_up(state, kafka, wait.job_id, topics), secrets=[state.password],
+                     now=state.store.clock.now),
             state.close)
 
 

@@ -47,7 +47,8 @@ def outage_line(err: BaseException) -> str:
 
 @dataclass(frozen=True)
 class RunWait:
-    """Wait on run ``run_id`` until ``until`` happens (or it ends, or ``deadline``, a wall-clock time).
+    """Wait on run ``run_id`` until ``until`` happens (or it ends, or ``deadline``, a wall-clock time by the
+    state database's clock: the worker that sets it and the triggerer that checks it may disagree).
 
     ``until``: ``ready`` (its query started), ``batch`` (it committed a batch with id >= ``min_batch_id``),
     or ``ended``.  ``idle``: also finish, as ``idle``, once the running query has nothing to read.
@@ -71,8 +72,9 @@ class RunWait:
     settle_s: float = 0.0
 
     @classmethod
-    def within(cls, timeout: float, **fields: Any) -> RunWait:
-        return cls(deadline=time.time() + float(timeout), **fields)
+    def within(cls, timeout: float, now: float | None = None, **fields: Any) -> RunWait:
+        """A wait of ``timeout`` seconds from ``now`` (the state database's clock; this host's by default)."""
+        return cls(deadline=(time.time() if now is None else now) + float(timeout), **fields)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,8 +91,9 @@ class RunWatch:
 
     def __init__(self, wait: RunWait, get_run: Callable[[str], RunRecord | None],
                  driver_alive: Callable[[RunRecord], bool | None], caught_up: Callable[[], bool],
-                 secrets: Sequence[str] = ()):
+                 secrets: Sequence[str] = (), now: Callable[[], float] | None = None):
         self.wait = wait
+        self._now = now or time.time  # the clock ``wait.deadline`` is by: the state database's, or this host's
         self._get_run, self._driver_alive, self._caught_up = get_run, driver_alive, caught_up
         self._idle_since: float | None = None
         self._ready_at: float | None = None  # when the query was first seen running
@@ -119,7 +122,7 @@ class RunWatch:
                 return "ready" if settling else "ended"
         elif wait.idle and run is not None and run.running_query and self._idle_confirmed():
             return "idle"
-        if time.time() >= wait.deadline:
+        if self._now() >= wait.deadline:
             return "ready" if settling else "timeout"
         return None
 
@@ -130,7 +133,7 @@ class RunWatch:
         try:
             outcome = self.poll()
         except DATABASE_OUTAGE as err:
-            if time.time() >= self.wait.deadline:
+            if self._now() >= self.wait.deadline:
                 raise
             if self._outage_since is None:
                 self._outage_since = time.monotonic()

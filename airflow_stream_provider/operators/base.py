@@ -302,7 +302,7 @@ class StreamJobOperator(BaseOperator):
         """Wait for ``wait``, then continue in ``method(context, event, **state)``: in the triggerer when
         deferrable, else here."""
         try:
-            self._hold_lease(wait.deadline + wait.settle_s + LEASE_GRACE_S)
+            self._hold_lease(self.controller.clock.to_host(wait.deadline) + wait.settle_s + LEASE_GRACE_S)
         except waits.DATABASE_OUTAGE as err:
             # The wait rides the outage out; the lease taken on entry holds on for a while, and the resume
             # takes it again, or stops if another task took it meanwhile (``_leased``).

@@ -203,8 +203,9 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         now = time.time()
         self.log.info("Not recovering yet: %s. Looking again when it would be STUCK, in %.0fs, and every "
                       "%.0fs until then", found.summary(), found.stuck_at - now, SILENT_LOOK_EVERY_S)
+        look_at = min(found.stuck_at + SILENT_MARGIN_S, now + SILENT_LOOK_EVERY_S)
         wait = RunWait(run_id=found.run_id, job_id=self.job.job_id, until="ended",
-                       deadline=min(found.stuck_at + SILENT_MARGIN_S, now + SILENT_LOOK_EVERY_S))
+                       deadline=self.controller.clock.to_database(look_at))
         return self._look_again_after(context, wait)
 
     def _standby_took_over(self, context, launched, decision, outcome) -> dict[str, Any]:

@@ -68,6 +68,10 @@ class DatabaseClock:
         """A time by this host's clock (a lease's end, a window's start) in the database's terms."""
         return host_time + self.offset()
 
+    def to_host(self, database_time: float) -> float:
+        """A time by the database's clock (a wait's deadline) in this host's terms."""
+        return database_time - self.offset()
+
     def _measure(self) -> None:
         try:
             with self._engine.connect() as conn:

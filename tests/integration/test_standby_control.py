@@ -123,7 +123,7 @@ def test_a_standby_or_successor_started_on_another_host_is_waited_for_by_its_row
     successor = controller.release_successor({"standby_id": "far-successor", "application": "/jobs/orders.py",
                                               "spec": controller.spec.to_json()}, 2, None)
     for launch in (standby, successor):
-        wait = StreamJobController.launch_wait(launch, "ready", 60)
+        wait = controller.launch_wait(launch, "ready", 60)
         assert (wait.host, wait.pid) == ("another-host", gone.pid), launch
         assert local_driver.launch_alive(wait.pid, wait.host, wait.started_at) is None, "judged by this host's pids"
 

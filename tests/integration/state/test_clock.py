@@ -1,5 +1,6 @@
 """Stored times follow the state database's clock (``state.clock``): hosts whose clocks disagree still agree
-on a heartbeat's age, on when a lease runs out and on whether a pid is still the driver's.
+on a heartbeat's age, on when a lease runs out, on when a wait is over and on whether a pid is still the
+driver's.
 
 Each test moves one "host's" clock 120 s ahead by patching ``time.time`` in this process after the other
 "host" wrote: a skewed system clock cannot be set here without root, and setting it would move every other
@@ -19,8 +20,11 @@ import pytest
 
 from airflow_stream_provider import diagnosis, local_driver
 from airflow_stream_provider.diagnosis import Health
+from airflow_stream_provider.lifecycle.controller import watch_for
+from airflow_stream_provider.lifecycle.waits import RunWait
 from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.store import StateStore
+from tests.dagtest import airflow as airflow_stack
 
 AHEAD_S = 120.0
 
@@ -69,6 +73,32 @@ def test_a_host_whose_clock_runs_ahead_does_not_take_a_lease_that_has_not_run_ou
     assert held is not None and held.owner == "deploy/r1/submit/-1"
     assert 50 < held.until - time.time() <= 60, held  # a minute left, by this host's clock as well
     assert "for 0 s" in held.describe(time.time())
+
+
+def test_a_wait_set_on_a_worker_is_not_over_early_on_a_triggerer_whose_clock_runs_ahead(postgres_url, broker,
+                                                                                         monkeypatch):
+    """A launch wait of a minute, set on a worker and deferred to a triggerer 120 s ahead: the triggerer's
+    watch (``watch_for``, what ``RunTrigger`` polls) does not find it over at once; a wait whose minute is
+    over by the database's clock is."""
+    monkeypatch.setenv(*airflow_stack.connection_env("stream_state_default", conn_type="stream_state",
+                                                     extra={"url": postgres_url}))
+    monkeypatch.setenv(*airflow_stack.connection_env("stream_kafka_default", conn_type="stream_kafka",
+                                                     host="127.0.0.1", port=broker.port))
+    worker = host(postgres_url)
+    starting = worker.begin_run("job", 0, "1.0", host="driver-host", pid=4242)  # its query not started yet
+    waits = {"a minute": RunWait.within(60, worker.clock.now(), run_id=starting.run_id, job_id="job", until="ready"),
+             "over": RunWait.within(-1, worker.clock.now(), run_id=starting.run_id, job_id="job", until="ready")}
+
+    clock_ahead(monkeypatch)
+    outcomes = {}
+    for name, wait in waits.items():  # through the trigger's serialized kwargs, as a deferral carries it
+        watch, close = watch_for(RunWait.from_dict(wait.to_dict()), "stream_state_default", "stream_kafka_default",
+                                 ["events"])
+        try:
+            outcomes[name] = watch.poll()
+        finally:
+            close()
+    assert outcomes == {"a minute": None, "over": "timeout"}
 
 
 def test_a_driver_on_a_host_whose_clock_runs_ahead_is_alive_by_its_pid(postgres_url, monkeypatch):
