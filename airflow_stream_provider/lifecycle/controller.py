@@ -260,9 +260,9 @@ class StreamJobController:
                 "submitted_at": time.time()}
 
     def launch_wait(self, launch: dict[str, Any], until: str, timeout: float, **extra: Any) -> RunWait:
-        return RunWait.within(timeout, self.clock.now(), run_id=launch["run_id"], job_id=launch["job_id"], until=until,
-                              pid=launch.get("pid"), host=launch.get("host"), started_at=launch.get("submitted_at"),
-                              log_path=launch.get("log_path"), **extra)
+        return RunWait.within(timeout, self.clock.now(), run_id=launch["run_id"], job_id=launch["job_id"],
+                              until=until, pid=launch.get("pid"), host=launch.get("host"),
+                              started_at=launch.get("submitted_at"), log_path=launch.get("log_path"), **extra)
 
     def finish_launch(self, launch: dict[str, Any], outcome: Outcome, timeout: float) -> dict[str, Any]:
         """The launch's result once its query runs; else the driver's own evidence, as the error a retry
@@ -486,8 +486,8 @@ class StreamJobController:
                     f"job {run.job_id} run {run_id} did not stop: it ignored the stop marker (a cluster driver "
                     f"cannot be signalled from here), and {killed}. Nothing was started beside it; once it has "
                     "ended, retry this task")
-        return RunWait.within(timeout, self.clock.now(), run_id=run_id, job_id=run.job_id, until="ended", pid=run.pid, host=run.host,
-                              started_at=run.started_at)
+        return RunWait.within(timeout, self.clock.now(), run_id=run_id, job_id=run.job_id, until="ended",
+                              pid=run.pid, host=run.host, started_at=run.started_at)
 
     def finish_stop(self, run_id: str, outcome: str, started: float) -> dict[str, Any]:
         """``outcome``: stopped | terminated | killed: how far the escalation went."""
