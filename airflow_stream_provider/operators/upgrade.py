@@ -230,8 +230,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             # A stateful change shows only in a batch that reads state the old code wrote: give a live run
             # that committed only its first batch a moment to commit a second one.
             wait = RunWait.within(min(float(self.preflight_timeout), STATE_HISTORY_WAIT_S), self.controller.clock.now(),
-                                  run_id=live.run_id,
-                                  job_id=job_id, until="batch", min_batch_id=1, idle=True)
+                                  run_id=live.run_id, job_id=job_id, until="batch", min_batch_id=1, idle=True)
             return self.wait_then(context, wait, "_history_waited", ctx=ctx)
         return self._dry_run(context, ctx)
 
@@ -389,8 +388,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         started = ctx["started"]
         ctx["verify_began"] = time.time()
         wait = RunWait.within(self._verify_timeout, self.controller.clock.now(), run_id=started["run_id"],
-                              job_id=self.job.job_id,
-                              until="batch", idle=True)
+                              job_id=self.job.job_id, until="batch", idle=True)
         return self.wait_then(context, wait, method, ctx=ctx)
 
     @property

@@ -75,7 +75,7 @@ class RunRecord:
     spec: str | None = None
 
     @classmethod
-    def from_row(cls, row: Any, offset: float = 0.0) -> RunRecord:
+    def from_row(cls, row: Any, offset: float) -> RunRecord:
         """From a row mapping of ``stream_runs`` (extra keys of a joined query are ignored); its times in this
         host's terms (``offset``: the database's clock minus this host's, ``state.clock``)."""
         values = in_host_terms({f.name: row[f.name] for f in fields(cls)}, RUN_TIMES, offset)

@@ -95,7 +95,7 @@ class StandbyRecord:
     release_epoch: int | None = None
 
     @classmethod
-    def from_row(cls, row: Any, offset: float = 0.0) -> StandbyRecord:
+    def from_row(cls, row: Any, offset: float) -> StandbyRecord:
         """Its times in this host's terms (``offset``: ``state.clock``), as a run's."""
         values = in_host_terms({f.name: row[f.name] for f in fields(cls)}, STANDBY_TIMES, offset)
         values["status"] = StandbyStatus(values["status"])
@@ -195,14 +195,16 @@ class StandbyLog:
         with self.engine.connect() as conn:
             rows = conn.execute(select(standbys).where(standbys.c.job_id == job_id, _live())
                                 .order_by(standbys.c.started_at)).mappings().all()
-        found = [StandbyRecord.from_row(row, self.clock.offset()) for row in rows]
+        offset = self.clock.offset()  # one offset for the whole result
+        found = [StandbyRecord.from_row(row, offset) for row in rows]
         return [s for s in found if role is None or (s.role or STANDBY) == role]
 
     def recent(self, job_id: str, limit: int = 10) -> list[StandbyRecord]:
         with self.engine.connect() as conn:
             rows = conn.execute(select(standbys).where(standbys.c.job_id == job_id)
                                 .order_by(standbys.c.started_at.desc()).limit(limit)).mappings().all()
-        return [StandbyRecord.from_row(row, self.clock.offset()) for row in rows]
+        offset = self.clock.offset()  # one offset for the whole result
+        return [StandbyRecord.from_row(row, offset) for row in rows]
 
     def _update(self, standby_id: str, **values: Any) -> None:
         with self.engine.begin() as conn:

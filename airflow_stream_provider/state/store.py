@@ -314,14 +314,16 @@ class StateStore:
             query = query.where(schema.runs.c.dry_run.is_(False))
         with self.engine.connect() as conn:
             rows = conn.execute(query.order_by(schema.runs.c.started_at, schema.runs.c.epoch)).mappings().all()
-        return [RunRecord.from_row(row, self.clock.offset()) for row in rows]
+        offset = self.clock.offset()  # one offset for the whole result
+        return [RunRecord.from_row(row, offset) for row in rows]
 
     def recent_runs(self, job_id: str, limit: int) -> list[RunRecord]:
         """The ``limit`` newest runs of ``job_id`` by start time, newest first, dry runs included."""
         with self.engine.connect() as conn:
             rows = conn.execute(select(schema.runs).where(schema.runs.c.job_id == job_id)
                                 .order_by(schema.runs.c.started_at.desc()).limit(limit)).mappings().all()
-        return [RunRecord.from_row(row, self.clock.offset()) for row in rows]
+        offset = self.clock.offset()  # one offset for the whole result
+        return [RunRecord.from_row(row, offset) for row in rows]
 
     def watched_jobs(self) -> list[WatchedJob]:
         """Every job with its latest run and what the watcher already reported for that run: ONE query,

@@ -124,7 +124,8 @@ class UpgradeLog:
                                      latest.c.phase.in_([p.value for p in LEAVES_THE_JOB_DOWN]))
         with self.engine.connect() as conn:
             rows = conn.execute(query).mappings().all()
-        return {row["job_id"]: _record(row, self.clock.offset()) for row in rows}
+        offset = self.clock.offset()  # one offset for the whole result
+        return {row["job_id"]: _record(row, offset) for row in rows}
 
 
 def _record(row, offset: float) -> UpgradeRecord:
