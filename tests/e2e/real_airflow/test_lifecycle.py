@@ -257,7 +257,10 @@ def test_a_recovery_waits_for_the_task_holding_the_lease_then_repairs_what_it_le
 
     waiting = wait_until(recover_waiting, 120, "stream_health's recover to wait for the upgrade's lease",
                          interval=1)
-    time.sleep(12)  # it looks again at least once (every 10 s), and waits on
+    # It looks again every 10 s: a second look, on a worker, finds the upgrade still acting and waits on.  Read
+    # from its log, not slept for: the trigger's 10 s, then the scheduler and a worker, take longer when loaded.
+    wait_until(lambda: deployment.airflow.task_log("stream_health", waiting["dag_run_id"], "recover")
+               .count("Not recovering yet") >= 2, 120, "recover to look again and wait on", interval=1)
     assert deployment.latest_run().run_id == victim.run_id, "nothing started beside the upgrade"
     assert task("stream_health", waiting["dag_run_id"], "recover")["state"] in (
         "deferred", "scheduled", "queued", "running"), "between two looks, it may be on a worker"
