@@ -45,6 +45,7 @@ from airflow_stream_provider.runtime.checkpoint_log import (
     WriteBehindMarks,
     remove_unfinished_first_entry,
 )
+from airflow_stream_provider.runtime.fence_watch import FenceWatch
 from airflow_stream_provider.runtime.generation_start import GenerationStart
 from airflow_stream_provider.runtime.listener import StateListener
 from airflow_stream_provider.runtime.poison import POISON_POLICIES, keeps_state
@@ -165,6 +166,8 @@ class StreamHarness:
         #: the job reads a second stream (``kafka_stream``), which the sink cannot read again from Kafka for
         #: a batch it must apply without its frame: its batches commit in line (no write-behind)
         self._second_stream = False
+        #: ends the process should the main loop be held up once another run has taken the job
+        self._fence_watch: FenceWatch | None = None
 
     def _begin(self, ticket: state.RunTicket) -> None:
         spec = self.spec
@@ -264,6 +267,11 @@ class StreamHarness:
             self.startup.done("source")
             query = self._start_query(records, results)
             self.startup.done("query_start")
+            if not self.spec.dry_run:  # a dry run holds no epoch of its own
+                self._fence_watch = FenceWatch.for_run(
+                    self.store, self.spec.job_id, self.run_id, self.ticket.epoch,
+                    heartbeat_s=self.spec.heartbeat_seconds,
+                    heartbeat_timeout_s=self.spec.heartbeat_timeout_seconds).start()
             return self._watch(query)
         except StartupError as err:
             return self._finish(state.FAILED, err.exit_code, err.kind, None, str(err))
@@ -641,6 +649,8 @@ class StreamHarness:
                     break
                 log.warning("could not record the end of run %s yet (%r); retrying", self.run_id, err)
                 time.sleep(2)
+        if self._fence_watch is not None:
+            self._fence_watch.ended(exit_code)
         if status == state.FAILED:
             log.error(
                 "run %s ended: exit %s (%s) %s", self.run_id, exit_code, kind and kind.value, message[:2000]

@@ -12,6 +12,7 @@ import random
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -22,6 +23,9 @@ from airflow_stream_provider.runtime.planner_workers import planner_kind
 from stack.events import BackgroundProducer, EventProducer
 from stack.jobs import check_exactly_once, wait_until
 from tests.backends import POSTGRESQL_THEN_SQLITE_IN_SOAK
+
+#: a job whose batch never ends: its ``results`` sleeps for an hour
+STUCK_ON_BATCH = Path(__file__).resolve().parents[1] / "fixtures" / "jobs" / "stuck_on_batch.py"
 
 
 def _end(producer) -> dict[int, int]:
@@ -220,6 +224,32 @@ def test_zombie_driver_is_fenced(broker, topic, runner):
 
     runner.process_backlog(_end(producer))
     assert check_exactly_once(runner.store, runner.spec.job_id, producer.produced)["read"] == 1600
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_fenced_driver_held_up_in_its_stop_ends_itself(broker, topic, runner):
+    """A batch never ends (a hung call in the job's ``results``), and the job is restarted from another host,
+    which cannot signal this driver: the new run takes the epoch.  The driver's main loop sees it and stops
+    its query, and the stop waits on the hung batch for good (Spark cannot interrupt a Python callback).
+    The fence watch ends the process one heartbeat timeout later, recorded as fenced."""
+    runner.application = str(STUCK_ON_BATCH)
+    runner.spec = dataclasses.replace(runner.spec, heartbeat_timeout_seconds=6.0)
+    producer = EventProducer(broker, topic)
+    producer.send(300)
+    zombie = runner.start()
+    runner.wait_running(zombie)
+    wait_until(lambda: "the batch's results hang" in runner.log_tail(zombie, 400), 120, "the batch to hang",
+               on_timeout=lambda: runner.log_tail(zombie))
+    newer = runner.store.begin_run(runner.spec.job_id, runner.spec.generation, runner.spec.version,
+                                   host="elsewhere (00000000)", pid=1)
+    taken = time.monotonic()
+    assert zombie.wait(90) == failures.EXIT_CONCURRENT, runner.log_tail(zombie)
+    assert time.monotonic() - taken >= 6.0, "ended by its main loop: its stop was not held up"
+    row = runner.run_row(zombie)
+    assert row.failure_kind == "CONCURRENT", row
+    assert "did not end within 6s" in row.termination_message, row.termination_message
+    assert f"current epoch is {newer.epoch}" in row.termination_message
+    assert runner.committed_batches() == 0
 
 
 # Detection happens against Kafka before anything touches the database: one database suffices.
