@@ -1,8 +1,10 @@
 """``python -m airflow_stream_provider``: a job's state at a glance, for on-call, without a running Airflow.
 
 ``status`` reads the state database (the password, if any, from STREAM_DATABASE_PASSWORD): the latest
-runs with their health inputs, the latest upgrade's phase, the task acting on the job, the generations and the stored offsets; with ``--checkpoint-root`` also
-what each generation's checkpoint holds (last batch, committed or not, its offsets).  ``prune`` applies a
+runs with their health inputs, a restart the job is owed (one that stopped its run and started none), the
+latest upgrade's phase, the task acting on the job, the generations and the stored offsets; with
+``--checkpoint-root`` also what each generation's checkpoint holds (last batch, committed or not, its
+offsets).  ``prune`` applies a
 retention policy to a job's archived generations (never to active ones).
 """
 
@@ -14,12 +16,17 @@ import sys
 import time
 from collections.abc import Sequence
 
-from airflow_stream_provider import diagnosis, kafka_offsets
+from airflow_stream_provider import diagnosis, kafka_offsets, recovery
 from airflow_stream_provider.state import schema
 from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.standbys import StandbyLog
 from airflow_stream_provider.state.store import StateStore
-from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase, UpgradeRecord
+from airflow_stream_provider.state.upgrades import (
+    LEAVES_THE_JOB_DOWN,
+    UpgradeLog,
+    UpgradePhase,
+    UpgradeRecord,
+)
 
 
 def _when(seconds: float | None) -> str:
@@ -40,9 +47,12 @@ def status(store: StateStore, job_id: str, runs: int = 5) -> str:
     generations = store.generations(job_id)
     latest = next((r for r in run_rows if not r.dry_run), None)
     found = diagnosis.diagnose(job_id, latest, driver_alive=None, lag=None)
+    if found.health in recovery.INTERRUPTIBLE:  # down because a restart stopped it and launched nothing
+        found = recovery.with_interrupted_restart(found, store.latest_restart(job_id))
     out = [f"job {job_id}: {found.health.value}"
            + (f"/{found.failure_kind.value}" if found.failure_kind else ""),
-           *(f"  {line}" for line in found.evidence)]
+           *(f"  {line}" for line in found.evidence),
+           *([f"  {found.advice}"] if found.restart_owed else [])]
     upgrade = UpgradeLog(store).latest(job_id)
     if upgrade is not None:
         out.append(_upgrade_line(upgrade))
@@ -74,8 +84,14 @@ def _upgrade_line(upgrade: UpgradeRecord) -> str:
     versions = f"{upgrade.from_version or '?'} -> {upgrade.to_version or '?'}"
     if upgrade.phase == UpgradePhase.DONE:
         return f"last upgrade {versions}: {upgrade.result or 'done'} at {_when(upgrade.updated_at)}"
-    return (f"upgrade {versions} in progress: {upgrade.phase.value} since {_when(upgrade.updated_at)} "
+    line = (f"upgrade {versions} in progress: {upgrade.phase.value} since {_when(upgrade.updated_at)} "
             f"(started {_when(upgrade.started_at)}); a retry of the upgrade task resumes or rolls it back")
+    if upgrade.phase in LEAVES_THE_JOB_DOWN and upgrade.detail.get("live_run_id"):
+        # whether its task has ended is Airflow's to say, which this command does not ask
+        task = f"its task {upgrade.task}" if upgrade.task else "its task"
+        line += (f"; should {task} have ended without either, stream_health's recover ends the upgrade and "
+                 "restarts the version that ran before")
+    return line
 
 
 def checkpoint_history(checkpoint_root: str, job_id: str, checkpoint_conn_id: str | None = None) -> str:

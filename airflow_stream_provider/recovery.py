@@ -40,7 +40,7 @@ says so; otherwise it waits the crash-loop backoff first.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
@@ -117,6 +117,45 @@ def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]]) 
     begun = (newest.get("action") == RecoveryAction.RESTART and newest.get("new_run_id") is None
              and newest.get("cancelled_at") is None)  # a stop asked for since closes it
     return newest if begun and newest.get("failed_run_id") == found.run_id else None
+
+
+def with_abandoned_upgrade(found: Diagnosis, upgrade: UpgradeRecord | None,
+                           ended: Callable[[str], bool]) -> Diagnosis:
+    """``found`` with the restart it is owed noted (``Diagnosis.interrupted_restart``), where the job is down
+    because an upgrade stopped its run and the upgrade's task ended without finishing or undoing that: its
+    worker lost, killed while deferred where no trigger undid it, or failed past the stop on its last try.
+    ``upgrade``: the job's latest upgrade in a phase that leaves it down (``UpgradeLog.leaving_down``);
+    ``ended``: whether Airflow says a task instance has ended (a retry to come is not).  The recovery ends
+    the upgrade and restarts the run it stopped, with the code that ran before."""
+    if upgrade is None or found.restart_owed or found.health not in INTERRUPTIBLE:
+        return found
+    if not upgrade.detail.get("live_run_id") or not upgrade.task:  # it stopped nothing; or an older release's
+        return found
+    if not ended(upgrade.task):  # at work (or Airflow cannot say): its own task finishes or undoes it
+        return found
+    found.interrupted_restart = {"at": upgrade.updated_at, "upgrade_id": upgrade.upgrade_id,
+                                 "failed_run_id": upgrade.detail["live_run_id"],
+                                 "reason": f"upgrade {upgrade.upgrade_id} to version {upgrade.to_version} left in "
+                                           f"phase {upgrade.phase.value}"}
+    found.evidence.append(f"upgrade {upgrade.upgrade_id} to version {upgrade.to_version} has been in phase "
+                          f"{upgrade.phase.value} since {clock(upgrade.updated_at)}, and its task "
+                          f"{upgrade.task} has ended in Airflow without finishing it: nobody brings the job back")
+    found.advice = ("A recovery ends the upgrade and restarts the version that ran before from the checkpoint "
+                    "(stream_health does so by itself).")
+    return found
+
+
+def with_interrupted_restart(found: Diagnosis, last_restart: Mapping[str, Any] | None) -> Diagnosis:
+    """``found`` with the restart it is owed noted (``Diagnosis.interrupted_restart``), where the job's newest
+    restart (``last_restart``) stopped its run and launched nothing after."""
+    owed = interrupted_restart(found, [last_restart] if last_restart else [])
+    if owed is None:
+        return found
+    found.interrupted_restart = {"at": owed["at"], "reason": owed.get("reason")}
+    found.evidence.append(f"the restart begun at {clock(owed['at'])} ({owed.get('reason')}) stopped "
+                          "this run and started no new one: nobody asked for this stop")
+    found.advice = "A recovery finishes the restart from the checkpoint (stream_health does so by itself)."
+    return found
 
 
 def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBudget,

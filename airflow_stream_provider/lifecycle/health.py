@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import cached_property, partial
-from typing import Any
 
 from airflow_stream_provider import diagnosis, local_driver, recovery
 from airflow_stream_provider.diagnosis import Diagnosis, Thresholds
@@ -19,7 +18,7 @@ from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle.holders import task_ended
 from airflow_stream_provider.state.records import RunRecord, RunStatus
 from airflow_stream_provider.state.standbys import STANDBY, StandbyLog, StandbyRecord, StandbyStatus
-from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradeRecord
+from airflow_stream_provider.state.upgrades import UpgradeLog
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +66,9 @@ class HealthProbe:
         found = diagnosis.diagnose(self.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
         self.state.record_death(run, found)
         if found.health in recovery.INTERRUPTIBLE:  # only a run that is down can be owed a restart
-            found = with_interrupted_restart(found, self.state.store.latest_restart(self.job_id))
+            found = recovery.with_interrupted_restart(found, self.state.store.latest_restart(self.job_id))
             upgrade = None if found.restart_owed else self.upgrades.leaving_down(self.job_id).get(self.job_id)
-            found = with_abandoned_upgrade(found, upgrade, partial(task_ended, log=log))
+            found = recovery.with_abandoned_upgrade(found, upgrade, partial(task_ended, log=log))
         return run, with_standby(found, run, self.standbys, self.thresholds)
 
     @cached_property
@@ -82,45 +81,6 @@ class HealthProbe:
 
     def close(self) -> None:
         self.state.close()
-
-
-def with_abandoned_upgrade(found: Diagnosis, upgrade: UpgradeRecord | None,
-                           ended: Callable[[str], bool]) -> Diagnosis:
-    """``found`` with the restart it is owed noted (``Diagnosis.interrupted_restart``), where the job is down
-    because an upgrade stopped its run and the upgrade's task ended without finishing or undoing that: its
-    worker lost, killed while deferred where no trigger undid it, or failed past the stop on its last try.
-    ``upgrade``: the job's latest upgrade in a phase that leaves it down (``UpgradeLog.leaving_down``);
-    ``ended``: whether Airflow says a task instance has ended (a retry to come is not).  The recovery ends
-    the upgrade and restarts the run it stopped, with the code that ran before."""
-    if upgrade is None or found.restart_owed or found.health not in recovery.INTERRUPTIBLE:
-        return found
-    if not upgrade.detail.get("live_run_id") or not upgrade.task:  # it stopped nothing; or an older release's
-        return found
-    if not ended(upgrade.task):  # at work (or Airflow cannot say): its own task finishes or undoes it
-        return found
-    found.interrupted_restart = {"at": upgrade.updated_at, "upgrade_id": upgrade.upgrade_id,
-                                 "failed_run_id": upgrade.detail["live_run_id"],
-                                 "reason": f"upgrade {upgrade.upgrade_id} to version {upgrade.to_version} left in "
-                                           f"phase {upgrade.phase.value}"}
-    found.evidence.append(f"upgrade {upgrade.upgrade_id} to version {upgrade.to_version} has been in phase "
-                          f"{upgrade.phase.value} since {diagnosis.clock(upgrade.updated_at)}, and its task "
-                          f"{upgrade.task} has ended in Airflow without finishing it: nobody brings the job back")
-    found.advice = ("A recovery ends the upgrade and restarts the version that ran before from the checkpoint "
-                    "(stream_health does so by itself).")
-    return found
-
-
-def with_interrupted_restart(found: Diagnosis, last_restart: Mapping[str, Any] | None) -> Diagnosis:
-    """``found`` with the restart it is owed noted (``Diagnosis.interrupted_restart``), where the job's newest
-    restart (``last_restart``) stopped its run and launched nothing after."""
-    owed = recovery.interrupted_restart(found, [last_restart] if last_restart else [])
-    if owed is None:
-        return found
-    found.interrupted_restart = {"at": owed["at"], "reason": owed.get("reason")}
-    found.evidence.append(f"the restart begun at {diagnosis.clock(owed['at'])} ({owed.get('reason')}) stopped "
-                          "this run and started no new one: nobody asked for this stop")
-    found.advice = "A recovery finishes the restart from the checkpoint (stream_health does so by itself)."
-    return found
 
 
 # -- the warm standby ----------------------------------------------------------------------------------

@@ -48,12 +48,9 @@ from airflow_stream_provider.diagnosis import (
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
-from airflow_stream_provider.lifecycle.health import (
-    with_abandoned_upgrade,
-    with_interrupted_restart,
-    with_standby,
-)
+from airflow_stream_provider.lifecycle.health import with_standby
 from airflow_stream_provider.lifecycle.holders import task_ended
+from airflow_stream_provider.recovery import with_abandoned_upgrade, with_interrupted_restart
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.standbys import StandbyLog
 from airflow_stream_provider.state.store import HealthReportKey, WatchedJob

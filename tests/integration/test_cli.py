@@ -39,9 +39,16 @@ def test_status_shows_where_an_upgrade_stands(tmp_path, capsys):
     store.begin_run("orders", 1, "1.0")
     log = UpgradeLog(store)
     upgrade_id = log.begin("orders", "1.0", "2.0", {})
+    log.move(upgrade_id, UpgradePhase.STOPPING, {"live_run_id": "r1"})
+    assert main(["status", "--database-url", url, "--job-id", "orders"]) == 0
+    out = capsys.readouterr().out
+    assert "upgrade 1.0 -> 2.0 in progress: STOPPING" in out
+    assert "have ended without either, stream_health's recover ends the upgrade" in out
+
     log.move(upgrade_id, UpgradePhase.VERIFYING, {"new_run_id": "r2"})
     assert main(["status", "--database-url", url, "--job-id", "orders"]) == 0
-    assert "upgrade 1.0 -> 2.0 in progress: VERIFYING" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "upgrade 1.0 -> 2.0 in progress: VERIFYING" in out and "stream_health" not in out
 
     log.move(upgrade_id, UpgradePhase.DONE, {}, result="rolled back")
     assert main(["status", "--database-url", url, "--job-id", "orders"]) == 0
@@ -52,6 +59,28 @@ def test_status_shows_where_an_upgrade_stands(tmp_path, capsys):
     store.dispose()
     assert main(["status", "--database-url", url, "--job-id", "orders"]) == 0
     assert "acting on the job: task stream_stop/manual__1/stop/-1 (stop, for 0 s" in capsys.readouterr().out
+
+
+def test_status_shows_a_restart_that_stopped_the_run_and_started_none(tmp_path, capsys):
+    """A restart's task was lost between its stop and its launch: the job reads STOPPED, yet nobody asked for
+    that stop, and the next recovery finishes the restart.  On-call sees both, not a plain STOPPED."""
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    store = StateStore.from_url(url)
+    store.ensure_schema()
+    run = store.begin_run("orders", 1, "1.0")
+    store.record_restart("orders", "restart", "STUCK: no batch for 300s", run.run_id, None)
+    store.finish_run(run.run_id, status="STOPPED", exit_code=0, message="stopped")
+    assert main(["status", "--database-url", url, "--job-id", "orders"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("job orders: STOPPED")
+    assert "(STUCK: no batch for 300s) stopped this run and started no new one" in out
+    assert "A recovery finishes the restart from the checkpoint" in out
+
+    store.cancel_begun_restarts("orders")  # a person's stop since: the stop is theirs, nothing is owed
+    store.dispose()
+    assert main(["status", "--database-url", url, "--job-id", "orders"]) == 0
+    out = capsys.readouterr().out
+    assert "started no new one" not in out and "A recovery finishes" not in out
 
 
 def test_status_on_a_database_without_stream_state_says_so(tmp_path, capsys):

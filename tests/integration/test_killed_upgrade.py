@@ -17,10 +17,9 @@ from airflow_stream_provider import recovery
 from airflow_stream_provider.budget import RestartBudget
 from airflow_stream_provider.diagnosis import diagnose
 from airflow_stream_provider.lifecycle import health
-from airflow_stream_provider.lifecycle.health import with_interrupted_restart
 from airflow_stream_provider.lifecycle.killed import KilledTask, undo
 from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
-from airflow_stream_provider.recovery import RecoveryAction
+from airflow_stream_provider.recovery import RecoveryAction, with_interrupted_restart
 from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 from tests.integration.task_state import TaskStateStore

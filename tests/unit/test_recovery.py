@@ -7,12 +7,12 @@ import pytest
 from airflow_stream_provider.budget import RestartBudget
 from airflow_stream_provider.diagnosis import Diagnosis, Health
 from airflow_stream_provider.failures import FailureKind, Recovery
-from airflow_stream_provider.lifecycle.health import with_abandoned_upgrade
 from airflow_stream_provider.recovery import (
     RecoveryAction,
     check_on_incompatible,
     decide_recovery,
     history_since,
+    with_abandoned_upgrade,
 )
 from airflow_stream_provider.state.upgrades import UpgradePhase, UpgradeRecord
 
@@ -239,7 +239,7 @@ def test_a_restart_owed_older_than_the_history_window_is_finished():
     (Health.STOPPED, True, True), (Health.DEAD, True, True), (Health.FAILED, True, True),
     (Health.STOPPED, False, False), (Health.HEALTHY, True, False), (Health.STARTING, True, False)])
 def test_a_job_an_upgrade_stopped_is_owed_a_restart_once_its_task_has_ended(health, ended, noted):
-    """The watcher's and the sensors' note (``lifecycle.health.with_abandoned_upgrade``): only a job that is
+    """The watcher's and the sensors' note (``recovery.with_abandoned_upgrade``): only a job that is
     down, only once Airflow says the upgrade's task has ended.  The recovery waits while the upgrade is in
     charge (the recover task ends it first), then restarts the run the upgrade stopped, whichever is latest."""
     upgrade = _upgrade(UpgradePhase.STOPPING, detail={"task": "stream_upgrade/r/upgrade/-1", "live_run_id": "r0"})
