@@ -3,13 +3,13 @@
 The harness's main loop reads the job's epoch with each heartbeat and ends a run that another run has taken
 the job from (``StreamHarness._fenced``).  It cannot when it is held up itself: a query's stop waits for a
 batch that never ends (a hung call in the job's ``results``: Spark's stop has no timeout by default and
-cannot interrupt a Python callback), or a call into a wedged JVM.  Such a driver neither heartbeats nor
-ends.  On its own host the watcher finds it STUCK and the stop's signals end it.  A watcher on another host
+cannot interrupt a Python callback), a start that hangs once the run is registered (a dependency that
+never answers), or a call into a wedged JVM.  Such a driver neither heartbeats nor ends.  On its own host the watcher finds it STUCK and the stop's signals end it.  A watcher on another host
 can neither see nor signal the process: it finds the run DEAD by its silence, and the job restarts beside
 it.  The new run's epoch refuses the old one's commits, but the old process would live on, holding its
 cores, its memory and its Python workers, with the checkpoint it could still write to.
 
-:class:`FenceWatch` reads the epoch on a thread of its own.  Once another run holds it and the main loop
+:class:`FenceWatch` reads the epoch on a thread of its own, from the moment the run takes it.  Once another run holds it and the main loop
 has not ended within ``grace_s``, it records the run's end (when the database answers) and ends the
 process as a kill -9 would: the sink and the checkpoint are made for that.
 """

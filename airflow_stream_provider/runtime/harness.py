@@ -139,6 +139,8 @@ class StreamHarness:
         self._planners_released = False
         #: a standby registers now and takes an epoch only when it takes over (see ``runtime.standby``)
         self.standby: Standby | None = None
+        #: ends the process should its main loop be held up once another run has taken the job (``_begin``)
+        self._fence_watch: FenceWatch | None = None
         #: set while this thread builds a standby's warm-up query (a standby re-runs it in the background)
         self._warming = threading.local()
         if warm_up_only:
@@ -166,12 +168,14 @@ class StreamHarness:
         #: the job reads a second stream (``kafka_stream``), which the sink cannot read again from Kafka for
         #: a batch it must apply without its frame: its batches commit in line (no write-behind)
         self._second_stream = False
-        #: ends the process should the main loop be held up once another run has taken the job
-        self._fence_watch: FenceWatch | None = None
 
     def _begin(self, ticket: state.RunTicket) -> None:
         spec = self.spec
         self.ticket = ticket
+        if not spec.dry_run:  # from the epoch on, for the whole run: a start can hang as well as a stop
+            self._fence_watch = FenceWatch.for_run(self.store, spec.job_id, self.run_id, ticket.epoch,
+                                                   heartbeat_s=spec.heartbeat_seconds,
+                                                   heartbeat_timeout_s=spec.heartbeat_timeout_seconds).start()
         log.info(
             "job %s version %s generation %s: run %s holds epoch %s%s",
             spec.job_id,
@@ -267,11 +271,6 @@ class StreamHarness:
             self.startup.done("source")
             query = self._start_query(records, results)
             self.startup.done("query_start")
-            if not self.spec.dry_run:  # a dry run holds no epoch of its own
-                self._fence_watch = FenceWatch.for_run(
-                    self.store, self.spec.job_id, self.run_id, self.ticket.epoch,
-                    heartbeat_s=self.spec.heartbeat_seconds,
-                    heartbeat_timeout_s=self.spec.heartbeat_timeout_seconds).start()
             return self._watch(query)
         except StartupError as err:
             return self._finish(state.FAILED, err.exit_code, err.kind, None, str(err))

@@ -26,6 +26,8 @@ from tests.backends import POSTGRESQL_THEN_SQLITE_IN_SOAK
 
 #: a job whose batch never ends: its ``results`` sleeps for an hour
 STUCK_ON_BATCH = Path(__file__).resolve().parents[1] / "fixtures" / "jobs" / "stuck_on_batch.py"
+#: a job whose start hangs once its run is registered
+HANGS_ON_START = STUCK_ON_BATCH.with_name("hangs_on_start.py")
 
 
 def _end(producer) -> dict[int, int]:
@@ -227,24 +229,30 @@ def test_zombie_driver_is_fenced(broker, topic, runner):
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-def test_a_fenced_driver_held_up_in_its_stop_ends_itself(broker, topic, runner):
-    """A batch never ends (a hung call in the job's ``results``), and the job is restarted from another host,
-    which cannot signal this driver: the new run takes the epoch.  The driver's main loop sees it and stops
-    its query, and the stop waits on the hung batch for good (Spark cannot interrupt a Python callback).
-    The fence watch ends the process one heartbeat timeout later, recorded as fenced."""
-    runner.application = str(STUCK_ON_BATCH)
+@pytest.mark.parametrize("held_up", ["in_its_stop", "in_its_start"])
+def test_a_fenced_driver_held_up_ends_itself(broker, topic, runner, held_up):
+    """The job is restarted from another host, which cannot signal this driver: the new run takes the epoch.
+    The driver is held up where its main loop cannot see that: in its query's stop, which waits for good on
+    a batch that never ends (a hung call in the job's ``results``: Spark cannot interrupt a Python
+    callback), or in a start that hangs once registered (a dependency that never answers).  The fence
+    watch ends the process one heartbeat timeout later, recorded as fenced."""
+    runner.application = str(STUCK_ON_BATCH if held_up == "in_its_stop" else HANGS_ON_START)
     runner.spec = dataclasses.replace(runner.spec, heartbeat_timeout_seconds=6.0)
     producer = EventProducer(broker, topic)
     producer.send(300)
     zombie = runner.start()
-    runner.wait_running(zombie)
-    wait_until(lambda: "the batch's results hang" in runner.log_tail(zombie, 400), 120, "the batch to hang",
-               on_timeout=lambda: runner.log_tail(zombie))
+    if held_up == "in_its_stop":
+        runner.wait_running(zombie)
+        wait_until(lambda: "the batch's results hang" in runner.log_tail(zombie, 400), 120, "the batch to hang",
+                   on_timeout=lambda: runner.log_tail(zombie))
+    else:
+        wait_until(lambda: runner.run_row(zombie), 120, "the driver to register",
+                   on_timeout=lambda: runner.log_tail(zombie))
     newer = runner.store.begin_run(runner.spec.job_id, runner.spec.generation, runner.spec.version,
                                    host="elsewhere (00000000)", pid=1)
     taken = time.monotonic()
     assert zombie.wait(90) == failures.EXIT_CONCURRENT, runner.log_tail(zombie)
-    assert time.monotonic() - taken >= 6.0, "ended by its main loop: its stop was not held up"
+    assert time.monotonic() - taken >= 6.0, "ended by its main loop: it was not held up"
     row = runner.run_row(zombie)
     assert row.failure_kind == "CONCURRENT", row
     assert "did not end within 6s" in row.termination_message, row.termination_message
