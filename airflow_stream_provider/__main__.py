@@ -4,8 +4,7 @@
 runs with their health inputs, a restart the job is owed (one that stopped its run and started none), the
 latest upgrade's phase, the task acting on the job, the generations and the stored offsets; with
 ``--checkpoint-root`` also what each generation's checkpoint holds (last batch, committed or not, its
-offsets).  ``prune`` applies a
-retention policy to a job's archived generations (never to active ones).
+offsets).  ``prune`` applies a retention policy to a job's archived generations (never to active ones).
 """
 
 from __future__ import annotations
@@ -89,8 +88,8 @@ def _upgrade_line(upgrade: UpgradeRecord) -> str:
     if upgrade.phase in LEAVES_THE_JOB_DOWN and upgrade.detail.get("live_run_id"):
         # whether its task has ended is Airflow's to say, which this command does not ask
         task = f"its task {upgrade.task}" if upgrade.task else "its task"
-        line += (f"; should {task} have ended without either, stream_health's recover ends the upgrade and "
-                 "restarts the version that ran before")
+        line += (f"; if {task} has ended without resuming or rolling it back, stream_health's recover ends the "
+                 "upgrade and restarts the version that ran before")
     return line
 
 

@@ -30,6 +30,13 @@ from airflow_stream_provider.state.records import RunRecord
 if TYPE_CHECKING:
     from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 
+#: spark-submit ends its JVM once the Python driver exits.  Without it, a driver that exits 0 leaves the JVM
+#: running for as long as one non-daemon thread lives (a library's timer, a stop that hangs on a batch):
+#: seen with a ``java.util.Timer`` left behind, spark-submit still running 40 s after its driver exited 0.
+#: A non-zero exit ends it either way.
+EXIT_ON_MAIN_EXIT = "spark.submit.callSystemExitOnMainExit"
+
+
 @dataclass(frozen=True)
 class Kill:
     """What a kill did.  ``done`` only where the driver is known ended (killed here, or by a cluster manager
@@ -122,8 +129,9 @@ class StreamDriverHook(BaseHook):
         """The driver's Spark conf with what shortens its JVM's start and bounds its memory: C2 kept to
         really hot code (``jvm_jit``), the serial collector on a heap that grows as needed (``jvm_heap``),
         and the installation's class-data-sharing archive (``jvm_archive``), mapped in when it exists,
-        started in the background when it does not."""
-        conf = dict(self.conf)
+        started in the background when it does not.  The JVM ends when the Python driver does
+        (``EXIT_ON_MAIN_EXIT``) unless the deployment's conf says otherwise."""
+        conf = {EXIT_ON_MAIN_EXIT: "true", **self.conf}
         options = conf[jvm_archive.JAVA_OPTIONS] = jvm_heap.startup_options(
             jvm_jit.startup_options(conf.get(jvm_archive.JAVA_OPTIONS, "")), conf.get("spark.driver.memory"))
         if jvm_archive.chosen_by_user(options):

@@ -16,6 +16,7 @@ the driver ended (see ``failures``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import logging
 import os
@@ -628,33 +629,34 @@ class StreamHarness:
         landed = self._flush_writes()
         if landed is not None and status == state.STOPPED:  # a clean stop leaves every batch in the database
             return self._failed(landed)
-        # A TRANSIENT end is often the state database itself going away: keep trying for a while, so the
-        # provider reads "transient, restart when it is back" instead of a driver that vanished.
-        deadline = time.monotonic() + (FINISH_RETRY_S if kind == failures.FailureKind.TRANSIENT else 0)
-        while True:
-            try:
-                self.store.finish_run(
-                    self.run_id,
-                    status=status,
-                    exit_code=exit_code,
-                    failure_kind=kind.value if kind else None,
-                    error_class=error_class,
-                    message=message,
-                )
-                break
-            except Exception as err:
-                if time.monotonic() >= deadline:
-                    log.error("could not record the end of run %s: %r", self.run_id, err)
-                    break
-                log.warning("could not record the end of run %s yet (%r); retrying", self.run_id, err)
-                time.sleep(2)
-        if self._fence_watch is not None:
-            self._fence_watch.ended(exit_code)
+        watch = self._fence_watch
+        with watch.recording if watch is not None else contextlib.nullcontext():  # one end is written
+            if self._record_end(status, exit_code, kind, error_class, message) and watch is not None:
+                watch.ended(exit_code)
         if status == state.FAILED:
             log.error(
                 "run %s ended: exit %s (%s) %s", self.run_id, exit_code, kind and kind.value, message[:2000]
             )
         return exit_code
+
+    def _record_end(self, status: str, exit_code: int, kind: failures.FailureKind | None, error_class: str | None,
+                    message: str) -> bool:
+        """Record why the run ended; whether that was written."""
+        # A TRANSIENT end is often the state database itself going away: keep trying for a while, so the
+        # provider reads "transient, restart when it is back" instead of a driver that vanished.
+        deadline = time.monotonic() + (FINISH_RETRY_S if kind == failures.FailureKind.TRANSIENT else 0)
+        while True:
+            try:
+                self.store.finish_run(self.run_id, status=status, exit_code=exit_code,
+                                      failure_kind=kind.value if kind else None, error_class=error_class,
+                                      message=message)
+                return True
+            except Exception as err:
+                if time.monotonic() >= deadline:
+                    log.error("could not record the end of run %s: %r", self.run_id, err)
+                    return False
+                log.warning("could not record the end of run %s yet (%r); retrying", self.run_id, err)
+                time.sleep(2)
 
     def _flush_writes(self) -> Exception | None:
         """The query has stopped: wait for the batch handed to the sink's writer; what kept it from landing,

@@ -43,7 +43,7 @@ def test_status_shows_where_an_upgrade_stands(tmp_path, capsys):
     assert main(["status", "--database-url", url, "--job-id", "orders"]) == 0
     out = capsys.readouterr().out
     assert "upgrade 1.0 -> 2.0 in progress: STOPPING" in out
-    assert "have ended without either, stream_health's recover ends the upgrade" in out
+    assert "has ended without resuming or rolling it back, stream_health's recover ends the upgrade" in out
 
     log.move(upgrade_id, UpgradePhase.VERIFYING, {"new_run_id": "r2"})
     assert main(["status", "--database-url", url, "--job-id", "orders"]) == 0
