@@ -92,20 +92,16 @@ class FenceWatch:
 
     def _end_process(self, epoch: int) -> None:
         with self.recording:  # held to the exit: the main loop records nothing after this
-            code = self._ended_with
-            if code is None:
-                code = failures.EXIT_CONCURRENT
-                self._record(epoch, code)
-            else:
-                log.error("run %s ended (exit %s) and another run holds the job, but the process still lives "
-                          "%.0fs later: it exits", self.run_id, code, self.grace_s)
-            for stream in (*(h.stream for h in logging.getLogger().handlers if hasattr(h, "stream")),
-                           sys.stdout, sys.stderr):  # os._exit flushes nothing
-                try:
-                    stream.flush()
-                except (OSError, ValueError):
-                    pass
-            self._exit(code)
+            code = self._ended_with if self._ended_with is not None else failures.EXIT_CONCURRENT
+            try:
+                if self._ended_with is None:
+                    self._record(epoch, code)
+                else:
+                    log.error("run %s ended (exit %s) and another run holds the job, but the process still "
+                              "lives %.0fs later: it exits", self.run_id, code, self.grace_s)
+                _flush_output()
+            finally:  # whatever the record or the flush raised, the process ends
+                self._exit(code)
 
     def _record(self, epoch: int, code: int) -> None:
         message = (f"fenced: run {self.run_id} holds epoch {self.epoch} but the job's current epoch is {epoch} "
@@ -118,3 +114,12 @@ class FenceWatch:
                                   message=message)
         except Exception as err:
             log.error("could not record the end of run %s: %r", self.run_id, err)
+
+
+def _flush_output() -> None:
+    """``os._exit`` flushes nothing: what the driver logged and printed goes out first, as far as it can."""
+    for target in (*logging.getLogger().handlers, sys.stdout, sys.stderr):
+        try:
+            target.flush()
+        except Exception:  # a closed stream, a handler without one: nothing to flush there
+            pass

@@ -8,6 +8,7 @@ Real drivers held up in a stop and in a start are ended in ``tests/e2e/test_runt
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -92,6 +93,34 @@ def test_an_end_the_main_loop_records_meanwhile_is_the_one_kept(sqlite_store):
     assert exits.codes == [failures.EXIT_STOPPED]
     run = sqlite_store.get_run(ticket.run_id)
     assert run.status == state.STOPPED and run.termination_message == "stopped", run
+
+
+class _BrokenHandler(logging.StreamHandler):
+    """A log handler whose stream was taken away (seen in a pytest worker), and whose flush fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.stream = None
+
+    def emit(self, record):
+        pass
+
+    def flush(self):
+        raise ValueError("I/O operation on closed file")
+
+
+def test_output_that_cannot_be_flushed_does_not_keep_the_process_alive(sqlite_store):
+    ticket = sqlite_store.begin_run("job", 0, "1.0", host="here", pid=1)
+    broken = _BrokenHandler()
+    logging.getLogger().addHandler(broken)
+    try:
+        exits = Exits()
+        watch(sqlite_store, ticket, exits)
+        sqlite_store.begin_run("job", 0, "1.0", host="elsewhere (00000000)", pid=2)
+        assert exits.called.wait(GRACE_S + 20 * EVERY_S), "the watch died flushing the log"
+    finally:
+        logging.getLogger().removeHandler(broken)
+    assert exits.codes == [failures.EXIT_CONCURRENT]
 
 
 def test_an_unreachable_database_is_no_reason_to_end(sqlite_store, monkeypatch):
