@@ -30,6 +30,12 @@ from airflow_stream_provider.state import store as state
 log = logging.getLogger("airflow_stream_provider.fence_watch")
 
 
+def fenced(run_id: str, held: int, current: int) -> str:
+    """Why a run ends fenced, as its main loop and the watch both record it."""
+    return (f"fenced: run {run_id} holds epoch {held} but the job's current epoch is {current} (a newer run "
+            "took the job over)")
+
+
 class FenceWatch:
     """Watches one run's epoch from a daemon thread; see the module's docstring.
 
@@ -104,8 +110,7 @@ class FenceWatch:
                 self._exit(code)
 
     def _record(self, epoch: int, code: int) -> None:
-        message = (f"fenced: run {self.run_id} holds epoch {self.epoch} but the job's current epoch is {epoch} "
-                   f"(a newer run took the job over), and its main loop did not end within "
+        message = (f"{fenced(self.run_id, self.epoch, epoch)}, and its main loop did not end within "
                    f"{self.grace_s:.0f}s (held up in a stop or a Spark call): the process ends itself")
         log.error("%s", message)
         try:

@@ -46,7 +46,7 @@ from airflow_stream_provider.runtime.checkpoint_log import (
     WriteBehindMarks,
     remove_unfinished_first_entry,
 )
-from airflow_stream_provider.runtime.fence_watch import FenceWatch
+from airflow_stream_provider.runtime.fence_watch import FenceWatch, fenced
 from airflow_stream_provider.runtime.generation_start import GenerationStart
 from airflow_stream_provider.runtime.listener import StateListener
 from airflow_stream_provider.runtime.poison import POISON_POLICIES, keeps_state
@@ -571,8 +571,7 @@ class StreamHarness:
     def _fenced(self, query: StreamingQuery, epoch: int) -> int:
         """Another run took the job's epoch (a standby or a new launch found this driver dead, e.g. after a
         long pause): this one's commits are rejected from now on, so it ends at once."""
-        message = (f"fenced: run {self.run_id} holds epoch {self.ticket.epoch} but the job's current epoch is "
-                   f"{epoch} (a newer run took the job over); its commits would be rejected, so it ends")
+        message = f"{fenced(self.run_id, self.ticket.epoch, epoch)}; its commits would be rejected, so it ends"
         log.error("%s", message)
         query.stop()
         return self._finish(state.FAILED, failures.exit_code_for(failures.FailureKind.CONCURRENT),
