@@ -38,8 +38,8 @@ MISSING_STANDBY = "MISSING"
 # -- conditions: what a watcher reports and a sensor waits for -----------------------------------------
 #: A healthy run that wants a warm standby and has none (``Diagnosis.needs_standby``).
 NO_STANDBY = "NO_STANDBY"
-#: A run a restart stopped and launched nothing after (``Diagnosis.restart_owed``): STOPPED (or DEAD) by
-#: its health, yet nobody asked for the stop.
+#: A run a restart (or a reset) stopped and launched nothing after (``Diagnosis.restart_owed``): STOPPED
+#: (or DEAD) by its health, yet nobody asked for the stop.
 INTERRUPTED_RESTART = "INTERRUPTED_RESTART"
 #: Every condition a job can be in: its health values and the two above.
 CONDITIONS = (*(h.value for h in Health), NO_STANDBY, INTERRUPTED_RESTART)
@@ -83,9 +83,9 @@ class Diagnosis:
     standby: str | None = None
     #: for a DEAD or FAILED run that was asked to stop (epoch seconds): it ended before it stopped cleanly
     stop_requested_at: float | None = None
-    #: for a STOPPED or DEAD run that a restart stopped and launched nothing after (its launch failed, its
-    #: task was lost): that restart's ``at`` and ``reason``.  No one asked for this stop: the job is down
-    #: until a recovery finishes the restart (``recovery.interrupted_restart``)
+    #: for a STOPPED or DEAD run that a restart or a reset stopped and launched nothing after (its launch
+    #: failed, its task was lost): that record's ``at``, ``reason`` and ``action``.  No one asked for this
+    #: stop: the job is down until a recovery finishes it (``recovery.interrupted_restart``)
     interrupted_restart: dict[str, Any] | None = None
     #: for a HEALTHY run whose driver process is alive but silent past its heartbeat timeout (hung, frozen,
     #: in a long pause): when it counts as STUCK if it stays silent (epoch seconds).  A watcher that cannot

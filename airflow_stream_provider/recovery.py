@@ -11,6 +11,9 @@ STARTING, HEALTHY          any              nothing
 STOPPED or DEAD by the     any              restart from the checkpoint: the restart was interrupted
 stop of a restart that                      after its stop (its launch failed, its task was lost)
 started no run after it
+STOPPED or DEAD by the     any              reset: finish the reset someone asked for (its launch failed,
+stop of a reset that                        its task was lost), whose archive may be done already
+started no run after it
 STOPPED                    any              nothing: a clean stop was asked for by someone
 DEAD after a stop was      any              nothing: the stop had to kill its driver, or it died during
 asked for                                   the stop; a restart would undo the stop
@@ -105,18 +108,29 @@ def upgrade_in_charge(upgrade: UpgradeRecord | None, now: float) -> bool:
 INTERRUPTIBLE = (Health.STOPPED, Health.DEAD, Health.FAILED)
 
 
+#: What a restart record begun before its stop may owe the job: a restart, or a reset someone asked for.
+OWED_ACTIONS = (RecoveryAction.RESTART, RecoveryAction.RESET)
+#: How a recovery finishes each of them.
+_FINISHES = {RecoveryAction.RESTART: "restart from the checkpoint",
+             RecoveryAction.RESET: "reset: a new generation from the stored offsets"}
+
+
+def begun(row: Mapping[str, Any] | None) -> bool:
+    """``row`` (a restart record) was begun before its stop and launched nothing yet, and no stop asked for
+    since closed it (``StopStreamingJobOperator`` does)."""
+    return (row is not None and row.get("action") in OWED_ACTIONS and row.get("new_run_id") is None
+            and row.get("cancelled_at") is None)
+
+
 def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
-    """The restart that stopped ``found``'s run and started none after it (its launch failed, its task was
-    lost): the newest restart begun for that run without a new run, when nothing came after it and no stop
-    was asked for since (``StopStreamingJobOperator`` closes it)."""
+    """The restart or reset that stopped ``found``'s run and started none after it (its launch failed, its
+    task was lost): the newest record begun for that run (``begun``), when nothing came after it."""
     if found.run_id is None or found.health not in INTERRUPTIBLE or not history:
         return None
     if found.health != Health.STOPPED and found.stop_requested_at is None:  # no stop ended it: plainly down
         return None
     newest = history[-1]
-    begun = (newest.get("action") == RecoveryAction.RESTART and newest.get("new_run_id") is None
-             and newest.get("cancelled_at") is None)  # a stop asked for since closes it
-    return newest if begun and newest.get("failed_run_id") == found.run_id else None
+    return newest if begun(newest) and newest.get("failed_run_id") == found.run_id else None
 
 
 def with_abandoned_upgrade(found: Diagnosis, upgrade: UpgradeRecord | None,
@@ -151,11 +165,14 @@ def with_interrupted_restart(found: Diagnosis, last_restart: Mapping[str, Any] |
     owed = interrupted_restart(found, [last_restart] if last_restart else [])
     if owed is None:
         return found
-    found.interrupted_restart = {"at": owed["at"], "reason": owed.get("reason")}
-    found.evidence.append(f"the restart begun at {clock(owed['at'])} ({owed.get('reason')}) stopped "
+    action = owed.get("action") or RecoveryAction.RESTART
+    found.interrupted_restart = {"at": owed["at"], "reason": owed.get("reason"), "action": action,
+                                 "failed_run_id": owed.get("failed_run_id")}
+    found.evidence.append(f"the {action} begun at {clock(owed['at'])} ({owed.get('reason')}) stopped "
                           "this run and started no new one: nobody asked for this stop")
-    found.advice = "A recovery finishes the restart from the checkpoint (stream_health does so by itself)."
+    found.advice = f"A recovery finishes the {_FINISHES[action]} (stream_health does so by itself)."
     return found
+
 
 
 def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBudget,
@@ -167,9 +184,11 @@ def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBu
     # the history looks back a window only; the diagnosis found the newest restart however old
     interrupted = interrupted_restart(found, history) or found.interrupted_restart
     if interrupted is not None and not upgrade_in_charge(upgrade, now):
-        decision = _within_budget(found, budget, history, now, RecoveryAction.RESTART,
-                                  f"{found.summary()}: the restart begun at {clock(interrupted['at'])} stopped it "
-                                  "and started no new run; finishing that restart from the checkpoint",
+        # a reset someone asked for is finished whatever ``on_incompatible`` says: its archive may be done
+        action = RecoveryAction(interrupted.get("action") or RecoveryAction.RESTART)
+        decision = _within_budget(found, budget, history, now, action,
+                                  f"{found.summary()}: the {action} begun at {clock(interrupted['at'])} stopped "
+                                  f"it and started no new run; finishing that {_FINISHES[action]}",
                                   interrupted.get("reason") or found.summary())
         return replace(decision, restart_run_id=interrupted.get("failed_run_id"))
     if found.health in (Health.STARTING, Health.HEALTHY, Health.STOPPED):

@@ -525,10 +525,26 @@ class StreamJobOperator(BaseOperator):
         launch that fails after the live run's stop goes to ``on_fail(context, error, **carry)`` when given."""
         flow = {"reason": reason, "allow_data_loss": allow_data_loss, "spec_json": spec_json,
                 "application": application, "after": after, "carry": carry, "on_fail": on_fail}
+        if on_fail is None:  # an upgrade (``on_fail``) undoes a failed reset itself: it rolls back
+            flow["failed_run_id"] = self._reset_begun(reason)
         return self.stop_live_then(context, "_reset_stopped", flow)
 
+    def _reset_begun(self, reason: str) -> str | None:
+        """The run this reset stops, recorded as a reset begun before the stop, as a restart is: if the
+        launch then fails or the task is lost, the stopped run is no stop someone asked for, and the next
+        recovery finishes the reset.  With no live run: the run a reset begun earlier stopped (this task's
+        retry, a recovery finishing it), whose record the launch then completes."""
+        live = self.live_run()
+        if live is None:
+            owed, latest = self.controller.latest_restart(), self.state.latest_run(self.job.job_id)
+            if recovery.begun(owed) and owed["action"] == "reset" and latest and owed["failed_run_id"] == latest.run_id:
+                return latest.run_id
+            return None
+        self.controller.record_restart("reset", reason, live.run_id, None)
+        return live.run_id
+
     def _reset_stopped(self, context, stopped, reason, allow_data_loss, spec_json, application, after,
-                       carry, on_fail=None) -> Any:
+                       carry, on_fail=None, failed_run_id=None) -> Any:
         job = StreamJobSpec.from_dict(json.loads(spec_json)) if spec_json else self.job
         try:
             reset = self.controller.before_reset(job, reason, allow_data_loss=allow_data_loss)
@@ -537,15 +553,18 @@ class StreamJobOperator(BaseOperator):
                 return self.resume(context, on_fail, err, carry)
             raise
         return self.launch_reset(context, job, reset, reason, after, carry, application=application,
-                                 on_fail=on_fail)
+                                 on_fail=on_fail, failed_run_id=failed_run_id)
 
     def launch_reset(self, context, job: StreamJobSpec, reset: dict[str, Any], reason: str, after: str,
-                     carry: dict[str, Any], *, application: str | None = None, on_fail: str | None = None) -> Any:
-        """Launch ``job`` on the generation ``reset`` prepared (``before_reset``), then ``after``."""
+                     carry: dict[str, Any], *, application: str | None = None, on_fail: str | None = None,
+                     failed_run_id: str | None = None) -> Any:
+        """Launch ``job`` on the generation ``reset`` prepared (``before_reset``), then ``after``; the launch
+        completes the record of the reset begun by the stop of ``failed_run_id`` (``_reset_begun``)."""
         flow = {"reason": reason, "reset": reset, "after": after, "carry": carry, "on_fail": on_fail}
         return self.launch_then(context, "_reset_launched", flow, application=application,
                                 spec_json=job.to_json(), generation=reset["generation"],
-                                starting_offsets=reset["starting_offsets"], restart=("reset", reason, None),
+                                starting_offsets=reset["starting_offsets"],
+                                restart=("reset", reason, failed_run_id),
                                 on_fail="_reset_failed" if on_fail else None)
 
     def _reset_failed(self, context, error, reason, reset, after, carry, on_fail) -> Any:

@@ -19,6 +19,7 @@ from pathlib import Path
 from sqlalchemy import select
 
 from airflow_stream_provider import kafka_offsets, local_driver
+from airflow_stream_provider.__main__ import status as job_status
 from airflow_stream_provider.state import schema
 from stack.events import EventProducer
 from stack.jobs import REPO, check_exactly_once, wait_until
@@ -115,7 +116,8 @@ def test_reset_killed_between_archive_and_start_is_completed_by_the_next_attempt
     """``STREAM_FAULT=reset_after_archive`` in the Airflow task's environment: the reset task is SIGKILLed
     after archiving generation 1 and before starting generation 2.  The archive stays, nothing starts; the
     next attempt of the reset (what Airflow's retry of the killed task runs) starts generation 2 from the
-    stored offsets without archiving anything again."""
+    stored offsets without archiving anything again.  Until then the job is owed the reset: its record was
+    begun before the stop, and the retry's launch completes it."""
     state, job_id, params = stream["state"], stream["job_id"], stream["params"]
     root = Path(params["spec"]["checkpoint_root"]) / job_id
     producer = EventProducer(broker, stream["topic"])
@@ -136,7 +138,11 @@ def test_reset_killed_between_archive_and_start_is_completed_by_the_next_attempt
     assert archived["archived_at"] and (archive / "offsets").is_dir() and (archive / "commits").is_dir()
     assert not (root / "gen-1").exists() and not (root / "gen-2").exists()
     assert state.store.get_generation(job_id, 2) is None and len(runs(state, job_id)) == 1
-    assert state.restarts_since(job_id, 0) == [], "the killed reset recorded nothing after the archive"
+    (begun,) = state.restarts_since(job_id, 0)  # recorded before its stop, as a restart's is
+    assert (begun["action"], begun["failed_run_id"], begun["new_run_id"]) == ("reset", first["run_id"], None)
+    # The job is down, yet nobody asked for a stop: the reset is owed (stream_health would finish it)
+    shown = job_status(state.store, job_id)
+    assert "the reset begun at" in shown and "A recovery finishes the reset: a new generation" in shown, shown
     stored = state.stored_offsets(job_id)
 
     producer.send(700)  # arrives while no driver runs
@@ -149,6 +155,8 @@ def test_reset_killed_between_archive_and_start_is_completed_by_the_next_attempt
     assert status == "success", tasks
     done = tasks["reset"][1]
     assert (done["generation"], done["archived_generation"], done["archive_path"]) == (2, 1, str(archive)), done
+    (finished,) = state.restarts_since(job_id, 0)
+    assert (finished["id"], finished["new_run_id"]) == (begun["id"], done["run_id"]), "the begun reset, completed"
     assert kafka_offsets.from_spark_json(done["starting_offsets"]) == stored
     assert sorted(p.name for p in (root / "archive").iterdir()) == [archive.name], "archived once, kept"
     assert kafka_offsets.from_spark_json(state.store.get_generation(job_id, 2)["starting_offsets"]) == stored

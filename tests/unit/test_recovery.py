@@ -13,6 +13,7 @@ from airflow_stream_provider.recovery import (
     decide_recovery,
     history_since,
     with_abandoned_upgrade,
+    with_interrupted_restart,
 )
 from airflow_stream_provider.state.upgrades import UpgradePhase, UpgradeRecord
 
@@ -215,6 +216,21 @@ def test_a_restart_interrupted_after_its_own_stop_is_finished(found):
 ], ids=["launched", "another-run", "not-the-newest"])
 def test_a_stop_after_a_restart_that_launched_is_left_alone(history):
     assert _decide(_found(Health.STOPPED), history=history).action == RecoveryAction.NONE
+
+
+@pytest.mark.parametrize("on_incompatible", ["reset", "fail"])
+def test_a_reset_interrupted_after_its_own_stop_is_finished_as_a_reset(on_incompatible):
+    """A person's reset stopped the live run, then its launch was refused (the brokers away) or its task was
+    lost.  Its archive may be done, so a restart from the checkpoint could not help: the recovery finishes the
+    reset, whatever ``on_incompatible`` says of the resets it would choose itself."""
+    owed = {**_begun(), "action": "reset", "reason": "manual reset"}
+    decision = _decide(_found(Health.STOPPED), on_incompatible, history=[owed])
+    assert (decision.action, decision.reason, decision.restart_run_id) == (RecoveryAction.RESET, "manual reset", "r1")
+    assert "the reset begun at" in decision.why and "finishing that reset: a new generation" in decision.why
+    found = with_interrupted_restart(_found(Health.STOPPED), owed)  # the watcher's, the sensors' and status's note
+    assert found.condition == "INTERRUPTED_RESTART" and found.interrupted_restart["action"] == "reset"
+    assert found.advice.startswith("A recovery finishes the reset: a new generation from the stored offsets")
+    assert _decide(found, on_incompatible).action == RecoveryAction.RESET  # from the note alone, as after a window
 
 
 def test_an_interrupted_restart_is_weighed_against_the_budget():
