@@ -295,3 +295,46 @@ def test_a_stuck_run_stopped_by_a_restart_whose_launch_failed_is_restarted_next_
     restarted = state.latest_run(job_id)
     assert restarted.run_id != stuck_run and restarted.status == "RUNNING", restarted
     assert [r["new_run_id"] for r in state.restarts_since(job_id, 0)] == [None, restarted.run_id]
+
+
+
+def test_a_reset_whose_launch_failed_after_its_stop_is_finished_by_stream_health(stream, broker, monkeypatch):
+    """A person resets the running job; after its stop and its archive, the launch is refused (the brokers
+    unreachable for a moment).  The job is down with its checkpoint archived, and nobody asked for a stop:
+    the sensor reports the reset owed, and the recovery finishes it (a restart from the archived checkpoint
+    could not), where the job used to stay STOPPED until a person came back."""
+    state, job_id, params = stream["state"], stream["job_id"], stream["params"]
+    producer = EventProducer(broker, stream["topic"])
+    producer.send(300)
+    assert run_dag(dags.deploy, params)[0] == "success"
+    caught_up(state, job_id, producer)
+    live = state.latest_run(job_id).run_id
+    # As above: one failed check of the brokers, in this process, at the reset's launch.
+    checks = iter([StreamJobError("Kafka at the job's brokers is unreachable: NoBrokersAvailable")])
+    real_check = StreamJobController.check_before_start
+
+    def flaky_check(self, spec):
+        failure = next(checks, None)
+        if failure is not None:
+            raise failure
+        return real_check(self, spec)
+
+    monkeypatch.setattr(StreamJobController, "check_before_start", flaky_check)
+    status, tasks = run_dag(dags.reset, params, reason="manual reset")
+    assert status == "failed" and tasks["reset"][0] == "failed", tasks
+    assert state.store.get_run(live).status == "STOPPED" and state.store.get_generation(job_id, 1)["archived_at"]
+    assert [(r["action"], r["failed_run_id"], r["new_run_id"]) for r in state.restarts_since(job_id, 0)] == [
+        ("reset", live, None)]
+    producer.send(200)  # while nothing runs
+
+    status, tasks = run_dag(dags.health, params)
+    found = tasks["health"][1]
+    assert (found["health"], found["interrupted_restart"]["action"]) == ("STOPPED", "reset"), found
+    done = tasks["recover"][1]
+    assert tasks["recover"][0] == "success" and done["action"] == "reset", tasks
+    assert (done["generation"], done["archived_generation"]) == (2, 1), done
+    assert [(r["failed_run_id"], r["new_run_id"]) for r in state.restarts_since(job_id, 0)] == [
+        (live, done["run_id"])], "the begun reset, completed: one attempt"
+    caught_up(state, job_id, producer)
+    assert run_dag(dags.stop, params)[0] == "success"
+    check_exactly_once(state.store, job_id, producer.produced)
