@@ -263,17 +263,9 @@ def test_a_restart_the_database_would_not_record_at_the_submit_is_recorded_once_
     check_exactly_once(state.store, job_id, producer.produced)
 
 
-def test_a_stuck_run_stopped_by_a_restart_whose_launch_failed_is_restarted_next_time(stream, broker, monkeypatch):
-    """The recovery stops the STUCK driver, then its launch fails (the brokers unreachable for a moment):
-    the stopped run is no stop anyone asked for, so the next recovery starts the run the restart owed,
-    where it used to read "it was being stopped" and leave the job down."""
-    state, job_id = stream["state"], stream["job_id"]
-    EventProducer(broker, stream["topic"]).send(300)
-    stuck = {**stream["params"], "application": str(FIXTURE_JOBS / "stuck_on_batch.py")}
-    assert run_dag(dags.deploy, stuck)[0] == "success"
-    stuck_run = state.latest_run(job_id).run_id
-    # One failed check of the brokers, in this process (the DAG runs here): the shared broker cannot be
-    # taken down for exactly one check.
+def _refuse_the_next_launch(monkeypatch) -> None:
+    """The next launch's check of the brokers fails once, in this process (the DAG runs here): the shared
+    broker cannot be taken down for exactly one check."""
     checks = iter([StreamJobError("Kafka at the job's brokers is unreachable: NoBrokersAvailable")])
     real_check = StreamJobController.check_before_start
 
@@ -284,6 +276,18 @@ def test_a_stuck_run_stopped_by_a_restart_whose_launch_failed_is_restarted_next_
         return real_check(self, spec)
 
     monkeypatch.setattr(StreamJobController, "check_before_start", flaky_check)
+
+
+def test_a_stuck_run_stopped_by_a_restart_whose_launch_failed_is_restarted_next_time(stream, broker, monkeypatch):
+    """The recovery stops the STUCK driver, then its launch fails (the brokers unreachable for a moment):
+    the stopped run is no stop anyone asked for, so the next recovery starts the run the restart owed,
+    where it used to read "it was being stopped" and leave the job down."""
+    state, job_id = stream["state"], stream["job_id"]
+    EventProducer(broker, stream["topic"]).send(300)
+    stuck = {**stream["params"], "application": str(FIXTURE_JOBS / "stuck_on_batch.py")}
+    assert run_dag(dags.deploy, stuck)[0] == "success"
+    stuck_run = state.latest_run(job_id).run_id
+    _refuse_the_next_launch(monkeypatch)
     status, tasks = run_dag(dags.health, stuck, stuck_after=8, stop_timeout=5)
     assert tasks["health"][1]["health"] == "STUCK" and tasks["recover"][0] == "failed", tasks
     stopped = state.store.get_run(stuck_run)
@@ -309,17 +313,7 @@ def test_a_reset_whose_launch_failed_after_its_stop_is_finished_by_stream_health
     assert run_dag(dags.deploy, params)[0] == "success"
     caught_up(state, job_id, producer)
     live = state.latest_run(job_id).run_id
-    # As above: one failed check of the brokers, in this process, at the reset's launch.
-    checks = iter([StreamJobError("Kafka at the job's brokers is unreachable: NoBrokersAvailable")])
-    real_check = StreamJobController.check_before_start
-
-    def flaky_check(self, spec):
-        failure = next(checks, None)
-        if failure is not None:
-            raise failure
-        return real_check(self, spec)
-
-    monkeypatch.setattr(StreamJobController, "check_before_start", flaky_check)
+    _refuse_the_next_launch(monkeypatch)
     status, tasks = run_dag(dags.reset, params, reason="manual reset")
     assert status == "failed" and tasks["reset"][0] == "failed", tasks
     assert state.store.get_run(live).status == "STOPPED" and state.store.get_generation(job_id, 1)["archived_at"]
