@@ -165,14 +165,13 @@ def with_interrupted_restart(found: Diagnosis, last_restart: Mapping[str, Any] |
     owed = interrupted_restart(found, [last_restart] if last_restart else [])
     if owed is None:
         return found
-    action = owed.get("action") or RecoveryAction.RESTART
+    action = str(owed.get("action") or RecoveryAction.RESTART)  # kept as text: the diagnosis goes to XCom
     found.interrupted_restart = {"at": owed["at"], "reason": owed.get("reason"), "action": action,
                                  "failed_run_id": owed.get("failed_run_id")}
     found.evidence.append(f"the {action} begun at {clock(owed['at'])} ({owed.get('reason')}) stopped "
                           "this run and started no new one: nobody asked for this stop")
     found.advice = f"A recovery finishes the {_FINISHES[action]} (stream_health does so by itself)."
     return found
-
 
 
 def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBudget,
