@@ -549,10 +549,6 @@ class StreamJobController:
     def record_restart(self, action: str, reason: str, failed_run_id: str | None, run_id: str | None) -> None:
         self.state.record_restart(self.job_id, action, reason, failed_run_id, run_id)
 
-    def latest_restart(self) -> dict[str, Any] | None:
-        """The job's newest restart record, however old."""
-        return self.state.store.latest_restart(self.job_id)
-
     # -- blocking ---------------------------------------------------------------------------------------
     def block(self, wait: RunWait) -> Outcome:
         """Wait in this process (``deferrable=False``)."""

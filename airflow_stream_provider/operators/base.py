@@ -487,7 +487,10 @@ class StreamJobOperator(BaseOperator):
 
     def stop_live_then(self, context, after: str, carry: dict[str, Any]) -> Any:
         """Stop the live run if there is one, then ``after(context, stop result or None, **carry)``."""
-        live = self.live_run()
+        return self.stop_run_then(context, self.live_run(), after, carry)
+
+    def stop_run_then(self, context, live: RunRecord | None, after: str, carry: dict[str, Any]) -> Any:
+        """``stop_live_then`` for the live run ``live`` found already (None: there is none)."""
         if live is None:
             return self.resume(context, after, None, carry)
         return self.stop_then(context, live.run_id, after, carry)
@@ -525,18 +528,19 @@ class StreamJobOperator(BaseOperator):
         launch that fails after the live run's stop goes to ``on_fail(context, error, **carry)`` when given."""
         flow = {"reason": reason, "allow_data_loss": allow_data_loss, "spec_json": spec_json,
                 "application": application, "after": after, "carry": carry, "on_fail": on_fail}
+        live = self.live_run()
         if on_fail is None:  # an upgrade (``on_fail``) undoes a failed reset itself: it rolls back
-            flow["failed_run_id"] = self._reset_begun(reason)
-        return self.stop_live_then(context, "_reset_stopped", flow)
+            flow["failed_run_id"] = self._reset_begun(reason, live)
+        return self.stop_run_then(context, live, "_reset_stopped", flow)
 
-    def _reset_begun(self, reason: str) -> str | None:
-        """The run this reset stops, recorded as a reset begun before the stop, as a restart is: if the
-        launch then fails or the task is lost, the stopped run is no stop someone asked for, and the next
+    def _reset_begun(self, reason: str, live: RunRecord | None) -> str | None:
+        """The run this reset stops (``live``), recorded as a reset begun before the stop, as a restart is: if
+        the launch then fails or the task is lost, the stopped run is no stop someone asked for, and the next
         recovery finishes the reset.  With no live run: the run a reset begun earlier stopped (this task's
         retry, a recovery finishing it), whose record the launch then completes."""
-        live = self.live_run()
         if live is None:
-            owed, latest = self.controller.latest_restart(), self.state.latest_run(self.job.job_id)
+            owed = self.state.store.latest_restart(self.job.job_id)
+            latest = self.state.latest_run(self.job.job_id)
             if recovery.begun(owed) and owed["action"] == "reset" and latest and owed["failed_run_id"] == latest.run_id:
                 return latest.run_id
             return None
