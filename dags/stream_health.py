@@ -14,12 +14,19 @@ stuck or failed job within the restart budget; reset an incompatible checkpoint 
 a poison record); nothing for a healthy job, unless its driver lives but has gone silent (hung): then
 ``recover`` waits until the silence makes it STUCK.  The diagnosis is the XCom ``diagnosis`` of ``diagnose``.
 
+Its tasks are retried (the Variable ``stream_health_retries``, 2 by default, 10 s apart): the watcher
+reports a condition once, so a ``recover`` or ``reset`` whose worker was lost, or that met the database or
+the brokers away, would otherwise leave a dead or failed job down until the hourly sweep.  A retry holds the
+task's lease and diagnoses afresh; a failure no retry can fix (the restart budget spent, a decision a
+person must take) fails at once.
+
 The watcher needs the job id when this file is parsed, from the Variable ``stream_job_spec``; until it
 is set, only the hourly sweep runs.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 
 from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Variable, task
@@ -39,8 +46,9 @@ SPEC = parse_time_variable("stream_job_spec")
 WATCH_SETTINGS = parse_time_variable("stream_watch") or {}
 WATCHED = stream_job_asset(SPEC["job_id"], **WATCH_SETTINGS) if SPEC else None
 SCHEDULE = AssetOrTimeSchedule(timetable=SWEEP, assets=WATCHED) if WATCHED and SWEEP else WATCHED or SWEEP
+RETRIES = {"retries": int(Variable.get("stream_health_retries", default=2)), "retry_delay": dt.timedelta(seconds=10)}
 
-with DAG("stream_health", schedule=SCHEDULE, max_active_runs=1, doc_md=__doc__, **DAG_ARGS):
+with DAG("stream_health", schedule=SCHEDULE, max_active_runs=1, doc_md=__doc__, default_args=RETRIES, **DAG_ARGS):
 
     @task.branch
     def diagnose(job_id: str, topics: list[str], triggering_asset_events=None, ti=None) -> str:

@@ -31,6 +31,8 @@ def test_every_example_dag_loads_without_import_errors(monkeypatch):
     assert set(bag.dag_ids) == {"stream_deploy", "stream_health", "stream_stop", "stream_upgrade"}
     health = bag.dags["stream_health"]
     assert health.max_active_runs == 1 and health.catchup is False
+    # A lost or failed task is retried: the watcher reports a condition once, and nothing else would act
+    assert {(t.retries, t.retry_delay.total_seconds()) for t in health.tasks} == {(2, 10.0)}
     # Event-driven on the job's asset, with an hourly sweep as the safety net.
     assert isinstance(health.schedule, AssetOrTimeSchedule)
     assert health.schedule.timetable == CronTriggerTimetable("17 * * * *", timezone="UTC")
@@ -167,6 +169,17 @@ def test_the_sweep_takes_another_cron_or_is_turned_off(monkeypatch):
 
     monkeypatch.delenv("AIRFLOW_VAR_STREAM_JOB_SPEC")
     assert DagBag(str(DAGS / "stream_health.py")).dags["stream_health"].schedule is None
+
+
+def test_the_health_dags_retries_are_a_variable(monkeypatch):
+    """``stream_health_retries``: how often a lost or failed ``recover``, ``reset`` or ``diagnose`` is tried
+    again; 0 leaves a lost task's restart to the watcher's INTERRUPTED_RESTART or the sweep."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    monkeypatch.syspath_prepend(str(DAGS))
+    monkeypatch.setenv("AIRFLOW_VAR_STREAM_HEALTH_RETRIES", "0")
+    health = DagBag(str(DAGS / "stream_health.py")).dags["stream_health"]
+    assert {t.retries for t in health.tasks} == {0}
 
 
 @pytest.mark.parametrize("path", sorted(DAGS.glob("*.py")), ids=lambda p: p.name)

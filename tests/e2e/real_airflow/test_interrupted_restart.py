@@ -5,7 +5,9 @@ with a lag: STUCK.  ``stream_health`` restarts it; the restart's graceful stop e
 (STOPPED), and its task process is then SIGKILLed before it launches anything (``STREAM_FAULT`` in the
 task's environment, once: a worker lost, an OOM kill).  Nobody asked for that stop: the watcher reports the
 restart owed, and ``stream_health`` finishes it.  Before, a STOPPED run made no event and branched to
-``healthy``, and the job stayed down.
+``healthy``, and the job stayed down.  The task has no retry here (``stream_health_retries`` 0): this is
+the watcher's way, for a task whose retries are spent or a DAG of one's own without them; a retry would
+finish the restart as well (``test_lost_reset.py`` shows a retry at work).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ REPAIR_TIMEOUT = 300
 @pytest.fixture
 def deployment_options(tmp_path) -> dict:
     return {"spec": {"trigger_interval": "10 minutes"}, "watch": {"stuck_after": 8},
+            "variables": {"stream_health_retries": "0"},
             "airflow_env": task_lost_once(tmp_path, "restart_after_stop")}
 
 

@@ -1,0 +1,72 @@
+"""A reset lost between its archive and its launch, on a real Airflow: its retry finishes it.
+
+A person deploys version 2.0, which adds a stateful operator, over version 1.0's checkpoint
+(``stream_deploy`` with ``if_running=replace``); Spark refuses it at its first batch of data
+(CHECKPOINT_INCOMPATIBLE).  The watcher reports the failure once and ``stream_health`` branches to
+``reset`` (``stream_reset_policy`` is ``auto``), whose task process is SIGKILLed right after it archived
+generation 1 (``STREAM_FAULT`` in the task's environment, once: a worker lost, an OOM kill).  The job is
+then down with nothing left to report: the failure persists, and the watcher reported it already.  Before
+``stream_health``'s tasks had retries, it stayed down until the hourly sweep (turned off here); now the
+task's retry, holding the same lease, starts generation 2 from the offsets stored with the results,
+without archiving anything again.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from stack.deployment import task_lost_once
+from stack.events import EventProducer
+from stack.jobs import check_exactly_once
+from tests.dagtest.dagruns import FIXTURE_JOBS
+
+#: Seconds for the job to process again after the lost reset: the retry's 10 s delay, the scheduler, a
+#: driver's cold start on 2 shared cores.  Generous.
+REPAIR_TIMEOUT = 240
+
+
+@pytest.fixture
+def deployment_options(tmp_path) -> dict:
+    return {"variables": {"stream_reset_policy": "auto"},
+            "airflow_env": task_lost_once(tmp_path, "reset_after_archive")}
+
+
+def test_a_reset_whose_task_is_lost_after_its_archive_is_finished_by_its_retry(deployment, broker, topic):
+    producer = EventProducer(broker, topic, seed=23)
+    producer.send(600)
+    deployment.deploy(producer.produced)
+    first = deployment.latest_run()
+
+    airflow = deployment.airflow
+    airflow.set_variable("stream_job_application", str(FIXTURE_JOBS / "dedup_by_position.py"))
+    airflow.set_variable("stream_job_spec", {**deployment.spec, "version": "2.0"})
+    assert deployment.trigger("stream_deploy", if_running="replace")["submit"][0] == "success"
+    producer.send(300)  # Spark checks the state at the first batch that reads some: 2.0 fails there
+    replaced_at = time.time()
+
+    finished = deployment.processing(REPAIR_TIMEOUT, other_than=first.run_id, after=replaced_at)
+    runs = deployment.runs()
+    refused = next(r for r in runs if r.version == "2.0" and r.generation == 1)
+    assert (refused.status, refused.failure_kind) == ("FAILED", "CHECKPOINT_INCOMPATIBLE"), refused
+    assert (finished["version"], finished["generation"]) == ("2.0", 2), finished
+
+    (health,) = [r for r in deployment.health_runs()
+                 if deployment.tasks("stream_health", r["dag_run_id"]).get("reset", (None,))[0] == "success"]
+    (reset,) = [ti for ti in airflow.task_instances("stream_health", health["dag_run_id"]) if ti["task_id"] == "reset"]
+    assert reset["try_number"] == 2, "the first try was killed after its archive; its retry finished the reset"
+    lost, retry = (airflow.task_log("stream_health", health["dag_run_id"], "reset", n) for n in (1, 2))
+    assert "Archived generation 1 of job" in lost, lost[-3000:]
+    assert "by an earlier reset that did not start generation 2: starting it now" in retry, retry[-3000:]
+    done = airflow.xcom("stream_health", health["dag_run_id"], "reset")
+    assert (done["generation"], done["archived_generation"]) == (2, 1), done
+    archive = Path(done["archive_path"])
+    assert sorted(p.name for p in archive.parent.iterdir()) == [archive.name], "archived once, by the lost try"
+    found = airflow.xcom("stream_health", health["dag_run_id"], "diagnose", key="diagnosis")
+    assert (found["run_id"], found["failure_kind"]) == (refused.run_id, "CHECKPOINT_INCOMPATIBLE"), found
+
+    deployment.wait_caught_up(producer.produced)
+    assert deployment.trigger("stream_stop")["stop"][0] == "success"
+    check_exactly_once(deployment.store, deployment.job_id, producer.produced)
