@@ -432,6 +432,8 @@ class StreamJobOperator(BaseOperator):
             if event["outcome"] == "timeout":  # it never came up: don't leave it starting behind us
                 self.controller.abandon(launch, "its query did not start in time")
             _set_task_state(context, LAUNCH_KEY, None)
+            if restart:
+                self._owe_again(restart, launch["run_id"])
             if on_fail:
                 return self.resume(context, on_fail, err, carry)
             raise
@@ -439,6 +441,24 @@ class StreamJobOperator(BaseOperator):
             self._in_flight = None
         _set_task_state(context, LAUNCH_KEY, None)
         return self.resume(context, after, result, carry)
+
+    def _owe_again(self, restart: Sequence[str | None], run_id: str) -> None:
+        """A recovery's driver that failed before it registered left the run it restarts the job's latest:
+        a stopped run would read as a stop someone asked for, and nothing would start the job.  A new record
+        begun for that run keeps the restart (or reset) owed, to this task's retry or the next recovery, and
+        counts the failed attempt against the budget.  A driver that registered needs none: its own failure
+        is the job's latest run, and the next recovery acts on that."""
+        action, reason, failed_run_id = restart
+        if failed_run_id is None:  # an upgrade's reset: the upgrade rolls back itself
+            return
+        try:
+            if self.controller.get_run(run_id) is None:
+                self.controller.record_restart(action, reason, failed_run_id, None)
+                self.log.warning("Run %s never registered: the %s of run %s is owed still", run_id, action,
+                                 failed_run_id)
+        except waits.DATABASE_OUTAGE as err:  # the launch's own failure is the one to report
+            self.log.warning("Could not record the %s of run %s as owed still: %s", action, failed_run_id,
+                             waits.outage_line(err))
 
     def _launch_looked_at(self, event: dict[str, Any], launch: dict[str, Any]) -> dict[str, Any]:
         """The wait failed, not the launch as far as anyone knows (the state database away past the
@@ -501,10 +521,18 @@ class StreamJobOperator(BaseOperator):
         """A new run on the current generation, launched as the failed run was: Spark replays the
         unfinished batch, the sink skips what was committed."""
         flow = {"reason": reason, "failed_run_id": failed_run_id, "after": after, "carry": carry}
-        # Recorded before the stop of a live (STUCK) run: if the launch then fails, or the task is lost, the
-        # stopped run is no stop someone asked for, and the next recovery finishes the restart.
-        self.controller.record_restart("restart", reason, failed_run_id, None)
+        self._begin("restart", reason, failed_run_id)  # before the stop of a live (STUCK) run
         return self.stop_live_then(context, "_restart_stopped", flow)
+
+    def _begin(self, action: str, reason: str, run_id: str | None) -> None:
+        """Record ``action`` (a restart, a reset) of ``run_id`` begun, before anything it does can fail: if its
+        launch then fails or its task is lost, the run it stopped is no stop someone asked for, and the next
+        recovery finishes it.  Not again where the job's newest record is that one, begun already (this task's
+        retry, a recovery finishing it): the launch completes the one record, and the attempt counts once."""
+        owed = self.state.store.latest_restart(self.job.job_id)
+        if recovery.begun(owed) and (owed["action"], owed["failed_run_id"]) == (action, run_id):
+            return
+        self.controller.record_restart(action, reason, run_id, None)
 
     def _restart_stopped(self, context, stopped, reason, failed_run_id, after, carry) -> Any:
         faults.maybe_crash("restart_after_stop")  # the task lost between its stop and its launch
@@ -534,17 +562,16 @@ class StreamJobOperator(BaseOperator):
         return self.stop_run_then(context, live, "_reset_stopped", flow)
 
     def _reset_begun(self, reason: str, live: RunRecord | None) -> str | None:
-        """The run this reset stops (``live``), recorded as a reset begun before the stop, as a restart is: if
-        the launch then fails or the task is lost, the stopped run is no stop someone asked for, and the next
-        recovery finishes the reset.  With no live run: the run a reset begun earlier stopped (this task's
-        retry, a recovery finishing it), whose record the launch then completes."""
+        """The run this reset stops (``live``), recorded as a reset begun before the stop (``_begin``).  With no
+        live run: the run a reset begun earlier stopped (this task's retry, a recovery finishing it), whose
+        record the launch then completes."""
         if live is None:
             owed = self.state.store.latest_restart(self.job.job_id)
             latest = self.state.latest_run(self.job.job_id)
             if recovery.begun(owed) and owed["action"] == "reset" and latest and owed["failed_run_id"] == latest.run_id:
                 return latest.run_id
             return None
-        self.controller.record_restart("reset", reason, live.run_id, None)
+        self._begin("reset", reason, live.run_id)
         return live.run_id
 
     def _reset_stopped(self, context, stopped, reason, allow_data_loss, spec_json, application, after,

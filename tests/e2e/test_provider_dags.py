@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from airflow_stream_provider import failures
+from airflow_stream_provider.__main__ import status as job_status
 from airflow_stream_provider.diagnosis import Thresholds
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.lifecycle.controller import StreamJobController, StreamJobError
@@ -281,7 +282,11 @@ def _refuse_the_next_launch(monkeypatch) -> None:
 def test_a_stuck_run_stopped_by_a_restart_whose_launch_failed_is_restarted_next_time(stream, broker, monkeypatch):
     """The recovery stops the STUCK driver, then its launch fails (the brokers unreachable for a moment):
     the stopped run is no stop anyone asked for, so the next recovery starts the run the restart owed,
-    where it used to read "it was being stopped" and leave the job down."""
+    where it used to read "it was being stopped" and leave the job down.  That recovery's driver then
+    exits before it registers (its Python is missing): the stopped run is still the job's latest, so the
+    restart stays owed, where that launch's record used to read as a restart done; the one after it
+    restarts the job.  Each attempt is one record: a recovery finishing an owed restart completes its record
+    rather than beginning another."""
     state, job_id = stream["state"], stream["job_id"]
     EventProducer(broker, stream["topic"]).send(300)
     stuck = {**stream["params"], "application": str(FIXTURE_JOBS / "stuck_on_batch.py")}
@@ -294,11 +299,20 @@ def test_a_stuck_run_stopped_by_a_restart_whose_launch_failed_is_restarted_next_
     assert not stopped.active and stopped.stop_requested_at is not None, stopped
     assert [r["new_run_id"] for r in state.restarts_since(job_id, 0)] == [None]
 
+    no_python = {**stuck, "env_vars": {**stuck["env_vars"], "PYSPARK_DRIVER_PYTHON": str(stream["tmp"] / "gone")}}
+    status, tasks = run_dag(dags.recover, no_python, stuck_after=8, stop_timeout=5)
+    assert tasks["recover"][0] == "failed", tasks
+    (unregistered, owed) = state.restarts_since(job_id, 0)
+    assert unregistered["new_run_id"] and state.store.get_run(unregistered["new_run_id"]) is None, unregistered
+    assert (owed["failed_run_id"], owed["new_run_id"]) == (stuck_run, None), "the restart is owed still"
+    assert "the restart begun at" in job_status(state.store, job_id)
+
     status, tasks = run_dag(dags.health, stuck, stuck_after=8, stop_timeout=5)
     assert tasks["recover"][0] == "success" and tasks["recover"][1]["action"] == "restart", tasks
     restarted = state.latest_run(job_id)
     assert restarted.run_id != stuck_run and restarted.status == "RUNNING", restarted
-    assert [r["new_run_id"] for r in state.restarts_since(job_id, 0)] == [None, restarted.run_id]
+    assert [r["new_run_id"] for r in state.restarts_since(job_id, 0)] == [unregistered["new_run_id"],
+                                                                          restarted.run_id]
 
 
 

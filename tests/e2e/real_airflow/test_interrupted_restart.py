@@ -45,7 +45,7 @@ def test_a_restart_whose_task_is_lost_after_its_stop_is_finished_by_stream_healt
     assert stopped.status == "STOPPED" and stopped.stop_requested_at is not None, stopped
     restarts = deployment.store.restarts_since(deployment.job_id, 0)
     assert [(r["failed_run_id"], r["new_run_id"]) for r in restarts] == [
-        (stuck.run_id, None), (stuck.run_id, restarted.run_id)], restarts
+        (stuck.run_id, restarted.run_id)], "the restart begun by the lost task, completed: one attempt"
 
     runs = wait_until(lambda: _recovers(deployment, 2), 60, "both stream_health runs' recover tasks ended")
     (lost, finished) = runs
