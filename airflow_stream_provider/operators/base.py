@@ -398,7 +398,7 @@ class StreamJobOperator(BaseOperator):
         self._in_flight = launch
         pending = {"launch": launch, "after": after, "carry": carry, "on_fail": on_fail}
         if restart:
-            pending["restart"] = restart
+            pending["restart"] = list(restart)  # the task state store takes JSON values: no tuple
         # Kept before anything else can fail: this task's retry then picks the launch up instead of leaving a
         # driver nobody waits on, and records its restart.
         _set_task_state(context, LAUNCH_KEY, pending)

@@ -137,3 +137,21 @@ def test_a_task_whose_lease_was_taken_during_its_launch_ends_the_driver_it_launc
 
     assert state_store.get_run(launch["run_id"]).stop_requested_at is not None
     assert leases.get("job").owner == "stream_stop/manual__1/stop/-1", "the other task's lease is left alone"
+
+
+def test_a_recoverys_launch_is_kept_for_its_retry_with_the_restart_it_records(state_store, tmp_path, topic,
+                                                                              monkeypatch):
+    """The restart a recovery's launch records travels with the launch in the task state, which takes JSON
+    values only.  It was a tuple, which Airflow's store refuses: the launch was not kept, and a retry could not
+    pick it up.  The submit stands in for a driver's (what is under test is what the task keeps)."""
+    operator, context, pending, _ = _submitted(state_store, tmp_path, topic)
+    context["task_state_store"].clear()
+    monkeypatch.setattr(type(operator.controller), "submit", lambda self, *args, **kwargs: pending["launch"])
+
+    with pytest.raises(TaskDeferred):
+        operator.launch_then(context, "_submitted", {}, restart=("restart", "a test", "the-failed-run"))
+
+    kept = context["task_state_store"].get(LAUNCH_KEY)
+    assert kept["launch"] == pending["launch"] and kept["restart"] == ["restart", "a test", "the-failed-run"]
+    (recorded,) = state_store.restarts_since("job", 0)
+    assert (recorded["failed_run_id"], recorded["new_run_id"]) == ("the-failed-run", pending["launch"]["run_id"])
