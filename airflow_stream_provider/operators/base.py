@@ -529,10 +529,13 @@ class StreamJobOperator(BaseOperator):
         launch then fails or its task is lost, the run it stopped is no stop someone asked for, and the next
         recovery finishes it.  Not again where the job's newest record is that one, begun already (this task's
         retry, a recovery finishing it): the launch completes the one record, and the attempt counts once."""
+        if not self._owed(action, run_id):
+            self.controller.record_restart(action, reason, run_id, None)
+
+    def _owed(self, action: str, run_id: str | None) -> bool:
+        """Whether the job's newest restart record is ``action`` of ``run_id``, begun and not launched yet."""
         owed = self.state.store.latest_restart(self.job.job_id)
-        if recovery.begun(owed) and (owed["action"], owed["failed_run_id"]) == (action, run_id):
-            return
-        self.controller.record_restart(action, reason, run_id, None)
+        return recovery.begun(owed) and (owed["action"], owed["failed_run_id"]) == (action, run_id)
 
     def _restart_stopped(self, context, stopped, reason, failed_run_id, after, carry) -> Any:
         faults.maybe_crash("restart_after_stop")  # the task lost between its stop and its launch
@@ -566,11 +569,8 @@ class StreamJobOperator(BaseOperator):
         live run: the run a reset begun earlier stopped (this task's retry, a recovery finishing it), whose
         record the launch then completes."""
         if live is None:
-            owed = self.state.store.latest_restart(self.job.job_id)
             latest = self.state.latest_run(self.job.job_id)
-            if recovery.begun(owed) and owed["action"] == "reset" and latest and owed["failed_run_id"] == latest.run_id:
-                return latest.run_id
-            return None
+            return latest.run_id if latest and self._owed("reset", latest.run_id) else None
         self._begin("reset", reason, live.run_id)
         return live.run_id
 
