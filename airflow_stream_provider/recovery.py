@@ -14,6 +14,10 @@ started no run after it
 STOPPED or DEAD by the     any              reset: finish the reset someone asked for (its launch failed,
 stop of a reset that                        its task was lost), whose archive may be done already
 started no run after it
+DEAD or FAILED, with a     any              finish it, as above: its task was lost, or failed on its last
+restart or reset begun                      try, and the run's one report was spent on that task
+for it by a task that
+has ended in Airflow
 STOPPED                    any              nothing: a clean stop was asked for by someone
 DEAD after a stop was      any              nothing: the stop had to kill its driver, or it died during
 asked for                                   the stop; a restart would undo the stop
@@ -122,15 +126,24 @@ def begun(row: Mapping[str, Any] | None) -> bool:
             and row.get("cancelled_at") is None)
 
 
-def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
-    """The restart or reset that stopped ``found``'s run and started none after it (its launch failed, its
-    task was lost): the newest record begun for that run (``begun``), when nothing came after it."""
+def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]],
+                        ended: Callable[[str], bool] | None = None) -> Mapping[str, Any] | None:
+    """The restart or reset begun for ``found``'s run that started none after it (its launch failed, its
+    task was lost): the newest record begun for that run (``begun``), when nothing came after it.
+
+    A run its stop ended (STOPPED, or down after a stop was asked for) is owed it at once: nobody else asked
+    for that stop.  A run plainly down (dead, failed) is owed it only once ``ended`` (Airflow's answer) says
+    the task that began it has ended: until then that task is at work on it (backing off, launching) or has a
+    retry to come, and the run's own report already brought it."""
     if found.run_id is None or found.health not in INTERRUPTIBLE or not history:
         return None
-    if found.health != Health.STOPPED and found.stop_requested_at is None:  # no stop ended it: plainly down
-        return None
     newest = history[-1]
-    return newest if begun(newest) and newest.get("failed_run_id") == found.run_id else None
+    if not begun(newest) or newest.get("failed_run_id") != found.run_id:
+        return None
+    if found.health != Health.STOPPED and found.stop_requested_at is None:  # no stop ended it: plainly down
+        task = newest.get("task")
+        return newest if task and ended is not None and ended(task) else None
+    return newest
 
 
 def with_abandoned_upgrade(found: Diagnosis, upgrade: UpgradeRecord | None,
@@ -159,17 +172,24 @@ def with_abandoned_upgrade(found: Diagnosis, upgrade: UpgradeRecord | None,
     return found
 
 
-def with_interrupted_restart(found: Diagnosis, last_restart: Mapping[str, Any] | None) -> Diagnosis:
+def with_interrupted_restart(found: Diagnosis, last_restart: Mapping[str, Any] | None,
+                             ended: Callable[[str], bool] | None = None) -> Diagnosis:
     """``found`` with the restart it is owed noted (``Diagnosis.interrupted_restart``), where the job's newest
-    restart (``last_restart``) stopped its run and launched nothing after."""
-    owed = interrupted_restart(found, [last_restart] if last_restart else [])
+    restart (``last_restart``) was begun for its run and launched nothing after (``interrupted_restart``;
+    ``ended``: whether Airflow says a task instance has ended, None where Airflow cannot be asked)."""
+    owed = interrupted_restart(found, [last_restart] if last_restart else [], ended)
     if owed is None:
         return found
     action = str(owed.get("action") or RecoveryAction.RESTART)  # kept as text: the diagnosis goes to XCom
     found.interrupted_restart = {"at": owed["at"], "reason": owed.get("reason"), "action": action,
                                  "failed_run_id": owed.get("failed_run_id")}
-    found.evidence.append(f"the {action} begun at {clock(owed['at'])} ({owed.get('reason')}) stopped "
-                          "this run and started no new one: nobody asked for this stop")
+    if found.health == Health.STOPPED or found.stop_requested_at is not None:
+        found.evidence.append(f"the {action} begun at {clock(owed['at'])} ({owed.get('reason')}) stopped "
+                              "this run and started no new one: nobody asked for this stop")
+    else:
+        found.evidence.append(f"the {action} of this run begun at {clock(owed['at'])} ({owed.get('reason')}) "
+                              f"started no new run, and its task {owed['task']} has ended in Airflow: "
+                              "nobody finishes it")
     found.advice = f"A recovery finishes the {_FINISHES[action]} (stream_health does so by itself)."
     return found
 

@@ -15,9 +15,10 @@ a poison record); nothing for a healthy job, unless its driver lives but has gon
 ``recover`` waits until the silence makes it STUCK.  The diagnosis is the XCom ``diagnosis`` of ``diagnose``.
 
 Its tasks are retried (the Variable ``stream_health_retries``, 2 by default, 10 s apart): the watcher
-reports a condition once, so a ``recover`` or ``reset`` whose worker was lost, or that met the database or
-the brokers away, would otherwise leave a dead or failed job down until the hourly sweep.  A retry holds the
-task's lease and diagnoses afresh; a failure no retry can fix (the restart budget spent, a decision a
+reports a condition once, and reports a dead or failed run again only once the task that began its restart
+has ended without launching it, so a ``recover`` or ``reset`` whose worker was lost before that, or that met
+the database or the brokers away, would otherwise leave the job down until the hourly sweep.  A retry holds
+the task's lease and diagnoses afresh; a failure no retry can fix (the restart budget spent, a decision a
 person must take) fails at once.
 
 The watcher needs the job id when this file is parsed, from the Variable ``stream_job_spec``; until it

@@ -180,6 +180,16 @@ class StreamDeployment:
         return [r for r in self.health_runs() if r["state"] == "failed"
                 and self.tasks("stream_health", r["dag_run_id"]).get(task_id, (None,))[0] == "failed"]
 
+    def ended_recovers(self, count: int) -> list[tuple[str, str]] | None:
+        """(DAG run, state) of the ended ``recover`` tasks of ``stream_health``, oldest first, once ``count``
+        have ended (for ``wait_until``)."""
+        ended = []
+        for run in self.health_runs():
+            state = self.tasks("stream_health", run["dag_run_id"]).get("recover", (None,))[0]
+            if state in ("success", "failed"):
+                ended.append((run["dag_run_id"], state))
+        return ended if len(ended) >= count else None
+
     def repairs(self, run_id: str, since: float = 0.0, timeout: float = 60.0) -> list[dict]:
         """The ``stream_health`` runs since ``since`` whose ``recover`` launched ``run_id``, oldest first.  A
         ``recover`` names its run when it ends, after the run's first batch: waits up to ``timeout`` for one."""

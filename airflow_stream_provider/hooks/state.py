@@ -130,8 +130,8 @@ class StreamStateHook(BaseHook):
 
     # -- restart history (the restart budget is counted from it) ---------------------------------------
     def record_restart(self, job_id: str, action: str, reason: str, failed_run_id: str | None,
-                       new_run_id: str | None) -> None:
-        self.store.record_restart(job_id, action, reason, failed_run_id, new_run_id)
+                       new_run_id: str | None, task: str | None = None) -> None:
+        self.store.record_restart(job_id, action, reason, failed_run_id, new_run_id, task)
 
     def cancel_begun_restarts(self, job_id: str) -> int:
         return self.store.cancel_begun_restarts(job_id)

@@ -546,8 +546,9 @@ class StreamJobController:
                 "starting_offsets": kafka_offsets.to_spark_json(resume) if resume else None,
                 "lost_ranges": [r.to_dict() for r in lost]}
 
-    def record_restart(self, action: str, reason: str, failed_run_id: str | None, run_id: str | None) -> None:
-        self.state.record_restart(self.job_id, action, reason, failed_run_id, run_id)
+    def record_restart(self, action: str, reason: str, failed_run_id: str | None, run_id: str | None,
+                       task: str | None = None) -> None:
+        self.state.record_restart(self.job_id, action, reason, failed_run_id, run_id, task)
 
     # -- blocking ---------------------------------------------------------------------------------------
     def block(self, wait: RunWait) -> Outcome:

@@ -66,9 +66,10 @@ class HealthProbe:
         found = diagnosis.diagnose(self.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
         self.state.record_death(run, found)
         if found.health in recovery.INTERRUPTIBLE:  # only a run that is down can be owed a restart
-            found = recovery.with_interrupted_restart(found, self.state.store.latest_restart(self.job_id))
+            ended = partial(task_ended, log=log)
+            found = recovery.with_interrupted_restart(found, self.state.store.latest_restart(self.job_id), ended)
             upgrade = None if found.restart_owed else self.upgrades.leaving_down(self.job_id).get(self.job_id)
-            found = recovery.with_abandoned_upgrade(found, upgrade, partial(task_ended, log=log))
+            found = recovery.with_abandoned_upgrade(found, upgrade, ended)
         return run, with_standby(found, run, self.standbys, self.thresholds)
 
     @cached_property

@@ -453,7 +453,7 @@ class StreamJobOperator(BaseOperator):
             return
         try:
             if self.controller.get_run(run_id) is None:
-                self.controller.record_restart(action, reason, failed_run_id, None)
+                self.controller.record_restart(action, reason, failed_run_id, None, self._lease_owner)
                 self.log.warning("Run %s never registered: the %s of run %s is owed still", run_id, action,
                                  failed_run_id)
         except waits.DATABASE_OUTAGE as err:  # the launch's own failure is the one to report
@@ -530,7 +530,7 @@ class StreamJobOperator(BaseOperator):
         recovery finishes it.  Not again where the job's newest record is that one, begun already (this task's
         retry, a recovery finishing it): the launch completes the one record, and the attempt counts once."""
         if not self._owed(action, run_id):
-            self.controller.record_restart(action, reason, run_id, None)
+            self.controller.record_restart(action, reason, run_id, None, self._lease_owner)
 
     def _owed(self, action: str, run_id: str | None) -> bool:
         """Whether the job's newest restart record is ``action`` of ``run_id``, begun and not launched yet."""

@@ -189,6 +189,9 @@ restarts = Table(
     Column("new_run_id", String(64)),
     #: a restart begun and never launched, closed by a stop someone asked for: no recovery finishes it
     Column("cancelled_at", Float),
+    #: the task that began it (``holders.lease_owner``): once Airflow says that task has ended, a restart
+    #: still begun is owed, whatever the run's health (``recovery.interrupted_restart``)
+    Column("task", String(1000)),
 )
 
 #: What the always-on watcher already reported: one row per (run, health, failure kind), so a condition

@@ -507,11 +507,12 @@ class StateStore:
 
     # -- restart history (the restart budget is counted from it) ---------------------------------------
     def record_restart(self, job_id: str, action: str, reason: str, failed_run_id: str | None,
-                       new_run_id: str | None) -> None:
+                       new_run_id: str | None, task: str | None = None) -> None:
         """One restart of the job.  Without ``new_run_id``: a restart begun, before anything it does can fail
         (a STUCK run's stop); the new run's id then completes that row, so the attempt counts once, and a
         restart interrupted after its stop is seen as such (``recovery.interrupted_restart``).  A restart
-        whose new run is recorded already is not recorded again (a task's retry recording its launch)."""
+        whose new run is recorded already is not recorded again (a task's retry recording its launch).
+        ``task``: the task beginning it, which Airflow can later say has ended without finishing it."""
         table = schema.restarts
         failed = table.c.failed_run_id.is_(None) if failed_run_id is None else table.c.failed_run_id == failed_run_id
         with self.engine.begin() as conn:
@@ -525,7 +526,7 @@ class StateStore:
                 conn.execute(update(table).where(table.c.id == begun).values(new_run_id=new_run_id))
                 return
             conn.execute(table.insert().values(job_id=job_id, at=self.now(), action=action, reason=reason[:2000],
-                                               failed_run_id=failed_run_id, new_run_id=new_run_id))
+                                               failed_run_id=failed_run_id, new_run_id=new_run_id, task=task))
 
     def cancel_begun_restarts(self, job_id: str) -> int:
         """A stop was asked for: the restarts begun and not launched are not to be finished (see

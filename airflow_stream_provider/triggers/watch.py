@@ -6,7 +6,9 @@ into DEAD, STUCK or FAILED into one asset event that carries the diagnosis; the 
 So does a healthy run that wants a warm standby and has none (NO_STANDBY: after a takeover, or when its
 standby died), so that the health DAG starts one at once, and a run that a restart stopped and started
 nothing after (INTERRUPTED_RESTART: its launch failed, its task was lost), so that the restart is finished;
-likewise a run an upgrade stopped, once Airflow says the upgrade's task has ended without finishing it.
+likewise a dead or failed run whose restart or reset was begun by a task that Airflow says has ended (lost,
+or failed on its last try: the run's own report was spent on it), and a run an upgrade stopped, once
+Airflow says the upgrade's task has ended without finishing it.
 
 * One poll, one query: every watcher of the same state database shares one poll loop (Airflow's shared
   streams), which reads the latest run of every job in one state-database query and diagnoses each with
@@ -62,8 +64,10 @@ log = logging.getLogger(__name__)
 #: new standby starts at once after a takeover, not at the next sweep; INTERRUPTED_RESTART so that the
 #: health DAG finishes the restart, which a STOPPED run would otherwise never get.
 FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, NO_STANDBY, INTERRUPTED_RESTART)
-#: How long an upgrade's task that Airflow said has ended is taken as ended without asking again
+#: How long a task that Airflow said has ended is taken as ended without asking again
 ENDED_REMEMBERED_S = 30.0
+#: How often Airflow is asked again about a task it said is not over (a recovery backing off or launching)
+RUNNING_ASKED_EVERY_S = 5.0
 
 
 @dataclass
@@ -91,6 +95,8 @@ class JobsWatch:
         self._away = False
         #: task instances Airflow said have ended, and when it said so (``time.monotonic``)
         self._ended: dict[str, float] = {}
+        #: task instances Airflow said have not ended, and when it said so
+        self._running: dict[str, float] = {}
 
     def poll(self) -> Snapshot:
         now = time.time()
@@ -135,14 +141,16 @@ class JobsWatch:
                 diagnoses[job_id] = with_abandoned_upgrade(diagnoses[job_id], upgrades[job_id], self._task_ended)
 
     def _task_ended(self, owner: str) -> bool:
-        """Whether Airflow says the task instance has ended; an ended task is not asked about again for a
-        while (a cleared one runs again, and moves its upgrade on or ends it)."""
+        """Whether Airflow says the task instance has ended.  An ended task is not asked about again for a
+        while (a cleared one runs again, and moves its upgrade or restart on or ends it), nor one at work
+        for a few seconds: a recovery's backoff may last minutes, and the poll runs every second."""
         now = time.monotonic()
         if now - self._ended.get(owner, -math.inf) < ENDED_REMEMBERED_S:
             return True
+        if now - self._running.get(owner, -math.inf) < RUNNING_ASKED_EVERY_S:
+            return False
         ended = task_ended(owner, log)
-        if ended:
-            self._ended[owner] = now
+        (self._ended if ended else self._running)[owner] = now
         return ended
 
     def diagnose(self, job: WatchedJob, now: float) -> Diagnosis:
@@ -156,7 +164,7 @@ class JobsWatch:
         found = diagnosis.diagnose(job.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds,
                                    now=now)
         if _restart_settled(run, self.thresholds, now):
-            found = with_interrupted_restart(found, job.last_restart)
+            found = with_interrupted_restart(found, job.last_restart, self._task_ended)
         return with_standby(found, job.run, self.standbys, self.thresholds)
 
     @cached_property

@@ -237,12 +237,12 @@ def test_a_restart_the_database_would_not_record_at_the_submit_is_recorded_once_
     lease_refusals: list[OperationalError] = []
     real_record, real_take = StateStore.record_restart, StreamJobController.take_lease
 
-    def flaky_record(self, job_id, action, reason, failed_run_id, new_run_id):
+    def flaky_record(self, job_id, action, reason, failed_run_id, new_run_id, task=None):
         refusal = next(refusals, None) if new_run_id is not None else None
         if refusal is not None:
             lease_refusals.append(OperationalError("UPDATE stream_leases", {}, Exception("database is locked")))
             raise refusal
-        return real_record(self, job_id, action, reason, failed_run_id, new_run_id)
+        return real_record(self, job_id, action, reason, failed_run_id, new_run_id, task)
 
     def flaky_take(self, owner, action, until, launch=None):
         if lease_refusals:  # the extension over the launch wait, right after the refused record

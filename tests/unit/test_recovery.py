@@ -233,6 +233,49 @@ def test_a_reset_interrupted_after_its_own_stop_is_finished_as_a_reset(on_incomp
     assert _decide(found, on_incompatible).action == RecoveryAction.RESET  # from the note alone, as after a window
 
 
+@pytest.mark.parametrize(("task", "ended", "owed"), [
+    ("stream_health/r/recover/-1", "failed", True),  # lost, or failed on its last try
+    ("stream_health/r/recover/-1", "up_for_retry", False),  # its retry finishes it
+    ("stream_health/r/recover/-1", "running", False),  # at work: backing off, launching
+    (None, "failed", False),  # an older release's record names no task
+    ("stream_health/r/recover/-1", None, False),  # Airflow cannot be asked (a command line)
+], ids=["ended", "retry-to-come", "at-work", "no-task", "no-airflow"])
+@pytest.mark.parametrize(("health", "kind"), [(Health.DEAD, None), (Health.FAILED, FailureKind.TRANSIENT)],
+                         ids=["dead", "failed"])
+def test_a_plainly_down_run_is_owed_its_restart_once_the_task_that_began_it_has_ended(health, kind, task, ended,
+                                                                                      owed):
+    """A dead or failed run's recovery began its restart, then its task was lost (or failed on its last
+    try) before it launched: the run's one report was spent on that task.  Once Airflow says the task has
+    ended, the run is owed the restart, a condition of its own that the watcher reports; before, it is the
+    task's own work."""
+    found, begun, asked = _found(health, kind), {**_begun(), "task": task}, []
+
+    def ended_in_airflow(owner):
+        asked.append(owner)
+        return ended == "failed"
+
+    noted = with_interrupted_restart(found, begun, None if ended is None else ended_in_airflow)
+    assert (noted.condition == "INTERRUPTED_RESTART") is owed, noted
+    assert asked == ([task] if task and ended else [])
+    if owed:
+        assert noted.conditions == ("INTERRUPTED_RESTART", found.health.value)
+        assert f"its task {task} has ended in Airflow: nobody finishes it" in noted.evidence[-1]
+        decision = _decide(noted)
+        assert (decision.action, decision.restart_run_id) == (RecoveryAction.RESTART, "r1"), decision
+    assert with_interrupted_restart(_found(Health.DEAD, run_id="r2"), begun, lambda owner: True).interrupted_restart \
+        is None, "a restart begun for another run owes this one nothing"
+
+
+def test_a_reset_begun_for_a_failed_run_by_an_ended_task_is_finished_as_a_reset():
+    """A person's reset of a run failed on an incompatible checkpoint (nothing to stop), lost after its
+    archive: the recovery finishes the reset even where ``on_incompatible`` would fail."""
+    begun = {**_begun(), "action": "reset", "reason": "manual reset", "task": "ops/r/reset/-1"}
+    found = with_interrupted_restart(_found(Health.FAILED, FailureKind.CHECKPOINT_INCOMPATIBLE), begun,
+                                     lambda owner: True)
+    decision = _decide(found, "fail")
+    assert (decision.action, decision.reason) == (RecoveryAction.RESET, "manual reset"), decision
+
+
 def test_an_interrupted_restart_is_weighed_against_the_budget():
     history = [*_restarts(600, 300, 120), _begun()]
     assert _decide(_found(Health.STOPPED), history=history).action == RecoveryAction.FAIL

@@ -47,7 +47,7 @@ def test_a_restart_whose_task_is_lost_after_its_stop_is_finished_by_stream_healt
     assert [(r["failed_run_id"], r["new_run_id"]) for r in restarts] == [
         (stuck.run_id, restarted.run_id)], "the restart begun by the lost task, completed: one attempt"
 
-    runs = wait_until(lambda: _recovers(deployment, 2), 60, "both stream_health runs' recover tasks ended")
+    runs = wait_until(lambda: deployment.ended_recovers(2), 60, "both stream_health runs' recover tasks ended")
     (lost, finished) = runs
     assert lost[1] == "failed", "the first recover task was killed between its stop and its launch"
     assert finished[1] == "success", deployment.explain("stream_health", finished[0])
@@ -56,12 +56,3 @@ def test_a_restart_whose_task_is_lost_after_its_stop_is_finished_by_stream_healt
     assert found["interrupted_restart"]["reason"].startswith(f"job {deployment.job_id}: STUCK"), found
     check_exactly_once(deployment.store, deployment.job_id, producer.produced)
 
-
-def _recovers(deployment, count: int) -> list[tuple[str, str]] | None:
-    """(DAG run, state) of the ended ``recover`` tasks of ``stream_health``, oldest first, once ``count``."""
-    ended = []
-    for run in deployment.health_runs():
-        state = deployment.tasks("stream_health", run["dag_run_id"]).get("recover", (None,))[0]
-        if state in ("success", "failed"):
-            ended.append((run["dag_run_id"], state))
-    return ended if len(ended) >= count else None
