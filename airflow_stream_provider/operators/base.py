@@ -38,7 +38,7 @@ from airflow_stream_provider.lifecycle.waits import RunWait
 from airflow_stream_provider.links import STREAM_LINKS
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state.leases import Lease
-from airflow_stream_provider.state.records import RunRecord
+from airflow_stream_provider.state.records import RunRecord, RunStatus
 from airflow_stream_provider.triggers.run import StreamRunTrigger
 
 __all__ = ["StreamJobError", "StreamJobOperator"]
@@ -567,12 +567,19 @@ class StreamJobOperator(BaseOperator):
     def _reset_begun(self, reason: str, live: RunRecord | None) -> str | None:
         """The run this reset stops (``live``), recorded as a reset begun before the stop (``_begin``).  With no
         live run: the run a reset begun earlier stopped (this task's retry, a recovery finishing it), whose
-        record the launch then completes."""
-        if live is None:
-            latest = self.state.latest_run(self.job.job_id)
-            return latest.run_id if latest and self._owed("reset", latest.run_id) else None
-        self._begin("reset", reason, live.run_id)
-        return live.run_id
+        record the launch then completes; or a run that failed or died by itself, recorded likewise, so that
+        once this task has ended in Airflow without launching, the reset is owed (``recovery``)."""
+        run = live
+        if run is None:
+            run = self.state.latest_run(self.job.job_id)
+            if run is None:
+                return None
+            if self._owed("reset", run.run_id):
+                return run.run_id
+            if run.status not in (RunStatus.FAILED, RunStatus.DEAD) or run.stop_requested_at is not None:
+                return None  # stopped on purpose: a reset lost now leaves it as it was
+        self._begin("reset", reason, run.run_id)
+        return run.run_id
 
     def _reset_stopped(self, context, stopped, reason, allow_data_loss, spec_json, application, after,
                        carry, on_fail=None, failed_run_id=None) -> Any:

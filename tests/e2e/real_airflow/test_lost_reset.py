@@ -66,6 +66,10 @@ def test_a_reset_whose_task_is_lost_after_its_archive_is_finished_by_its_retry(d
     assert sorted(p.name for p in archive.parent.iterdir()) == [archive.name], "archived once, by the lost try"
     found = airflow.xcom("stream_health", health["dag_run_id"], "diagnose", key="diagnosis")
     assert (found["run_id"], found["failure_kind"]) == (refused.run_id, "CHECKPOINT_INCOMPATIBLE"), found
+    (restart,) = deployment.store.restarts_since(deployment.job_id, 0)
+    assert (restart["action"], restart["failed_run_id"], restart["new_run_id"]) == (
+        "reset", refused.run_id, finished["run_id"]), "begun for the failed run before the archive, completed once"
+    assert restart["task"] == f"stream_health/{health['dag_run_id']}/reset/-1", restart
 
     deployment.wait_caught_up(producer.produced)
     assert deployment.trigger("stream_stop")["stop"][0] == "success"
