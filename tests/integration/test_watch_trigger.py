@@ -22,6 +22,27 @@ from tests.dagtest import airflow as airflow_stack
 POLL = 0.2
 
 
+class _AirflowStates(dict):
+    """Task instance states Airflow would give, by lease owner, and the owners it was asked about."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked: list[str] = []
+
+    def ended(self, owner: str, log) -> bool:
+        self.asked.append(owner)
+        return self.get(owner) == "failed"
+
+
+@pytest.fixture
+def airflow_states(monkeypatch) -> _AirflowStates:
+    """Airflow's answer about a task comes through the triggerer's supervisor, which does not run here: a
+    stand-in gives it (``watch.task_ended``); the real ask is in ``real_airflow``."""
+    states = _AirflowStates()
+    monkeypatch.setattr(watch, "task_ended", states.ended)
+    return states
+
+
 def _trigger(job_id: str = "job", **kwargs) -> StreamJobWatchTrigger:
     return StreamJobWatchTrigger(job_id=job_id, heartbeat_timeout=5, poll_interval=POLL, **kwargs)
 
@@ -166,7 +187,7 @@ def test_a_run_a_restart_stopped_and_left_down_is_reported_once(state_store):
     assert asyncio.run(_events(_trigger(), 3)) == []
 
 
-def test_a_dead_run_whose_recovery_ended_without_restarting_it_is_reported_again(state_store, monkeypatch):
+def test_a_dead_run_whose_recovery_ended_without_restarting_it_is_reported_again(state_store, airflow_states):
     """A dead run is reported once, and that report's recovery began the restart, then its task was lost (or
     failed on its last try) before it launched: nothing would bring the job back before the sweep.  Once
     Airflow says that task has ended, the run is reported again, once, as owed its restart; while the task
@@ -174,13 +195,8 @@ def test_a_dead_run_whose_recovery_ended_without_restarting_it_is_reported_again
     triggerer's supervisor, which does not run here: a stand-in gives it (the real ask is
     ``real_airflow/test_lost_recovery.py``)."""
     task = "stream_health/asset_triggered__1/recover/-1"
-    states, asked = {task: "running"}, []
-
-    def task_ended(owner, log):
-        asked.append(owner)
-        return states.get(owner) == "failed"
-
-    monkeypatch.setattr(watch, "task_ended", task_ended)
+    states, asked = airflow_states, airflow_states.asked
+    states[task] = "running"
     run_id = _running(state_store)
     _kill(state_store, run_id)
     events = asyncio.run(_events(_trigger(), 3))
@@ -450,20 +466,15 @@ def test_a_healthy_run_that_wants_a_standby_and_has_none_is_reported_once_per_lo
     assert asyncio.run(_events(_trigger("plain"), 4)) == []
 
 
-def test_a_run_an_upgrade_stopped_and_its_ended_task_left_down_is_reported_once(state_store, monkeypatch):
+def test_a_run_an_upgrade_stopped_and_its_ended_task_left_down_is_reported_once(state_store, airflow_states):
     """An upgrade stopped the job, and its task ended (its worker lost, or failed on its last try) before it
     started the new version: the record stays in STOPPING.  The watcher reports the restart owed, once, as
     soon as Airflow says that task has ended; while it is at work (a retry to come included), nothing.
     Airflow's answer comes through the triggerer's supervisor, which does not run here: a stand-in gives it
     (the real ask is ``real_airflow/test_lost_upgrade.py``)."""
     task = "stream_upgrade/manual__1/upgrade/-1"
-    states, asked = {task: "running"}, []
-
-    def task_ended(owner, log):
-        asked.append(owner)
-        return states.get(owner) == "failed"
-
-    monkeypatch.setattr(watch, "task_ended", task_ended)
+    states, asked = airflow_states, airflow_states.asked
+    states[task] = "running"
     old = _running(state_store)
     upgrades = UpgradeLog(state_store)
     detail = {"task": task, "live_run_id": old}
