@@ -415,7 +415,7 @@ class StreamJobOperator(BaseOperator):
         state database that does not answer for a moment fails nothing: the restart is recorded once the
         launch is over (``_launch_waited``; recording it twice counts it once)."""
         try:
-            self.controller.record_restart(*restart, run_id)
+            self.controller.record_restart(*restart, run_id, self._lease_owner)
         except waits.DATABASE_OUTAGE as err:
             self.log.warning("Could not record the restart that launched run %s yet (%s); recording it once "
                              "the launch is over", run_id, waits.outage_line(err))
@@ -425,7 +425,7 @@ class StreamJobOperator(BaseOperator):
             event = self._launch_looked_at(event, launch)
         self._in_flight = launch
         if restart:  # a no-op unless the state database did not answer at the submit
-            self.controller.record_restart(*restart, launch["run_id"])
+            self.controller.record_restart(*restart, launch["run_id"], self._lease_owner)
         try:
             result = self.controller.finish_launch(launch, self.outcome(event), float(self.ready_timeout))
         except (StreamJobError, AirflowFailException) as err:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from airflow_stream_provider.diagnosis import clock
 from airflow_stream_provider.operators.base import StreamJobOperator, flag
 
 
@@ -29,5 +30,23 @@ class ResetStreamingJobOperator(StreamJobOperator):
 
     def start(self, context) -> dict[str, Any]:
         self.refuse_during_upgrade("reset")
+        finished = self._finished_by_another()
+        if finished is not None:
+            return finished
         return self.reset_then(context, self.reason, "done", {},
                                allow_data_loss=flag(self.allow_data_loss, "allow_data_loss"))
+
+    def _finished_by_another(self) -> dict[str, Any] | None:
+        """This task's earlier try began the reset and ended before its launch (lost, or its launch refused),
+        and a recovery (``stream_health``) has finished it since: the reset asked for is done, and another
+        would archive the generation that recovery started.  Its result, with nothing done; else None."""
+        mine = self.state.store.latest_restart(self.job.job_id, begun_by=self._lease_owner)
+        if mine is None or mine["action"] != "reset" or mine["new_run_id"] is None:
+            return None
+        if mine.get("finished_by") in (None, self._lease_owner):  # this task launched it (a clear runs anew)
+            return None
+        why = (f"job {self.job.job_id}: the reset this task began at {clock(mine['at'])} was finished by task "
+               f"{mine['finished_by']}, which launched run {mine['new_run_id']}: nothing more to do. Run a new "
+               "reset to reset again")
+        self.log.info("%s", why)
+        return {"action": "none", "why": why, "run_id": mine["new_run_id"]}

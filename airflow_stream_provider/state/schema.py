@@ -192,6 +192,8 @@ restarts = Table(
     #: the task that began it (``holders.lease_owner``): once Airflow says that task has ended, a restart
     #: still begun is owed, whatever the run's health (``recovery.interrupted_restart``)
     Column("task", String(1000)),
+    #: the task whose launch completed it: a retry of the task that began it can tell that another finished it
+    Column("finished_by", String(1000)),
 )
 
 #: What the always-on watcher already reported: one row per (run, health, failure kind), so a condition

@@ -512,7 +512,8 @@ class StateStore:
         (a STUCK run's stop); the new run's id then completes that row, so the attempt counts once, and a
         restart interrupted after its stop is seen as such (``recovery.interrupted_restart``).  A restart
         whose new run is recorded already is not recorded again (a task's retry recording its launch).
-        ``task``: the task beginning it, which Airflow can later say has ended without finishing it."""
+        ``task``: the task recording it (``task``: beginning it, which Airflow can later say has ended without
+        finishing it; ``finished_by``: launching its new run)."""
         table = schema.restarts
         failed = table.c.failed_run_id.is_(None) if failed_run_id is None else table.c.failed_run_id == failed_run_id
         with self.engine.begin() as conn:
@@ -523,10 +524,12 @@ class StateStore:
                 select(func.max(table.c.id)).where(table.c.job_id == job_id, table.c.action == action, failed,
                                                    table.c.new_run_id.is_(None))).scalar()
             if begun is not None:
-                conn.execute(update(table).where(table.c.id == begun).values(new_run_id=new_run_id))
+                conn.execute(update(table).where(table.c.id == begun).values(new_run_id=new_run_id,
+                                                                             finished_by=task))
                 return
             conn.execute(table.insert().values(job_id=job_id, at=self.now(), action=action, reason=reason[:2000],
-                                               failed_run_id=failed_run_id, new_run_id=new_run_id, task=task))
+                                               failed_run_id=failed_run_id, new_run_id=new_run_id, task=task,
+                                               finished_by=task if new_run_id is not None else None))
 
     def cancel_begun_restarts(self, job_id: str) -> int:
         """A stop was asked for: the restarts begun and not launched are not to be finished (see
@@ -537,12 +540,15 @@ class StateStore:
                                                     table.c.cancelled_at.is_(None))
                                 .values(cancelled_at=self.now())).rowcount
 
-    def latest_restart(self, job_id: str) -> dict[str, Any] | None:
-        """The job's newest restart record, however old (``restarts_since`` looks back a window only)."""
+    def latest_restart(self, job_id: str, begun_by: str | None = None) -> dict[str, Any] | None:
+        """The job's newest restart record, however old (``restarts_since`` looks back a window only); with
+        ``begun_by``, the newest that task began."""
         table = schema.restarts
-        query = select(table).where(table.c.job_id == job_id).order_by(table.c.id.desc()).limit(1)
+        query = select(table).where(table.c.job_id == job_id)
+        if begun_by is not None:
+            query = query.where(table.c.task == begun_by)
         with self.engine.connect() as conn:
-            row = conn.execute(query).mappings().first()
+            row = conn.execute(query.order_by(table.c.id.desc()).limit(1)).mappings().first()
         return in_host_terms(dict(row), RESTART_TIMES, self.clock.offset()) if row else None
 
     def restarts_since(self, job_id: str, since: float) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ PostgreSQL, which the runtime tests cover with real drivers.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import threading
@@ -320,7 +321,8 @@ def test_a_reset_whose_launch_failed_after_its_stop_is_finished_by_stream_health
     """A person resets the running job; after its stop and its archive, the launch is refused (the brokers
     unreachable for a moment).  The job is down with its checkpoint archived, and nobody asked for a stop:
     the sensor reports the reset owed, and the recovery finishes it (a restart from the archived checkpoint
-    could not), where the job used to stay STOPPED until a person came back."""
+    could not), where the job used to stay STOPPED until a person came back.  The reset task's retry, later
+    than that, finds its reset finished and does nothing: it used to reset the job once more."""
     state, job_id, params = stream["state"], stream["job_id"], stream["params"]
     producer = EventProducer(broker, stream["topic"])
     producer.send(300)
@@ -328,7 +330,8 @@ def test_a_reset_whose_launch_failed_after_its_stop_is_finished_by_stream_health
     caught_up(state, job_id, producer)
     live = state.latest_run(job_id).run_id
     _refuse_the_next_launch(monkeypatch)
-    status, tasks = run_dag(dags.reset, params, reason="manual reset")
+    reset_at = datetime.datetime.now(datetime.UTC).isoformat()  # its retry below is the same task instance
+    status, tasks = run_dag(dags.reset, params, logical_date=reset_at, reason="manual reset")
     assert status == "failed" and tasks["reset"][0] == "failed", tasks
     assert state.store.get_run(live).status == "STOPPED" and state.store.get_generation(job_id, 1)["archived_at"]
     assert [(r["action"], r["failed_run_id"], r["new_run_id"]) for r in state.restarts_since(job_id, 0)] == [
@@ -343,6 +346,12 @@ def test_a_reset_whose_launch_failed_after_its_stop_is_finished_by_stream_health
     assert (done["generation"], done["archived_generation"]) == (2, 1), done
     assert [(r["failed_run_id"], r["new_run_id"]) for r in state.restarts_since(job_id, 0)] == [
         (live, done["run_id"])], "the begun reset, completed: one attempt"
+
+    status, tasks = run_dag(dags.reset, params, logical_date=reset_at, reason="manual reset")  # the late retry
+    assert status == "success" and tasks["reset"][1]["action"] == "none", tasks
+    assert "was finished by task test_stream_health/" in tasks["reset"][1]["why"], tasks
+    assert state.store.get_generation(job_id, 3) is None and state.latest_run(job_id).run_id == done["run_id"]
+    assert len(state.restarts_since(job_id, 0)) == 1
     caught_up(state, job_id, producer)
     assert run_dag(dags.stop, params)[0] == "success"
     check_exactly_once(state.store, job_id, producer.produced)

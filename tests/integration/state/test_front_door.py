@@ -168,6 +168,24 @@ def test_a_restart_recorded_again_for_the_same_new_run_counts_once(store):
     assert [(r["failed_run_id"], r["new_run_id"]) for r in store.restarts_since("job", 0)] == [(dead, new)]
 
 
+def test_a_restart_names_the_task_that_began_it_and_the_one_that_finished_it(store):
+    """The watcher asks Airflow about the task that began a restart still owed; a retry of a reset's task
+    asks who finished the reset it began."""
+    dead = store.begin_run("job", 1, "1.0").run_id
+    new = store.begin_run("job", 1, "1.0").run_id
+    store.record_restart("job", "reset", "manual reset", dead, None, "ops/manual__1/reset/-1")
+    store.record_restart("job", "restart", "elsewhere", None, None, "other/r/recover/-1")
+    store.record_restart("job", "reset", "manual reset", dead, new, "stream_health/a__1/recover/-1")
+    mine = store.latest_restart("job", begun_by="ops/manual__1/reset/-1")
+    assert (mine["new_run_id"], mine["task"], mine["finished_by"]) == (new, "ops/manual__1/reset/-1",
+                                                                     "stream_health/a__1/recover/-1"), mine
+    assert store.latest_restart("job")["task"] == "other/r/recover/-1"
+    assert store.latest_restart("job", begun_by="nobody/r/t/-1") is None
+    store.record_restart("job", "standby", "DEAD", new, "r3", "stream_health/a__2/recover/-1")  # launched at once
+    assert (store.latest_restart("job")["task"], store.latest_restart("job")["finished_by"]) == (
+        "stream_health/a__2/recover/-1", "stream_health/a__2/recover/-1")
+
+
 def test_recent_runs_newest_first_with_dry_runs(store):
     ids = [store.begin_run("job", 1, "1.0", dry_run=(n == 1)).run_id for n in range(3)]
     assert [r.run_id for r in store.recent_runs("job", 2)] == ids[:0:-1]
