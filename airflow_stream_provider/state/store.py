@@ -512,8 +512,8 @@ class StateStore:
         (a STUCK run's stop); the new run's id then completes that row, so the attempt counts once, and a
         restart interrupted after its stop is seen as such (``recovery.interrupted_restart``).  A restart
         whose new run is recorded already is not recorded again (a task's retry recording its launch).
-        ``task``: the task recording it (``task``: beginning it, which Airflow can later say has ended without
-        finishing it; ``finished_by``: launching its new run)."""
+        ``task``: the task recording it, kept as the row's ``task`` where it begins the row (Airflow can later
+        say that task ended without finishing it) and as ``finished_by`` where its launch completes it."""
         table = schema.restarts
         failed = table.c.failed_run_id.is_(None) if failed_run_id is None else table.c.failed_run_id == failed_run_id
         with self.engine.begin() as conn:

@@ -62,7 +62,8 @@ log = logging.getLogger(__name__)
 
 #: What the watcher reports by default: the conditions that need someone to act.  NO_STANDBY so that a
 #: new standby starts at once after a takeover, not at the next sweep; INTERRUPTED_RESTART so that the
-#: health DAG finishes the restart, which a STOPPED run would otherwise never get.
+#: health DAG finishes the restart, which a STOPPED run would otherwise never get, nor a dead one whose
+#: recovery was lost after its one report.
 FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, NO_STANDBY, INTERRUPTED_RESTART)
 #: How long a task that Airflow said has ended is taken as ended without asking again
 ENDED_REMEMBERED_S = 30.0
