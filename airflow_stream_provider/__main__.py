@@ -46,12 +46,19 @@ def status(store: StateStore, job_id: str, runs: int = 5) -> str:
     generations = store.generations(job_id)
     latest = next((r for r in run_rows if not r.dry_run), None)
     found = diagnosis.diagnose(job_id, latest, driver_alive=None, lag=None)
+    last_restart = store.latest_restart(job_id)
     if found.health in recovery.INTERRUPTIBLE:  # down because a restart stopped it and launched nothing
-        found = recovery.with_interrupted_restart(found, store.latest_restart(job_id))
+        found = recovery.with_interrupted_restart(found, last_restart)
     out = [f"job {job_id}: {found.health.value}"
            + (f"/{found.failure_kind.value}" if found.failure_kind else ""),
            *(f"  {line}" for line in found.evidence),
            *([f"  {found.advice}"] if found.restart_owed else [])]
+    if not found.restart_owed and found.run_id and recovery.begun(last_restart) and (
+            last_restart["failed_run_id"] == found.run_id and last_restart.get("task")):
+        # whether its task has ended is Airflow's to say, which this command does not ask
+        out.append(f"{last_restart['action']} of this run begun at {_when(last_restart['at'])} by task "
+                   f"{last_restart['task']}, nothing launched yet; if that task has ended without launching, "
+                   "stream_health's recover finishes it")
     upgrade = UpgradeLog(store).latest(job_id)
     if upgrade is not None:
         out.append(_upgrade_line(upgrade))

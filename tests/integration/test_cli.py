@@ -83,6 +83,25 @@ def test_status_shows_a_restart_that_stopped_the_run_and_started_none(tmp_path, 
     assert "started no new one" not in out and "A recovery finishes" not in out
 
 
+def test_status_shows_a_restart_of_a_failed_run_begun_and_not_launched(tmp_path, capsys):
+    """A failed run's recovery began its restart and launched nothing yet: at work, or lost.  Which of the two
+    is Airflow's to say, which the command does not ask; it names the task to look at."""
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    store = StateStore.from_url(url)
+    store.ensure_schema()
+    run = store.begin_run("orders", 1, "1.0")
+    store.finish_run(run.run_id, status="FAILED", exit_code=1, failure_kind="TRANSIENT", message="brokers away")
+    store.record_restart("orders", "restart", "FAILED: brokers away", run.run_id, None,
+                         "stream_health/asset_triggered__1/recover/-1")
+    store.dispose()
+    assert main(["status", "--database-url", url, "--job-id", "orders"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("job orders: FAILED/TRANSIENT")
+    assert ("restart of this run begun at" in out and "by task stream_health/asset_triggered__1/recover/-1, "
+            "nothing launched yet; if that task has ended without launching, stream_health's recover finishes it"
+            in out), out
+
+
 def test_status_on_a_database_without_stream_state_says_so(tmp_path, capsys):
     assert main(["status", "--database-url", f"sqlite:///{tmp_path / 'empty.db'}", "--job-id", "x"]) == 2
     assert "no stream state" in capsys.readouterr().err
