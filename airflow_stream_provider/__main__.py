@@ -10,28 +10,13 @@ offsets).  ``prune`` applies a retention policy to a job's archived generations 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import sys
-import time
 from collections.abc import Sequence
 
-from airflow_stream_provider import diagnosis, kafka_offsets, recovery
+from airflow_stream_provider import diagnosis, kafka_offsets, standing
+from airflow_stream_provider.standing import when
 from airflow_stream_provider.state import schema
-from airflow_stream_provider.state.leases import LeaseLog
-from airflow_stream_provider.state.standbys import StandbyLog
 from airflow_stream_provider.state.store import StateStore
-from airflow_stream_provider.state.upgrades import (
-    LEAVES_THE_JOB_DOWN,
-    UpgradeLog,
-    UpgradePhase,
-    UpgradeRecord,
-)
-
-
-def _when(seconds: float | None) -> str:
-    if not seconds:
-        return "-"
-    return dt.datetime.fromtimestamp(seconds, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -45,59 +30,25 @@ def status(store: StateStore, job_id: str, runs: int = 5) -> str:
     run_rows = store.recent_runs(job_id, runs)
     generations = store.generations(job_id)
     latest = next((r for r in run_rows if not r.dry_run), None)
-    found = diagnosis.diagnose(job_id, latest, driver_alive=None, lag=None)
-    last_restart = store.latest_restart(job_id)
-    if found.health in recovery.INTERRUPTIBLE:  # down because a restart stopped it and launched nothing
-        found = recovery.with_interrupted_restart(found, last_restart)
+    found = standing.with_owed_restart(store, diagnosis.diagnose(job_id, latest, driver_alive=None, lag=None))
     out = [f"job {job_id}: {found.health.value}"
            + (f"/{found.failure_kind.value}" if found.failure_kind else ""),
            *(f"  {line}" for line in found.evidence),
-           *([f"  {found.advice}"] if found.restart_owed else [])]
-    if not found.restart_owed and found.run_id and recovery.begun(last_restart) and (
-            last_restart["failed_run_id"] == found.run_id and last_restart.get("task")):
-        # whether its task has ended is Airflow's to say, which this command does not ask
-        out.append(f"{last_restart['action']} of this run begun at {_when(last_restart['at'])} by task "
-                   f"{last_restart['task']}, nothing launched yet; if that task has ended without launching, "
-                   "stream_health's recover finishes it")
-    upgrade = UpgradeLog(store).latest(job_id)
-    if upgrade is not None:
-        out.append(_upgrade_line(upgrade))
-    lease = LeaseLog(store).get(job_id)
-    now = time.time()
-    if lease is not None and lease.until >= now:
-        out.append(f"acting on the job: {lease.describe(now)}")
-    standbys = StandbyLog(store)
-    for standby in standbys.live(job_id) or standbys.recent(job_id, 1):
-        out.append(standby.describe())
+           *([f"  {found.advice}"] if found.restart_owed else []),
+           *standing.notes(store, found)]
     out.append("")
     out.append(_table([[r.run_id[:12], r.status, r.generation, r.epoch, r.version,
-                        _when(r.started_at), _when(r.heartbeat_at), r.last_batch_id,
+                        when(r.started_at), when(r.heartbeat_at), r.last_batch_id,
                         r.exit_code if r.exit_code is not None else "-", r.failure_kind or "-"]
                        for r in run_rows],
                       ["run", "status", "gen", "epoch", "version", "started", "heartbeat", "batch", "exit",
                        "failure"]))
-    out += ["", _table([[g["generation"], "archived" if g["archived_at"] else "active", _when(g["created_at"]),
+    out += ["", _table([[g["generation"], "archived" if g["archived_at"] else "active", when(g["created_at"]),
                          g["archive_path"] or g["checkpoint_path"]] for g in generations],
                        ["gen", "state", "created", "path"])]
     stored = store.stored_offsets(job_id)
     out += ["", f"stored offsets: {kafka_offsets.to_spark_json(stored) if stored else '(none yet)'}"]
     return "\n".join(out)
-
-
-def _upgrade_line(upgrade: UpgradeRecord) -> str:
-    """The latest upgrade: where it stands if unfinished (a retry of its task resumes or rolls back from
-    there), how it ended otherwise."""
-    versions = f"{upgrade.from_version or '?'} -> {upgrade.to_version or '?'}"
-    if upgrade.phase == UpgradePhase.DONE:
-        return f"last upgrade {versions}: {upgrade.result or 'done'} at {_when(upgrade.updated_at)}"
-    line = (f"upgrade {versions} in progress: {upgrade.phase.value} since {_when(upgrade.updated_at)} "
-            f"(started {_when(upgrade.started_at)}); a retry of the upgrade task resumes or rolls it back")
-    if upgrade.phase in LEAVES_THE_JOB_DOWN and upgrade.detail.get("live_run_id"):
-        # whether its task has ended is Airflow's to say, which this command does not ask
-        task = f"its task {upgrade.task}" if upgrade.task else "its task"
-        line += (f"; if {task} has ended without resuming or rolling it back, stream_health's recover ends the "
-                 "upgrade and restarts the version that ran before")
-    return line
 
 
 def checkpoint_history(checkpoint_root: str, job_id: str, checkpoint_conn_id: str | None = None) -> str:
@@ -108,7 +59,7 @@ def checkpoint_history(checkpoint_root: str, job_id: str, checkpoint_conn_id: st
     for info in CheckpointHook(checkpoint_root, checkpoint_conn_id).list_generations(job_id):
         batch = info.latest_batch
         offsets = "-" if batch is None or batch.offsets is None else kafka_offsets.to_spark_json(batch.offsets)
-        rows.append([info.generation, "archived" if info.archived else "active", _when(info.modified_at),
+        rows.append([info.generation, "archived" if info.archived else "active", when(info.modified_at),
                      "-" if batch is None else batch.batch_id,
                      "-" if batch is None else ("yes" if batch.committed else "no (replayed on start)"),
                      offsets, info.path])

@@ -8,7 +8,9 @@ import json
 import time
 
 from airflow_stream_provider.plugins.status.report import job_report, masked
+from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.transaction import BatchRange, RunContext, commit, plan
+from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 
 T = "orders"
 
@@ -55,6 +57,27 @@ def test_the_report_tells_the_jobs_story_without_credentials(store):
     assert found["dead_letters"]["samples"][0]["offset"] == 3
     assert found["dead_letters"]["samples"][0]["value"] == '{"amount": "x"}'
     assert "hunter2" not in json.dumps(found) and "database_url" not in json.dumps(found)
+
+
+def test_the_page_shows_what_on_call_must_know_beside_the_health(store):
+    """A job that reads STOPPED because a restart stopped it and launched nothing is owed that restart, not
+    stopped on purpose; the task acting on the job and an unfinished upgrade show too, as ``status`` shows
+    them (``standing``)."""
+    stuck = store.begin_run("orders", 1, "1.0", host="nowhere", pid=1)
+    store.record_restart("orders", "restart", "STUCK: no batch for 600s", stuck.run_id, None,
+                         "stream_health/asset_triggered__1/recover/-1")
+    store.finish_run(stuck.run_id, status="STOPPED", exit_code=0, message="stopped")
+    LeaseLog(store).take("orders", "stream_health/asset_triggered__2/recover/-1", "recover", time.time() + 60)
+    upgrades = UpgradeLog(store)
+    upgrades.move(upgrades.begin("orders", "1.0", "1.1", {}), UpgradePhase.VERIFYING, {})
+
+    found = job_report(store, "orders", end_offsets=None, driver_alive=lambda r: None)
+    assert (found["health"], found["advice"]) == ("STOPPED", "A recovery finishes the restart from the "
+                                                             "checkpoint (stream_health does so by itself)."), found
+    assert "stopped this run and started no new one: nobody asked for this stop" in found["evidence"][-1]
+    upgrade, acting = found["notes"]
+    assert upgrade.startswith("upgrade 1.0 -> 1.1 in progress: VERIFYING since"), upgrade
+    assert acting.startswith("acting on the job: task stream_health/asset_triggered__2/recover/-1 (recover"), acting
 
 
 def test_records_below_the_generations_start_are_no_lag(store):
