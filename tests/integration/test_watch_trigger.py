@@ -215,6 +215,10 @@ def test_a_dead_run_whose_recovery_ended_without_restarting_it_is_reported_again
     assert (owed["failed_run_id"], owed["reason"]) == (run_id, "DEAD: driver gone"), owed
     assert f"its task {task} has ended in Airflow: nobody finishes it" in events[0]["message"]
     assert asyncio.run(_events(_trigger(), 3)) == [], "reported once, also across a triggerer restart"
+    states[task] = "unanswered"  # Airflow cannot be asked for a while: the run reads plainly DEAD again
+    assert asyncio.run(_events(_trigger(), 3)) == [], "a run down is reported once per condition, not per flip"
+    states[task] = "failed"
+    assert asyncio.run(_events(_trigger(), 3)) == []
 
     restarted = _running(state_store)  # the next recovery launched it
     state_store.record_restart("job", "restart", "DEAD: driver gone", run_id, restarted)
