@@ -206,8 +206,8 @@ def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBu
         # a reset someone asked for is finished whatever ``on_incompatible`` says: its archive may be done
         action = RecoveryAction(interrupted.get("action") or RecoveryAction.RESTART)
         decision = _within_budget(found, budget, history, now, action,
-                                  f"{found.summary()}: the {action} begun at {clock(interrupted['at'])} stopped "
-                                  f"it and started no new run; finishing that {_FINISHES[action]}",
+                                  f"{found.summary()}: the {action} begun at {clock(interrupted['at'])} for it "
+                                  f"started no new run; finishing that {_FINISHES[action]}",
                                   interrupted.get("reason") or found.summary())
         return replace(decision, restart_run_id=interrupted.get("failed_run_id"))
     if found.health in (Health.STARTING, Health.HEALTHY, Health.STOPPED):

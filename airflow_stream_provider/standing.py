@@ -11,7 +11,7 @@ import datetime as dt
 import time
 
 from airflow_stream_provider import recovery
-from airflow_stream_provider.diagnosis import Diagnosis
+from airflow_stream_provider.diagnosis import Diagnosis, Health
 from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.standbys import StandbyLog
 from airflow_stream_provider.state.store import StateStore
@@ -44,7 +44,7 @@ def notes(store: StateStore, found: Diagnosis, now: float | None = None) -> list
     now = time.time() if now is None else now
     lines = []
     begun = store.latest_restart(found.job_id)
-    if (not found.restart_owed and found.run_id and recovery.begun(begun)
+    if (found.health in (Health.DEAD, Health.FAILED) and not found.restart_owed and recovery.begun(begun)
             and begun["failed_run_id"] == found.run_id and begun.get("task")):
         lines.append(f"{begun['action']} of this run begun at {when(begun['at'])} by task {begun['task']}, "
                      "nothing launched yet; if that task has ended without launching, stream_health's recover "

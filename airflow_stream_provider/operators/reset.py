@@ -38,15 +38,20 @@ class ResetStreamingJobOperator(StreamJobOperator):
 
     def _finished_by_another(self) -> dict[str, Any] | None:
         """This task's earlier try began the reset and ended before its launch (lost, or its launch refused),
-        and a recovery (``stream_health``) has finished it since: the reset asked for is done, and another
-        would archive the generation that recovery started.  Its result, with nothing done; else None."""
+        and a recovery (``stream_health``) has carried it on since: another would archive the generation that
+        recovery started.  Or a stop someone asked for closed it since, which a reset would undo.  Its result,
+        with nothing done; else None."""
         mine = self.state.store.latest_restart(self.job.job_id, begun_by=self._lease_owner)
-        if mine is None or mine["action"] != "reset" or mine["new_run_id"] is None:
+        if mine is None or mine["action"] != "reset":
             return None
-        if mine.get("finished_by") in (None, self._lease_owner):  # this task launched it (a clear runs anew)
-            return None
-        why = (f"job {self.job.job_id}: the reset this task began at {clock(mine['at'])} was finished by task "
-               f"{mine['finished_by']}, which launched run {mine['new_run_id']}: nothing more to do. Run a new "
-               "reset to reset again")
+        began = f"job {self.job.job_id}: the reset this task began at {clock(mine['at'])}"
+        if mine["new_run_id"] is None and mine.get("cancelled_at"):
+            why = (f"{began} was closed by a stop asked for at {clock(mine['cancelled_at'])}: not undoing that "
+                   "stop. Run a new reset to reset the job")
+        elif mine["new_run_id"] is None or mine.get("finished_by") in (None, self._lease_owner):
+            return None  # still owed to this task; or this task launched it itself (a clear runs anew)
+        else:
+            why = (f"{began} was carried on by task {mine['finished_by']}, which launched run "
+                   f"{mine['new_run_id']}: nothing more to do here. Run a new reset to reset again")
         self.log.info("%s", why)
         return {"action": "none", "why": why, "run_id": mine["new_run_id"]}

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from airflow_stream_provider import diagnosis, standing
 from airflow_stream_provider.failures import FailureKind
 from airflow_stream_provider.kafka_offsets import Offsets
@@ -45,8 +47,13 @@ def job_report(store: StateStore, job_id: str, *, end_offsets: Callable[[list[st
                                           end_offsets)
     lag = None if kafka_error else sum(p["lag"] for p in partitions)
     alive = driver_alive(current) if current else None
-    found = standing.with_owed_restart(store, diagnosis.diagnose(job_id, current, driver_alive=alive, lag=lag,
-                                                                  now=now))
+    found = diagnosis.diagnose(job_id, current, driver_alive=alive, lag=lag, now=now)
+    try:
+        found = standing.with_owed_restart(store, found)
+        notes = standing.notes(store, found, now)
+    except SQLAlchemyError as err:  # an older release's database, a role that may not create: the rest shows
+        notes = [f"what stands beside the health could not be read: {type(err).__name__}. An older release's "
+                 "state database gains what it lacks when a task or the watcher of this release next uses it"]
     dead_total, dead_samples = overview.dead_letters(store, job_id)
     return {
         "job_id": job_id,
@@ -54,7 +61,7 @@ def job_report(store: StateStore, job_id: str, *, end_offsets: Callable[[list[st
         "failure_kind": found.failure_kind.value if found.failure_kind else None,
         "evidence": [masked(line, secrets) for line in found.evidence],
         "advice": masked(found.advice, secrets),
-        "notes": [masked(line, secrets) for line in standing.notes(store, found, now)],
+        "notes": [masked(line, secrets) for line in notes],
         "current": _current(current, alive, now, secrets),
         "runs": [_run(run, secrets) for run in runs],
         "generations": [{"generation": g["generation"], "state": "archived" if g["archived_at"] else "active",

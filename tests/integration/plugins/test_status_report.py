@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import time
 
+from sqlalchemy import text
+
 from airflow_stream_provider.plugins.status.report import job_report, masked
 from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.transaction import BatchRange, RunContext, commit, plan
@@ -78,6 +80,22 @@ def test_the_page_shows_what_on_call_must_know_beside_the_health(store):
     upgrade, acting = found["notes"]
     assert upgrade.startswith("upgrade 1.0 -> 1.1 in progress: VERIFYING since"), upgrade
     assert acting.startswith("acting on the job: task stream_health/asset_triggered__2/recover/-1 (recover"), acting
+
+
+def test_an_older_releases_database_still_shows_the_job(store):
+    """A state database an older release made lacks the restart records' newer columns until a task or the
+    watcher of this release uses it; the page, which never changes the schema, shows the job meanwhile and
+    says what it could not read."""
+    run = store.begin_run("orders", 1, "1.0", host="nowhere", pid=1)
+    store.finish_run(run.run_id, status="FAILED", exit_code=1, failure_kind="TRANSIENT", message="brokers away")
+    with store.engine.begin() as conn:
+        for column in ("task", "finished_by"):
+            conn.execute(text(f"ALTER TABLE stream_restarts DROP COLUMN {column}"))
+
+    found = job_report(store, "orders", end_offsets=None, driver_alive=lambda r: None)
+    assert (found["health"], found["current"]["run_id"]) == ("FAILED", run.run_id), found
+    (note,) = found["notes"]
+    assert note.startswith("what stands beside the health could not be read"), note
 
 
 def test_records_below_the_generations_start_are_no_lag(store):
