@@ -1,0 +1,47 @@
+"""A reset task's retry, after its earlier try began the reset and ended before its launch: it carries the
+reset on while it is owed, and leaves the job alone once another task carried it on or a stop someone asked
+for closed it (``ResetStreamingJobOperator._finished_by_another``).  The whole path, a retry after
+``stream_health`` finished the reset, is ``e2e/test_provider_dags.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_stream_provider.operators.reset import ResetStreamingJobOperator
+
+MINE = "ops_reset/manual__1/reset/-1"
+HEALTH = "stream_health/asset_triggered__1/recover/-1"
+
+
+@pytest.fixture
+def retry(state_store, tmp_path) -> ResetStreamingJobOperator:
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    operator = ResetStreamingJobOperator(task_id="reset", spec=spec)
+    operator._lease_owner = MINE  # as execute sets it: the same task instance as the earlier try
+    return operator
+
+
+def test_a_reset_still_owed_or_launched_by_this_task_is_this_tasks_to_do(state_store, retry):
+    assert retry._finished_by_another() is None, "no reset begun by this task"
+    failed = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.record_restart("job", "reset", "manual reset", failed, None, MINE)
+    assert retry._finished_by_another() is None, "owed: the retry finishes it"
+    state_store.record_restart("job", "reset", "manual reset", failed, "r2", MINE)
+    assert retry._finished_by_another() is None, "launched by this task: a clear of it resets anew"
+
+
+def test_a_reset_another_task_carried_on_is_left_alone(state_store, retry):
+    failed = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.record_restart("job", "reset", "manual reset", failed, None, MINE)
+    state_store.record_restart("job", "reset", "manual reset", failed, "r2", HEALTH)
+    done = retry._finished_by_another()
+    assert (done["action"], done["run_id"]) == ("none", "r2"), done
+    assert f"was carried on by task {HEALTH}, which launched run r2" in done["why"]
+
+
+def test_a_reset_a_stop_closed_is_not_undone(state_store, retry):
+    live = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.record_restart("job", "reset", "manual reset", live, None, MINE)
+    state_store.cancel_begun_restarts("job")  # a person's stop since
+    done = retry._finished_by_another()
+    assert done["action"] == "none" and "was closed by a stop asked for at" in done["why"], done
