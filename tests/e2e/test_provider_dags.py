@@ -349,7 +349,7 @@ def test_a_reset_whose_launch_failed_after_its_stop_is_finished_by_stream_health
 
     status, tasks = run_dag(dags.reset, params, logical_date=reset_at, reason="manual reset")  # the late retry
     assert status == "success" and tasks["reset"][1]["action"] == "none", tasks
-    assert "was finished by task test_stream_health/" in tasks["reset"][1]["why"], tasks
+    assert "was carried on by task test_stream_health/" in tasks["reset"][1]["why"], tasks
     assert state.store.get_generation(job_id, 3) is None and state.latest_run(job_id).run_id == done["run_id"]
     assert len(state.restarts_since(job_id, 0)) == 1
     caught_up(state, job_id, producer)
