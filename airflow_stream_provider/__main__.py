@@ -30,12 +30,12 @@ def status(store: StateStore, job_id: str, runs: int = 5) -> str:
     run_rows = store.recent_runs(job_id, runs)
     generations = store.generations(job_id)
     latest = next((r for r in run_rows if not r.dry_run), None)
-    found = standing.with_owed_restart(store, diagnosis.diagnose(job_id, latest, driver_alive=None, lag=None))
+    found, notes = standing.read(store, diagnosis.diagnose(job_id, latest, driver_alive=None, lag=None))
     out = [f"job {job_id}: {found.health.value}"
            + (f"/{found.failure_kind.value}" if found.failure_kind else ""),
            *(f"  {line}" for line in found.evidence),
            *([f"  {found.advice}"] if found.restart_owed else []),
-           *standing.notes(store, found)]
+           *notes]
     out.append("")
     out.append(_table([[r.run_id[:12], r.status, r.generation, r.epoch, r.version,
                         when(r.started_at), when(r.heartbeat_at), r.last_batch_id,

@@ -140,10 +140,15 @@ def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]],
     newest = history[-1]
     if not begun(newest) or newest.get("failed_run_id") != found.run_id:
         return None
-    if found.health != Health.STOPPED and found.stop_requested_at is None:  # no stop ended it: plainly down
+    if _plainly_down(found):
         task = newest.get("task")
         return newest if task and ended is not None and ended(task) else None
     return newest
+
+
+def _plainly_down(found: Diagnosis) -> bool:
+    """Dead or failed by itself: no stop ended the run (neither a STOPPED run nor one down after a stop)."""
+    return found.health != Health.STOPPED and found.stop_requested_at is None
 
 
 def with_abandoned_upgrade(found: Diagnosis, upgrade: UpgradeRecord | None,
@@ -183,7 +188,7 @@ def with_interrupted_restart(found: Diagnosis, last_restart: Mapping[str, Any] |
     action = str(owed.get("action") or RecoveryAction.RESTART)  # kept as text: the diagnosis goes to XCom
     found.interrupted_restart = {"at": owed["at"], "reason": owed.get("reason"), "action": action,
                                  "failed_run_id": owed.get("failed_run_id")}
-    if found.health == Health.STOPPED or found.stop_requested_at is not None:
+    if not _plainly_down(found):
         found.evidence.append(f"the {action} begun at {clock(owed['at'])} ({owed.get('reason')}) stopped "
                               "this run and started no new one: nobody asked for this stop")
     else:

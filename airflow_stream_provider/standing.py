@@ -11,7 +11,7 @@ import datetime as dt
 import time
 
 from airflow_stream_provider import recovery
-from airflow_stream_provider.diagnosis import Diagnosis, Health
+from airflow_stream_provider.diagnosis import Diagnosis
 from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.standbys import StandbyLog
 from airflow_stream_provider.state.store import StateStore
@@ -30,22 +30,18 @@ def when(seconds: float | None) -> str:
     return dt.datetime.fromtimestamp(seconds, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def with_owed_restart(store: StateStore, found: Diagnosis) -> Diagnosis:
-    """``found`` with the restart it is owed noted, where a restart or a reset stopped its run and started
-    none (a job that reads STOPPED, yet nobody asked for that stop)."""
-    if found.health in recovery.INTERRUPTIBLE:  # only a run that is down can be owed a restart
-        return recovery.with_interrupted_restart(found, store.latest_restart(found.job_id))
-    return found
-
-
-def notes(store: StateStore, found: Diagnosis, now: float | None = None) -> list[str]:
-    """The lines that stand beside ``found`` (``with_owed_restart`` applied): a restart begun and not
-    launched, the latest upgrade, the task holding the job's lease, the job's standby."""
+def read(store: StateStore, found: Diagnosis, now: float | None = None) -> tuple[Diagnosis, list[str]]:
+    """``found`` with the restart it is owed noted (a job that reads STOPPED because a restart or a reset
+    stopped its run and started none, yet nobody asked for that stop), and the lines that stand beside it:
+    a restart begun and not launched, the latest upgrade, the task holding the job's lease, the standby."""
     now = time.time() if now is None else now
+    last = store.latest_restart(found.job_id) if found.health in recovery.INTERRUPTIBLE else None
+    found = recovery.with_interrupted_restart(found, last)
     lines = []
-    begun = store.latest_restart(found.job_id)
-    if (found.health in (Health.DEAD, Health.FAILED) and not found.restart_owed and recovery.begun(begun)
-            and begun["failed_run_id"] == found.run_id and begun.get("task")):
+    # Owed once its task has ended, which is Airflow's to say: the restart as if it had, to name that task
+    begun = None if found.restart_owed or last is None else recovery.interrupted_restart(found, [last],
+                                                                                         lambda task: True)
+    if begun is not None:
         lines.append(f"{begun['action']} of this run begun at {when(begun['at'])} by task {begun['task']}, "
                      "nothing launched yet; if that task has ended without launching, stream_health's recover "
                      "finishes it")
@@ -57,7 +53,7 @@ def notes(store: StateStore, found: Diagnosis, now: float | None = None) -> list
         lines.append(f"acting on the job: {lease.describe(now)}")
     standbys = StandbyLog(store)
     lines += [standby.describe() for standby in standbys.live(found.job_id) or standbys.recent(found.job_id, 1)]
-    return lines
+    return found, lines
 
 
 def upgrade_line(upgrade: UpgradeRecord) -> str:

@@ -49,8 +49,7 @@ def job_report(store: StateStore, job_id: str, *, end_offsets: Callable[[list[st
     alive = driver_alive(current) if current else None
     found = diagnosis.diagnose(job_id, current, driver_alive=alive, lag=lag, now=now)
     try:
-        found = standing.with_owed_restart(store, found)
-        notes = standing.notes(store, found, now)
+        found, notes = standing.read(store, found, now)
     except SQLAlchemyError as err:  # an older release's database, a role that may not create: the rest shows
         notes = [f"what stands beside the health could not be read: {type(err).__name__}. An older release's "
                  "state database gains what it lacks when a task or the watcher of this release next uses it"]
