@@ -22,7 +22,7 @@ ENV = "STREAM_FAULT"
 #: the file.  A real Airflow runs each task in a new process: the loss of one task, not of every later one.
 ONCE_ENV = "STREAM_FAULT_ONCE"
 DRIVER_POINTS = ("batch_start", "before_db_commit", "after_db_commit", "write_behind", "during_stop")
-TASK_POINTS = ("reset_after_archive", "restart_after_stop", "upgrade_after_stop")
+TASK_POINTS = ("reset_after_archive", "restart_before_stop", "restart_after_stop", "upgrade_after_stop")
 
 
 def armed(point: str, batch_id: int | None = None) -> bool:

@@ -110,6 +110,9 @@ def upgrade_in_charge(upgrade: UpgradeRecord | None, now: float) -> bool:
 #: The healths of a run that a restart can have stopped and left down (DEAD: its stop had to kill it;
 #: FAILED: its last batch failed as it stopped).
 INTERRUPTIBLE = (Health.STOPPED, Health.DEAD, Health.FAILED)
+#: The healths of a run a begun restart can be owed to: those, and a STUCK run whose restart's task ended
+#: before its stop ended the run (lost in its stop's wait, or killed while deferred there).
+MAY_BE_OWED = (*INTERRUPTIBLE, Health.STUCK)
 
 
 #: What a restart record begun before its stop may owe the job: a restart, or a reset someone asked for.
@@ -132,23 +135,25 @@ def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]],
     task was lost): the newest record begun for that run (``begun``), when nothing came after it.
 
     A run its stop ended (STOPPED, or down after a stop was asked for) is owed it at once: nobody else asked
-    for that stop.  A run plainly down (dead, failed) is owed it only once ``ended`` (Airflow's answer) says
-    the task that began it has ended: until then that task is at work on it (backing off, launching) or has a
-    retry to come, and the run's own report already brought it."""
-    if found.run_id is None or found.health not in INTERRUPTIBLE or not history:
+    for that stop.  A run plainly down (dead, failed) or still STUCK (its restart's stop had not ended it) is
+    owed it only once ``ended`` (Airflow's answer) says the task that began it has ended: until then that
+    task is at work on it (backing off, stopping, launching) or has a retry to come, and the run's own report
+    already brought it."""
+    if found.run_id is None or found.health not in MAY_BE_OWED or not history:
         return None
     newest = history[-1]
     if not begun(newest) or newest.get("failed_run_id") != found.run_id:
         return None
-    if _plainly_down(found):
+    if not _ended_by_stop(found):
         task = newest.get("task")
         return newest if task and ended is not None and ended(task) else None
     return newest
 
 
-def _plainly_down(found: Diagnosis) -> bool:
-    """Dead or failed by itself: no stop ended the run (neither a STOPPED run nor one down after a stop)."""
-    return found.health != Health.STOPPED and found.stop_requested_at is None
+def _ended_by_stop(found: Diagnosis) -> bool:
+    """A stop ended the run: STOPPED, or dead or failed after a stop was asked for.  Not a run that went down
+    by itself, nor a STUCK one, which is still running."""
+    return found.health == Health.STOPPED or (found.health != Health.STUCK and found.stop_requested_at is not None)
 
 
 def with_abandoned_upgrade(found: Diagnosis, upgrade: UpgradeRecord | None,
@@ -188,7 +193,7 @@ def with_interrupted_restart(found: Diagnosis, last_restart: Mapping[str, Any] |
     action = str(owed.get("action") or RecoveryAction.RESTART)  # kept as text: the diagnosis goes to XCom
     found.interrupted_restart = {"at": owed["at"], "reason": owed.get("reason"), "action": action,
                                  "failed_run_id": owed.get("failed_run_id")}
-    if not _plainly_down(found):
+    if _ended_by_stop(found):
         found.evidence.append(f"the {action} begun at {clock(owed['at'])} ({owed.get('reason')}) stopped "
                               "this run and started no new one: nobody asked for this stop")
     else:

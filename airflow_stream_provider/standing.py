@@ -35,7 +35,7 @@ def read(store: StateStore, found: Diagnosis, now: float | None = None) -> tuple
     stopped its run and started none, yet nobody asked for that stop), and the lines that stand beside it:
     a restart begun and not launched, the latest upgrade, the task holding the job's lease, the standby."""
     now = time.time() if now is None else now
-    last = store.latest_restart(found.job_id) if found.health in recovery.INTERRUPTIBLE else None
+    last = store.latest_restart(found.job_id) if found.health in recovery.MAY_BE_OWED else None
     found = recovery.with_interrupted_restart(found, last)
     lines = []
     # Owed once its task has ended, which is Airflow's to say: the restart as if it had, to name that task

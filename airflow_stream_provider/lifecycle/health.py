@@ -65,7 +65,7 @@ class HealthProbe:
         alive = StreamDriverHook.is_alive(run) if run else None
         found = diagnosis.diagnose(self.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
         self.state.record_death(run, found)
-        if found.health in recovery.INTERRUPTIBLE:  # only a run that is down can be owed a restart
+        if found.health in recovery.MAY_BE_OWED:  # only a run down or stuck can be owed a restart
             ended = partial(task_ended, log=log)
             found = recovery.with_interrupted_restart(found, self.state.store.latest_restart(self.job_id), ended)
             upgrade = None if found.restart_owed else self.upgrades.leaving_down(self.job_id).get(self.job_id)

@@ -522,6 +522,7 @@ class StreamJobOperator(BaseOperator):
         unfinished batch, the sink skips what was committed."""
         flow = {"reason": reason, "failed_run_id": failed_run_id, "after": after, "carry": carry}
         self._begin("restart", reason, failed_run_id)  # before the stop of a live (STUCK) run
+        faults.maybe_crash("restart_before_stop")  # the task lost between its begin and its stop
         return self.stop_live_then(context, "_restart_stopped", flow)
 
     def _begin(self, action: str, reason: str, run_id: str | None) -> None:

@@ -65,10 +65,10 @@ log = logging.getLogger(__name__)
 #: health DAG finishes the restart, which a STOPPED run would otherwise never get, nor a dead one whose
 #: recovery was lost after its one report.
 FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, NO_STANDBY, INTERRUPTED_RESTART)
-#: A run's conditions while it is down.  One turns into another as Airflow answers about the task that began
-#: its restart (and back, when Airflow cannot be asked): each is reported once per run, and none is
-#: forgotten for another, or an answer that came and went would report the run again and again.
-DOWN = frozenset({Health.DEAD.value, Health.FAILED.value, INTERRUPTED_RESTART})
+#: A run's conditions while it waits for a recovery.  One turns into another as Airflow answers about the
+#: task that began its restart (and back, when Airflow cannot be asked): each is reported once per run, and
+#: none is forgotten for another, or an answer that came and went would report the run again and again.
+AWAITING_RECOVERY = frozenset({Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, INTERRUPTED_RESTART})
 #: How long a task that Airflow said has ended is taken as ended without asking again
 ENDED_REMEMBERED_S = 30.0
 #: How often Airflow is asked again about a task it said is not over (a recovery backing off or launching)
@@ -291,7 +291,7 @@ class _Reporter:
         # death): forget it, so that entering it again is a new transition.
         reported = snapshot.reported.get(self.job_id, set()) | self.fired
         for stale in sorted(k for k in reported if k.run_id == key.run_id and k != key
-                            and not (k.health in DOWN and condition in DOWN)):
+                            and not (k.health in AWAITING_RECOVERY and condition in AWAITING_RECOVERY)):
             self.fired.discard(stale)
             self.unrecorded.append((stale, None))
         if condition not in self.fire_on or key in reported:

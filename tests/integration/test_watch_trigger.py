@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 
 import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
 
+from airflow_stream_provider import local_driver
 from airflow_stream_provider.state.store import HealthReportKey, StateStore
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 from airflow_stream_provider.triggers import watch
@@ -223,6 +225,38 @@ def test_a_dead_run_whose_recovery_ended_without_restarting_it_is_reported_again
     restarted = _running(state_store)  # the next recovery launched it
     state_store.record_restart("job", "restart", "DEAD: driver gone", run_id, restarted)
     assert asyncio.run(_events(_trigger(), 3)) == []
+
+
+def test_a_stuck_run_whose_recovery_ended_before_its_stop_is_reported_again(state_store, airflow_states):
+    """A STUCK run is reported once, and that report's recovery began the restart, then its task was lost
+    before its stop ended the run (in the stop's wait, or killed while deferred there): the driver still runs,
+    stuck, and its one report is spent.  Once Airflow says that task has ended, the run is reported again,
+    once, as owed its restart; a flip of Airflow's answer reports it STUCK no second time."""
+    task = "stream_health/asset_triggered__1/recover/-1"
+    states = airflow_states
+    # Its driver: this process, alive on this host, and silent past stuck_after (the watcher checks the pid)
+    ticket = state_store.begin_run("job", 1, "1.0", host=local_driver.this_host(), pid=os.getpid())
+    state_store.mark_query_started(ticket.run_id)
+    _kill(state_store, ticket.run_id)
+
+    def stuck_watch() -> StreamJobWatchTrigger:
+        return _trigger(stuck_after=10)
+
+    events = asyncio.run(_events(stuck_watch(), 3))
+    assert [e["diagnosis"]["health"] for e in events] == ["STUCK"], events
+    state_store.record_restart("job", "restart", "STUCK: silent for 60s", ticket.run_id, None, task)
+    states[task] = "deferred"  # waiting for the stuck driver to stop
+    assert asyncio.run(_events(stuck_watch(), 3)) == [], "its task is at work: it stops and restarts the run"
+
+    states[task] = "failed"
+    events = asyncio.run(_events(stuck_watch(), 3))
+    assert [(e["diagnosis"]["health"], e["diagnosis"]["interrupted_restart"]["failed_run_id"]) for e in events] \
+        == [("STUCK", ticket.run_id)], events
+    assert f"its task {task} has ended in Airflow: nobody finishes it" in events[0]["message"]
+    states[task] = "unanswered"  # Airflow cannot be asked for a while: the run reads plainly STUCK again
+    assert asyncio.run(_events(stuck_watch(), 3)) == [], "a run is reported once per condition, not per flip"
+    states[task] = "failed"
+    assert asyncio.run(_events(stuck_watch(), 3)) == []
 
 
 def test_a_death_while_the_triggerer_was_down_is_reported_when_it_returns(state_store):

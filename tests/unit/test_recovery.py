@@ -240,14 +240,15 @@ def test_a_reset_interrupted_after_its_own_stop_is_finished_as_a_reset(on_incomp
     (None, "failed", False),  # an older release's record names no task
     ("stream_health/r/recover/-1", None, False),  # Airflow cannot be asked (a command line)
 ], ids=["ended", "retry-to-come", "at-work", "no-task", "no-airflow"])
-@pytest.mark.parametrize(("health", "kind"), [(Health.DEAD, None), (Health.FAILED, FailureKind.TRANSIENT)],
-                         ids=["dead", "failed"])
-def test_a_plainly_down_run_is_owed_its_restart_once_the_task_that_began_it_has_ended(health, kind, task, ended,
-                                                                                      owed):
+@pytest.mark.parametrize(("health", "kind"), [(Health.DEAD, None), (Health.FAILED, FailureKind.TRANSIENT),
+                                             (Health.STUCK, None)], ids=["dead", "failed", "stuck"])
+def test_a_run_no_stop_ended_is_owed_its_restart_once_the_task_that_began_it_has_ended(health, kind, task, ended,
+                                                                                       owed):
     """A dead or failed run's recovery began its restart, then its task was lost (or failed on its last
-    try) before it launched: the run's one report was spent on that task.  Once Airflow says the task has
-    ended, the run is owed the restart, a condition of its own that the watcher reports; before, it is the
-    task's own work."""
+    try) before it launched: the run's one report was spent on that task.  So is a STUCK run's, whose
+    recovery was lost before its stop ended the run (lost in the stop's wait, or killed while deferred
+    there): the driver still runs, stuck.  Once Airflow says the task has ended, the run is owed the
+    restart, a condition of its own that the watcher reports; before, it is the task's own work."""
     found, begun, asked = _found(health, kind), {**_begun(), "task": task}, []
 
     def ended_in_airflow(owner):
