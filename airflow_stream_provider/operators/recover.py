@@ -180,8 +180,19 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         if decision.backoff_s:
             self.log.info("Backing off %.0fs before the %s (consecutive restarts)", decision.backoff_s,
                           decision.action.value)
+            self._begin_before_backoff(decision, found)
         return self.pause_then(context, decision.backoff_s, "_act", action=decision.action.value,
                                reason=decision.reason, outcome=outcome, run_id=decision.restart_run_id)
+
+    def _begin_before_backoff(self, decision: recovery.RecoveryDecision, found: Diagnosis) -> None:
+        """The restart or reset recorded as begun before the backoff, which may last minutes: this task lost
+        in it (a worker lost, killed while deferred) leaves the run owed what it began once Airflow says the
+        task has ended (``recovery.interrupted_restart``), as a loss after the wait does; the run's one report
+        was spent on this task.  The flow after the wait finds it begun, and its launch completes the record."""
+        if decision.action == RecoveryAction.RESET:
+            self._reset_begun(decision.reason, self.live_run())
+        else:
+            self._begin(RecoveryAction.RESTART.value, decision.reason, decision.restart_run_id or found.run_id)
 
     def _end_abandoned_upgrade(self, found: Diagnosis) -> None:
         """The diagnosis found the job down in an upgrade whose task has ended without finishing it (its

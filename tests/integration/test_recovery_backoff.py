@@ -1,0 +1,53 @@
+"""A recovery that backs off (consecutive restarts that never committed a batch) begins its restart before it
+waits, against a real state database: a task lost in that wait, which may last minutes, leaves a begun
+restart that names it, so that once Airflow says it has ended the watcher reports the run owed its restart
+(``recovery.interrupted_restart``; the real-Airflow path of a lost recovery is
+``e2e/real_airflow/test_lost_recovery.py``).  Before, nothing was recorded until the wait was over, and the
+run's one report was spent on the lost task.  A recovery that resumes from the wait completes that one
+record: the attempt counts once."""
+
+from __future__ import annotations
+
+import pytest
+from airflow.sdk.exceptions import TaskDeferred
+
+from airflow_stream_provider.diagnosis import diagnose
+from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
+from airflow_stream_provider.recovery import with_interrupted_restart
+
+
+def _dead_after_two_failed_restarts(store) -> tuple[str, list[str]]:
+    """A job whose last two restarts launched runs that never committed a batch, the last one now dead."""
+    runs = []
+    for _ in range(3):
+        runs.append(store.begin_run("job", 1, "1.0").run_id)
+        store.finish_run(runs[-1], status="DEAD", exit_code=137)
+        if len(runs) > 1:
+            store.record_restart("job", "restart", "DEAD: driver gone", runs[-2], runs[-1])
+    return runs[-1], runs
+
+
+@pytest.fixture
+def recover(tmp_path) -> RecoverStreamingJobOperator:
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    return RecoverStreamingJobOperator(task_id="recover", spec=spec, backoff_base=60.0)
+
+
+def test_a_recovery_that_backs_off_begins_its_restart_before_the_wait(state_store, recover):
+    dead, _ = _dead_after_two_failed_restarts(state_store)
+
+    with pytest.raises(TaskDeferred) as deferred:  # the backoff, waited in the triggerer
+        recover.execute({})
+
+    resume = deferred.value.trigger.resume
+    assert (resume["method"], resume["state"]["action"]) == ("_act", "restart"), resume
+    assert resume["state"]["outcome"]["backoff_s"] >= 60, resume["state"]["outcome"]
+    begun = state_store.latest_restart("job")
+    assert (begun["action"], begun["failed_run_id"], begun["new_run_id"]) == ("restart", dead, None), begun
+    assert begun["task"] == recover._lease_owner, "it names the task that waits, for Airflow to be asked about"
+    found = diagnose("job", state_store.get_run(dead), driver_alive=None, lag=None, now=begun["at"] + 1)
+    assert with_interrupted_restart(found, begun, lambda task: False).interrupted_restart is None, \
+        "while its task waits, the restart is its own"
+    owed = with_interrupted_restart(found, begun, lambda task: task == begun["task"]).interrupted_restart
+    assert owed is not None and owed["failed_run_id"] == dead, "lost in the wait: the run is owed its restart"
+    assert len(state_store.restarts_since("job", 0)) == 3, "begun once"
