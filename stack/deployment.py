@@ -17,7 +17,7 @@ from typing import Any
 
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.store import ACTIVE_STATUSES, StateStore
-from stack.jobs import EVENTS_JOB, REPO, TEST_SPARK_CONF, spark_env
+from stack.jobs import EVENTS_JOB, REPO, TEST_SPARK_CONF, spark_env, wait_until
 from stack.real_airflow import RealAirflow
 
 DAG_IDS = ("stream_deploy", "stream_health", "stream_stop", "stream_upgrade")
@@ -189,6 +189,14 @@ class StreamDeployment:
             if state in ("success", "failed"):
                 ended.append((run["dag_run_id"], state))
         return ended if len(ended) >= count else None
+
+    def lost_then_finished(self) -> tuple[dict, dict]:
+        """The diagnoses (``diagnose``'s XCom) of the two ``stream_health`` runs of a recovery lost once: the
+        first, whose ``recover`` was killed, and the second, whose ``recover`` finished what it began."""
+        lost, finished = wait_until(lambda: self.ended_recovers(2), 60, "both stream_health runs' recover tasks ended")
+        assert lost[1] == "failed", "the first recover task was killed before it launched anything"
+        assert finished[1] == "success", self.explain("stream_health", finished[0])
+        return tuple(self.airflow.xcom("stream_health", run, "diagnose", key="diagnosis") for run, _ in (lost, finished))
 
     def repairs(self, run_id: str, since: float = 0.0, timeout: float = 60.0) -> list[dict]:
         """The ``stream_health`` runs since ``since`` whose ``recover`` launched ``run_id``, oldest first.  A

@@ -1,13 +1,22 @@
-"""A restart lost between its stop and its launch, on a real Airflow: the job is not left down.
+"""A STUCK run's restart lost before its launch, on a real Airflow: the job is not left down, nor stuck.
 
 The job's trigger interval is ten minutes, so once events arrive after its first batch the query sits idle
-with a lag: STUCK.  ``stream_health`` restarts it; the restart's graceful stop ends the idle query cleanly
-(STOPPED), and its task process is then SIGKILLed before it launches anything (``STREAM_FAULT`` in the
-task's environment, once: a worker lost, an OOM kill).  Nobody asked for that stop: the watcher reports the
-restart owed, and ``stream_health`` finishes it.  Before, a STOPPED run made no event and branched to
-``healthy``, and the job stayed down.  The task has no retry here (``stream_health_retries`` 0): this is
-the watcher's way, for a task whose retries are spent or a DAG of one's own without them; a retry would
-finish the restart as well (``test_lost_reset.py`` shows a retry at work).
+with a lag: STUCK.  The watcher reports it once, and ``stream_health``'s ``recover`` begins the restart.
+Its task process is then SIGKILLed (``STREAM_FAULT`` in the task's environment, once: a worker lost, an OOM
+kill) at one of two points:
+
+* ``restart_after_stop``: the restart's graceful stop has ended the idle query cleanly (STOPPED).  Nobody
+  asked for that stop: the run is owed its restart at once.  Before, a STOPPED run made no event and
+  branched to ``healthy``, and the job stayed down.
+* ``restart_before_stop``: the stop has not reached the driver, which runs on, stuck.  Once Airflow says the
+  task that began the restart has ended, the run is owed it.  Before, the run's one STUCK report was spent
+  on the lost task, and the job stayed stuck.
+
+Either way the watcher reports the restart owed and a second ``stream_health`` run finishes it (stopping
+the stuck driver first where it still runs); the restart begun counts once.  The task has no retry here
+(``stream_health_retries`` 0) and the hourly sweep is off: this is the watcher's way, for a task whose
+retries are spent or a DAG of one's own without them; a retry would finish the restart as well
+(``test_lost_reset.py`` shows a retry at work).
 """
 
 from __future__ import annotations
@@ -16,21 +25,29 @@ import pytest
 
 from stack.deployment import task_lost_once
 from stack.events import EventProducer
-from stack.jobs import check_exactly_once, wait_until
+from stack.jobs import check_exactly_once
 
-#: Seconds for the health DAG to finish a restart its lost task owed: the watcher's poll, a DAG run behind
-#: the failed one, the restart budget's backoff, a driver's cold start on 2 shared cores.  Generous.
+#: Seconds for the health DAG to finish a restart its lost task owed: STUCK after 8 s, the watcher's poll
+#: (and Airflow's answer), a DAG run behind the failed one, the restart budget's backoff, the stuck run's
+#: stop, a driver's cold start on 2 shared cores.  Generous.
 REPAIR_TIMEOUT = 300
+#: Where the first ``recover`` is lost -> the health its run has when the second one diagnoses it.
+LOST_AT = {"restart_after_stop": "STOPPED", "restart_before_stop": "STUCK"}
+
+
+@pytest.fixture(params=list(LOST_AT))
+def lost_at(request) -> str:
+    return request.param
 
 
 @pytest.fixture
-def deployment_options(tmp_path) -> dict:
+def deployment_options(tmp_path, lost_at) -> dict:
     return {"spec": {"trigger_interval": "10 minutes"}, "watch": {"stuck_after": 8},
             "variables": {"stream_health_retries": "0"},
-            "airflow_env": task_lost_once(tmp_path, "restart_after_stop")}
+            "airflow_env": task_lost_once(tmp_path, lost_at)}
 
 
-def test_a_restart_whose_task_is_lost_after_its_stop_is_finished_by_stream_health(deployment, broker, topic):
+def test_a_stuck_runs_restart_whose_task_is_lost_is_finished_by_stream_health(deployment, broker, topic, lost_at):
     producer = EventProducer(broker, topic, seed=11)
     producer.send(200)
     deployment.deploy(producer.produced)
@@ -46,13 +63,12 @@ def test_a_restart_whose_task_is_lost_after_its_stop_is_finished_by_stream_healt
     restarts = deployment.store.restarts_since(deployment.job_id, 0)
     assert [(r["failed_run_id"], r["new_run_id"]) for r in restarts] == [
         (stuck.run_id, restarted.run_id)], "the restart begun by the lost task, completed: one attempt"
+    assert restarts[0]["task"].startswith("stream_health/") and restarts[0]["task"].endswith("/recover/-1")
 
-    runs = wait_until(lambda: deployment.ended_recovers(2), 60, "both stream_health runs' recover tasks ended")
-    (lost, finished) = runs
-    assert lost[1] == "failed", "the first recover task was killed between its stop and its launch"
-    assert finished[1] == "success", deployment.explain("stream_health", finished[0])
-    found = deployment.airflow.xcom("stream_health", finished[0], "diagnose", key="diagnosis")
-    assert found["health"] == "STOPPED" and found["run_id"] == stuck.run_id, found
+    first, found = deployment.lost_then_finished()
+    assert (first["health"], first["run_id"], first["interrupted_restart"]) == ("STUCK", stuck.run_id, None), first
+    assert (found["health"], found["run_id"]) == (LOST_AT[lost_at], stuck.run_id), found
     assert found["interrupted_restart"]["reason"].startswith(f"job {deployment.job_id}: STUCK"), found
+    assert [p["diagnosis"]["interrupted_restart"] is not None for p in found["reported"]] == [True], \
+        "the second run was woken by the watcher's report of the restart owed"
     check_exactly_once(deployment.store, deployment.job_id, producer.produced)
-

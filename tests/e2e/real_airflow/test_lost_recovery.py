@@ -17,7 +17,7 @@ import pytest
 
 from stack.deployment import kill_driver, task_lost_once
 from stack.events import EventProducer
-from stack.jobs import check_exactly_once, wait_until
+from stack.jobs import check_exactly_once
 
 #: Seconds for the job to process again: the first recovery and its loss, the watcher's poll and Airflow's
 #: answer, a second DAG run, a driver's cold start on 2 shared cores.  Generous.
@@ -45,12 +45,8 @@ def test_a_dead_runs_recovery_lost_before_its_launch_is_reported_again_and_finis
         "the restart begun by the lost task, completed by the next recovery: one attempt"
     assert restarts[0]["task"].startswith("stream_health/") and restarts[0]["task"].endswith("/recover/-1")
 
-    lost, finished = wait_until(lambda: deployment.ended_recovers(2), 60, "both stream_health runs' recover tasks ended")
-    assert lost[1] == "failed", "the first recover task was killed between its begin and its launch"
-    assert finished[1] == "success", deployment.explain("stream_health", finished[0])
-    first = deployment.airflow.xcom("stream_health", lost[0], "diagnose", key="diagnosis")
+    first, found = deployment.lost_then_finished()
     assert (first["health"], first["run_id"], first["interrupted_restart"]) == ("DEAD", dead.run_id, None), first
-    found = deployment.airflow.xcom("stream_health", finished[0], "diagnose", key="diagnosis")
     assert (found["health"], found["run_id"]) == ("DEAD", dead.run_id), found
     assert found["interrupted_restart"]["failed_run_id"] == dead.run_id, found
     assert [p["diagnosis"]["interrupted_restart"] is not None for p in found["reported"]] == [True], \
