@@ -38,8 +38,9 @@ MISSING_STANDBY = "MISSING"
 # -- conditions: what a watcher reports and a sensor waits for -----------------------------------------
 #: A healthy run that wants a warm standby and has none (``Diagnosis.needs_standby``).
 NO_STANDBY = "NO_STANDBY"
-#: A run a restart (or a reset) stopped and launched nothing after (``Diagnosis.restart_owed``): STOPPED
-#: (or DEAD) by its health, yet nobody asked for the stop.
+#: A run owed the restart (or reset) begun for it, which launched nothing after (``Diagnosis.restart_owed``):
+#: STOPPED (or DEAD) by that restart's own stop, yet nobody asked for the stop; or dead, failed or stuck, with
+#: the task that began the restart ended in Airflow.
 INTERRUPTED_RESTART = "INTERRUPTED_RESTART"
 #: Every condition a job can be in: its health values and the two above.
 CONDITIONS = (*(h.value for h in Health), NO_STANDBY, INTERRUPTED_RESTART)
@@ -100,8 +101,8 @@ class Diagnosis:
 
     @property
     def restart_owed(self) -> bool:
-        """The run is down because a restart stopped it and started nothing after: a recovery must act,
-        whatever the health says (STOPPED included)."""
+        """A restart begun for the run started nothing after, and nobody is finishing it (its stop ended the
+        run, or its task has ended): a recovery must act, whatever the health says (STOPPED included)."""
         return self.interrupted_restart is not None
 
     @property

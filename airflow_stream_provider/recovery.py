@@ -14,10 +14,10 @@ started no run after it
 STOPPED or DEAD by the     any              reset: finish the reset someone asked for (its launch failed,
 stop of a reset that                        its task was lost), whose archive may be done already
 started no run after it
-DEAD or FAILED, with a     any              finish it, as above: its task was lost, or failed on its last
-restart or reset begun                      try, and the run's one report was spent on that task
-for it by a task that
-has ended in Airflow
+DEAD, FAILED or STUCK,     any              finish it, as above (a STUCK run is stopped first): its task was
+with a restart or reset                     lost, or failed on its last try, and the run's one report was
+begun for it by a task                      spent on that task
+that has ended in Airflow
 STOPPED                    any              nothing: a clean stop was asked for by someone
 DEAD after a stop was      any              nothing: the stop had to kill its driver, or it died during
 asked for                                   the stop; a restart would undo the stop
@@ -152,7 +152,8 @@ def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]],
 
 def _ended_by_stop(found: Diagnosis) -> bool:
     """A stop ended the run: STOPPED, or dead or failed after a stop was asked for.  Not a run that went down
-    by itself, nor a STUCK one, which is still running."""
+    by itself, nor a STUCK one, which is still running (its diagnosis carries no stop: the test on its health
+    only keeps a restart's own stop marker from counting as a stop that ended it)."""
     return found.health == Health.STOPPED or (found.health != Health.STUCK and found.stop_requested_at is not None)
 
 
@@ -218,7 +219,7 @@ def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBu
         decision = _within_budget(found, budget, history, now, action,
                                   f"{found.summary()}: the {action} begun at {clock(interrupted['at'])} for it "
                                   f"started no new run; finishing that {_FINISHES[action]}",
-                                  interrupted.get("reason") or found.summary())
+                                  interrupted.get("reason") or found.summary(), interrupted.get("failed_run_id"))
         return replace(decision, restart_run_id=interrupted.get("failed_run_id"))
     if found.health in (Health.STARTING, Health.HEALTHY, Health.STOPPED):
         return RecoveryDecision(RecoveryAction.NONE, f"the job is {found.health.value}: nothing to do")
@@ -248,15 +249,21 @@ def decide_recovery(found: Diagnosis, *, on_incompatible: str, budget: RestartBu
         action, reason = RecoveryAction.RESTART, found.summary()
         stop = "stop the live driver, then " if found.health == Health.STUCK else ""
         why = f"{kind.value if kind else found.health.value}: {stop}restart from the checkpoint"
-    return _within_budget(found, budget, history, now, action, why, reason)
+    return _within_budget(found, budget, history, now, action, why, reason, found.run_id)
 
 
 def _within_budget(found: Diagnosis, budget: RestartBudget, history: Sequence[Mapping[str, Any]], now: float,
-                   action: RecoveryAction, why: str, reason: str) -> RecoveryDecision:
-    """``action``, backed off by the restarts before it, unless those used up the budget."""
+                   action: RecoveryAction, why: str, reason: str, run_id: str | None) -> RecoveryDecision:
+    """``action`` of ``run_id``, backed off by the restarts before it, unless those used up the budget.
+
+    The newest record, where it is that action begun for ``run_id`` and not launched, is the attempt this
+    decision carries on (its task lost, or this is its retry): the budget counts it once, as itself, not as
+    one more before it.  The backoff counts it: a try that was lost spaces the next."""
     times = crash_loop_restarts(history)
-    if budget.exhausted(times, now):
-        used = budget.used(times, now)
+    carried = bool(history) and begun(history[-1]) and history[-1].get("failed_run_id") == run_id
+    earlier = crash_loop_restarts(history[:-1]) if carried else times
+    if budget.exhausted(earlier, now):
+        used = budget.used(earlier, now)
         return RecoveryDecision(
             RecoveryAction.FAIL,
             f"job {found.job_id} is out of its restart budget: {len(used)} restarts in the last "

@@ -180,19 +180,23 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         if decision.backoff_s:
             self.log.info("Backing off %.0fs before the %s (consecutive restarts)", decision.backoff_s,
                           decision.action.value)
-            self._begin_before_backoff(decision, found)
+        run_id = decision.restart_run_id or found.run_id
+        self._begin_before_backoff(decision.action, decision.reason, run_id, decision.backoff_s)
         return self.pause_then(context, decision.backoff_s, "_act", action=decision.action.value,
-                               reason=decision.reason, outcome=outcome, run_id=decision.restart_run_id)
+                               reason=decision.reason, outcome=outcome, run_id=run_id)
 
-    def _begin_before_backoff(self, decision: recovery.RecoveryDecision, found: Diagnosis) -> None:
-        """The restart or reset recorded as begun before the backoff, which may last minutes: this task lost
-        in it (a worker lost, killed while deferred) leaves the run owed what it began once Airflow says the
-        task has ended (``recovery.interrupted_restart``), as a loss after the wait does; the run's one report
-        was spent on this task.  The flow after the wait finds it begun, and its launch completes the record."""
-        if decision.action == RecoveryAction.RESET:
-            self._reset_begun(decision.reason, self.live_run())
+    def _begin_before_backoff(self, action: str, reason: str, run_id: str | None, backoff_s: float) -> None:
+        """The restart (of ``run_id``) or reset recorded as begun before a backoff, which may last minutes:
+        this task lost in it (a worker lost, killed while deferred) leaves the run owed what it began once
+        Airflow says the task has ended (``recovery.interrupted_restart``), as a loss after the wait does; the
+        run's one report was spent on this task.  The flow after the wait finds it begun, and its launch
+        completes the record."""
+        if not backoff_s:
+            return
+        if action == RecoveryAction.RESET:
+            self._reset_begun(reason, self.live_run())
         else:
-            self._begin(RecoveryAction.RESTART.value, decision.reason, decision.restart_run_id or found.run_id)
+            self._begin(RecoveryAction.RESTART.value, reason, run_id)
 
     def _end_abandoned_upgrade(self, found: Diagnosis) -> None:
         """The diagnosis found the job down in an upgrade whose task has ended without finishing it (its
@@ -226,8 +230,10 @@ class RecoverStreamingJobOperator(StreamJobOperator):
 
     def _standby_failed(self, context, error, decision, outcome) -> dict[str, Any]:
         self.log.warning("The standby did not take over (%s): restarting from the checkpoint", error)
+        run_id = outcome["diagnosis"]["run_id"]
+        self._begin_before_backoff(decision["action"], decision["reason"], run_id, decision["backoff_s"])
         return self.pause_then(context, decision["backoff_s"], "_act", action=decision["action"],
-                               reason=decision["reason"], outcome=outcome)
+                               reason=decision["reason"], outcome=outcome, run_id=run_id)
 
     def _act(self, context, event, action: str, reason: str, outcome: dict[str, Any],
              run_id: str | None = None) -> dict[str, Any]:

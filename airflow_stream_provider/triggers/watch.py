@@ -62,12 +62,14 @@ log = logging.getLogger(__name__)
 
 #: What the watcher reports by default: the conditions that need someone to act.  NO_STANDBY so that a
 #: new standby starts at once after a takeover, not at the next sweep; INTERRUPTED_RESTART so that the
-#: health DAG finishes the restart, which a STOPPED run would otherwise never get, nor a dead one whose
-#: recovery was lost after its one report.
+#: health DAG finishes the restart, which a STOPPED run would otherwise never get, nor a dead, failed or stuck
+#: one whose recovery was lost after its one report.
 FIRE_ON = (Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, NO_STANDBY, INTERRUPTED_RESTART)
 #: A run's conditions while it waits for a recovery.  One turns into another as Airflow answers about the
 #: task that began its restart (and back, when Airflow cannot be asked): each is reported once per run, and
 #: none is forgotten for another, or an answer that came and went would report the run again and again.
+#: (So a run that goes STUCK, DEAD and STUCK again, judged by heartbeats alone, is reported STUCK once: the
+#: DEAD report between brought a recovery already.)
 AWAITING_RECOVERY = frozenset({Health.DEAD.value, Health.STUCK.value, Health.FAILED.value, INTERRUPTED_RESTART})
 #: How long a task that Airflow said has ended is taken as ended without asking again
 ENDED_REMEMBERED_S = 30.0

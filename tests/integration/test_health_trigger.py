@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from airflow_stream_provider import kafka_offsets
+from airflow_stream_provider import kafka_offsets, local_driver
 from airflow_stream_provider.diagnosis import Health, Thresholds
+from airflow_stream_provider.lifecycle import health
 from airflow_stream_provider.lifecycle.controller import caught_up
 from airflow_stream_provider.lifecycle.health import HealthProbe
 from airflow_stream_provider.state import schema
@@ -142,6 +144,34 @@ def test_a_dead_run_owed_a_restart_fires_on_either_condition(state_store):
     # failure kinds name failures and nothing else, whatever fire_on holds besides FAILED
     assert not _trigger(failure_kinds=["CHECKPOINT_INCOMPATIBLE"]).matches(found)
     probe.close()
+
+
+def test_a_stuck_run_whose_restart_s_task_ended_before_its_stop_is_owed_it(state_store, monkeypatch):
+    """A STUCK run's recovery began the restart, then its task ended before its stop ended the run: the
+    sensors and the recovery's own diagnosis (``HealthProbe``) see it owed, as the watcher does, once Airflow
+    says that task has ended; no upgrade left it so, and none is looked up.  Airflow's answer comes through
+    the task's own instance, which does not run here: a stand-in gives it (``health.task_ended``)."""
+    task = "stream_health/asset_triggered__1/recover/-1"
+    ended: dict[str, bool] = {}
+    monkeypatch.setattr(health, "task_ended", lambda owner, log: ended[owner])
+    # Its driver: this process, alive on this host, and silent past stuck_after
+    run_id = state_store.begin_run("job", 1, "1.0", host=local_driver.this_host(), pid=os.getpid()).run_id
+    state_store.mark_query_started(run_id)
+    state_store._update_run(run_id, heartbeat_at=time.time() - 60)
+    state_store.record_restart("job", "restart", "STUCK: silent for 60s", run_id, None, task)
+    probe = HealthProbe.connect("job", ["events"], "stream_state_default", "stream_kafka_default", Thresholds(5, 10))
+    probe.upgrades.leaving_down = None  # not called for a STUCK run: an upgrade's stop ends the run it stops
+    try:
+        ended[task] = False
+        found = probe.check()
+        assert found.health == Health.STUCK and not found.restart_owed, found
+        ended[task] = True
+        found = probe.check()
+        assert found.health == Health.STUCK and found.restart_owed, found
+        assert found.interrupted_restart["failed_run_id"] == run_id
+        assert found.conditions == ("INTERRUPTED_RESTART", "STUCK")
+    finally:
+        probe.close()
 
 
 def test_a_misspelt_condition_fails_when_the_dag_is_parsed():

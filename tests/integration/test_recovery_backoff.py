@@ -30,7 +30,7 @@ def _dead_after_two_failed_restarts(store) -> tuple[str, list[str]]:
 @pytest.fixture
 def recover(tmp_path) -> RecoverStreamingJobOperator:
     spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
-    return RecoverStreamingJobOperator(task_id="recover", spec=spec, backoff_base=60.0)
+    return RecoverStreamingJobOperator(task_id="recover", spec=spec, backoff_base=60.0, application="/jobs/job.py")
 
 
 def test_a_recovery_that_backs_off_begins_its_restart_before_the_wait(state_store, recover):
@@ -46,8 +46,25 @@ def test_a_recovery_that_backs_off_begins_its_restart_before_the_wait(state_stor
     assert (begun["action"], begun["failed_run_id"], begun["new_run_id"]) == ("restart", dead, None), begun
     assert begun["task"] == recover._lease_owner, "it names the task that waits, for Airflow to be asked about"
     found = diagnose("job", state_store.get_run(dead), driver_alive=None, lag=None, now=begun["at"] + 1)
-    assert with_interrupted_restart(found, begun, lambda task: False).interrupted_restart is None, \
-        "while its task waits, the restart is its own"
     owed = with_interrupted_restart(found, begun, lambda task: task == begun["task"]).interrupted_restart
     assert owed is not None and owed["failed_run_id"] == dead, "lost in the wait: the run is owed its restart"
-    assert len(state_store.restarts_since("job", 0)) == 3, "begun once"
+
+
+def test_the_restart_begun_before_the_backoff_is_completed_by_its_launch(state_store, recover, monkeypatch):
+    """The task resumes from its wait and launches: the one record begun before the wait names the new run.
+    The driver itself is not started (``submit`` stands in): what is looked at is the record, written as
+    soon as a driver is submitted, before the launch's own wait."""
+    dead, _ = _dead_after_two_failed_restarts(state_store)
+    with pytest.raises(TaskDeferred) as deferred:
+        recover.execute({})
+    submitted = []
+    monkeypatch.setattr(type(recover.controller), "submit", lambda controller, application, spec, **kw: (
+        submitted.append(application) or {"run_id": "r-new", "job_id": "job", "pid": None, "host": None, "submitted_at": 0.0}))
+
+    with pytest.raises(TaskDeferred):  # the launch's wait for the new run's query
+        recover._act({}, None, **deferred.value.trigger.resume["state"])
+
+    assert submitted == [recover.application]
+    restarts = state_store.restarts_since("job", 0)
+    assert [(r["failed_run_id"], r["new_run_id"]) for r in restarts][-1] == (dead, "r-new"), restarts
+    assert len(restarts) == 3, "the restart begun before the wait is the one the launch completed"

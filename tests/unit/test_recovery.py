@@ -282,6 +282,21 @@ def test_an_interrupted_restart_is_weighed_against_the_budget():
     assert _decide(_found(Health.STOPPED), history=history).action == RecoveryAction.FAIL
 
 
+@pytest.mark.parametrize("found", [_found(Health.DEAD), _found(Health.STOPPED)], ids=["its-retry", "owed"])
+def test_the_attempt_a_recovery_carries_on_is_counted_once_as_itself(found):
+    """Two restarts got nowhere, and a third was begun for this run and launched nothing (its task lost, in
+    its backoff or later): the recovery that carries it on (its task's retry, or the next recovery) makes that
+    third attempt, within a budget of three.  The budget does not count it as one more before itself; the
+    backoff does count it, as a try that was lost."""
+    history = [*_restarts(300, 120), _begun(age=60)]
+    decision = _decide(found, history=history)
+    assert decision.action == RecoveryAction.RESTART, decision
+    assert decision.backoff_s == BUDGET.backoff_base_s * 4, decision
+    assert _decide(found, history=[*_restarts(400, 300, 120), _begun(age=60)]).action == RecoveryAction.FAIL
+    other = [*_restarts(300, 120), _begun(run_id="r0", age=60)]  # begun for another run: one before this one
+    assert _decide(_found(Health.DEAD), history=other).action == RecoveryAction.FAIL
+
+
 def test_a_begun_restart_a_stop_closed_is_not_finished():
     closed = {**_begun(), "cancelled_at": NOW - 10}
     assert _decide(_found(Health.STOPPED), history=[closed]).action == RecoveryAction.NONE

@@ -82,6 +82,22 @@ def test_the_page_shows_what_on_call_must_know_beside_the_health(store):
     assert acting.startswith("acting on the job: task stream_health/asset_triggered__2/recover/-1 (recover"), acting
 
 
+def test_the_page_names_the_task_that_began_a_stuck_runs_restart(store):
+    """A STUCK run whose recovery began the restart and has not stopped it yet: at work, or lost before its
+    stop.  Which of the two is Airflow's to say, which the page does not ask; it names the task to look at."""
+    stuck = store.begin_run("orders", 1, "1.0", host="nowhere", pid=1)
+    store.mark_query_started(stuck.run_id)
+    store._update_run(stuck.run_id, heartbeat_at=time.time() - 3600)
+    store.record_restart("orders", "restart", "STUCK: silent for 3600s", stuck.run_id, None,
+                         "stream_health/asset_triggered__1/recover/-1")
+
+    found = job_report(store, "orders", end_offsets=None, driver_alive=lambda r: True)  # alive, and silent
+    assert found["health"] == "STUCK", found
+    (begun,) = found["notes"]
+    assert begun.startswith("restart of this run begun at") and (
+        "by task stream_health/asset_triggered__1/recover/-1, nothing launched yet" in begun), begun
+
+
 def test_an_older_releases_database_still_shows_the_job(store):
     """A state database an older release made lacks the restart records' newer columns until a task or the
     watcher of this release uses it; the page, which never changes the schema, shows the job meanwhile and
