@@ -260,7 +260,8 @@ def _within_budget(found: Diagnosis, budget: RestartBudget, history: Sequence[Ma
     decision carries on (its task lost, or this is its retry): the budget counts it once, as itself, not as
     one more before it.  The backoff counts it: a try that was lost spaces the next."""
     times = crash_loop_restarts(history)
-    carried = bool(history) and begun(history[-1]) and history[-1].get("failed_run_id") == run_id
+    newest = history[-1] if history else None
+    carried = begun(newest) and (newest["action"], newest.get("failed_run_id")) == (action, run_id)
     earlier = crash_loop_restarts(history[:-1]) if carried else times
     if budget.exhausted(earlier, now):
         used = budget.used(earlier, now)
