@@ -129,6 +129,18 @@ def begun(row: Mapping[str, Any] | None) -> bool:
             and row.get("cancelled_at") is None)
 
 
+def begun_for(row: Mapping[str, Any] | None, action: str, run_id: str | None) -> bool:
+    """``row`` is ``action`` of ``run_id``, begun and not launched yet (``begun``)."""
+    return begun(row) and (row["action"], row.get("failed_run_id")) == (action, run_id)
+
+
+def may_owe_for_an_upgrade(found: Diagnosis) -> bool:
+    """``found`` is down as an upgrade's stop leaves a run, and owed nothing yet: the one diagnosis an upgrade
+    whose task ended can add an owed restart to (``with_abandoned_upgrade``), and so the one worth reading the
+    upgrades for."""
+    return found.health in INTERRUPTIBLE and not found.restart_owed
+
+
 def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]],
                         ended: Callable[[str], bool] | None = None) -> Mapping[str, Any] | None:
     """The restart or reset begun for ``found``'s run that started none after it (its launch failed, its
@@ -152,9 +164,9 @@ def interrupted_restart(found: Diagnosis, history: Sequence[Mapping[str, Any]],
 
 def _ended_by_stop(found: Diagnosis) -> bool:
     """A stop ended the run: STOPPED, or dead or failed after a stop was asked for.  Not a run that went down
-    by itself, nor a STUCK one, which is still running (its diagnosis carries no stop: the test on its health
-    only keeps a restart's own stop marker from counting as a stop that ended it)."""
-    return found.health == Health.STOPPED or (found.health != Health.STUCK and found.stop_requested_at is not None)
+    by itself, nor a STUCK one, which is still running (a STUCK diagnosis carries no stop, whatever its run's
+    row holds: ``diagnosis.diagnose``)."""
+    return found.health == Health.STOPPED or found.stop_requested_at is not None
 
 
 def with_abandoned_upgrade(found: Diagnosis, upgrade: UpgradeRecord | None,
@@ -165,7 +177,7 @@ def with_abandoned_upgrade(found: Diagnosis, upgrade: UpgradeRecord | None,
     ``upgrade``: the job's latest upgrade in a phase that leaves it down (``UpgradeLog.leaving_down``);
     ``ended``: whether Airflow says a task instance has ended (a retry to come is not).  The recovery ends
     the upgrade and restarts the run it stopped, with the code that ran before."""
-    if upgrade is None or found.restart_owed or found.health not in INTERRUPTIBLE:
+    if upgrade is None or not may_owe_for_an_upgrade(found):
         return found
     if not upgrade.detail.get("live_run_id") or not upgrade.task:  # it stopped nothing; or an older release's
         return found
@@ -260,8 +272,7 @@ def _within_budget(found: Diagnosis, budget: RestartBudget, history: Sequence[Ma
     decision carries on (its task lost, or this is its retry): the budget counts it once, as itself, not as
     one more before it.  The backoff counts it: a try that was lost spaces the next."""
     times = crash_loop_restarts(history)
-    newest = history[-1] if history else None
-    carried = begun(newest) and (newest["action"], newest.get("failed_run_id")) == (action, run_id)
+    carried = bool(history) and begun_for(history[-1], action, run_id)
     earlier = crash_loop_restarts(history[:-1]) if carried else times
     if budget.exhausted(earlier, now):
         used = budget.used(earlier, now)

@@ -68,8 +68,8 @@ class HealthProbe:
         if found.health in recovery.MAY_BE_OWED:  # only a run down or stuck can be owed a restart
             ended = partial(task_ended, log=log)
             found = recovery.with_interrupted_restart(found, self.state.store.latest_restart(self.job_id), ended)
-            down = found.health in recovery.INTERRUPTIBLE and not found.restart_owed  # what an upgrade can leave
-            upgrade = self.upgrades.leaving_down(self.job_id).get(self.job_id) if down else None
+            upgrade = (self.upgrades.leaving_down(self.job_id).get(self.job_id)
+                       if recovery.may_owe_for_an_upgrade(found) else None)
             found = recovery.with_abandoned_upgrade(found, upgrade, ended)
         return run, with_standby(found, run, self.standbys, self.thresholds)
 

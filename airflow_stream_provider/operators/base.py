@@ -535,8 +535,7 @@ class StreamJobOperator(BaseOperator):
 
     def _owed(self, action: str, run_id: str | None) -> bool:
         """Whether the job's newest restart record is ``action`` of ``run_id``, begun and not launched yet."""
-        owed = self.state.store.latest_restart(self.job.job_id)
-        return recovery.begun(owed) and (owed["action"], owed["failed_run_id"]) == (action, run_id)
+        return recovery.begun_for(self.state.store.latest_restart(self.job.job_id), action, run_id)
 
     def _restart_stopped(self, context, stopped, reason, failed_run_id, after, carry) -> Any:
         faults.maybe_crash("restart_after_stop")  # the task lost between its stop and its launch

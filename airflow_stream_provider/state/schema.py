@@ -190,7 +190,7 @@ restarts = Table(
     #: a restart begun and never launched, closed by a stop someone asked for: no recovery finishes it
     Column("cancelled_at", Float),
     #: the task that began it (``holders.lease_owner``): once Airflow says that task has ended, a restart
-    #: still begun for a dead or failed run is owed (``recovery.interrupted_restart``)
+    #: still begun for a dead, failed or stuck run is owed (``recovery.interrupted_restart``)
     Column("task", String(1000)),
     #: the task whose launch completed it: a retry of the task that began it can tell that another finished it
     Column("finished_by", String(1000)),

@@ -134,8 +134,7 @@ class JobsWatch:
         """Note the restart owed to each job that is down because an upgrade stopped it and its task ended
         in Airflow without finishing or undoing that: nothing else would report it, and the job would stay
         down until a sweep.  One more query, and only in a poll that finds a job down and owed nothing."""
-        down = [job_id for job_id, found in diagnoses.items()
-                if found.health in recovery.INTERRUPTIBLE and not found.restart_owed]
+        down = [job_id for job_id, found in diagnoses.items() if recovery.may_owe_for_an_upgrade(found)]
         if not down:
             return
         try:
