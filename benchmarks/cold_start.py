@@ -30,8 +30,8 @@ from pathlib import Path
 
 from benchmarks import cold_before
 from benchmarks.audit import Audit, audit
-from benchmarks.load import BacklogProducer
 from benchmarks.stack import REPO, Stack, say
+from stack.events import EventProducer
 
 VARIANTS = ("shipped", "default_jit", "no_archive", "uncut", "before")
 #: The kinds that ``cold_start_s <= cold_start_before_s / 2`` compares.
@@ -108,7 +108,7 @@ class _OldCode:
     own topic."""
 
     driver: cold_before.BeforeDriver
-    producer: BacklogProducer
+    producer: EventProducer
 
     @classmethod
     def ready(cls, stack: Stack, conf: dict[str, str], env: dict[str, str]) -> _OldCode:
@@ -117,7 +117,7 @@ class _OldCode:
 
         job_id = f"cold-start-before-{uuid.uuid4().hex[:6]}"
         stack.broker.create_topic(job_id, 3)
-        producer = BacklogProducer(stack.broker, job_id, partitions=3)
+        producer = EventProducer(stack.broker, job_id)
         driver_env = {k: stack.spark_env[k] for k in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_LOCAL_IP")}
         driver = cold_before.BeforeDriver(
             REPO, stack.workdir, python=sys.executable, spark_bin=SPARK_BIN, conf=conf, env={**driver_env, **env},

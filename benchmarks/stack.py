@@ -20,6 +20,8 @@ from pathlib import Path
 import psutil
 from sqlalchemy import func, select
 
+from stack.events import EventProducer
+
 REPO = Path(__file__).resolve().parents[1]
 EVENTS_JOB = str(REPO / "spark_jobs" / "events_job.py")
 EVENTS_JOB_V2 = str(REPO / "spark_jobs" / "events_job_v2.py")
@@ -381,9 +383,7 @@ class Stack:
         Variable.set("stream_job_spec", job.spec, serialize_json=True)
 
     def producer(self, job: Job, **kwargs):
-        from benchmarks.load import BacklogProducer
-
-        return BacklogProducer(self.broker, job.topic, partitions=job.partitions, **kwargs)
+        return EventProducer(self.broker, job.topic, **kwargs)
 
     def backlog(self, events: int, partitions: int = 3):
         """A topic of ``events`` events (``stack.events.Produced``), produced once per run: every drain of that
@@ -391,11 +391,9 @@ class Stack:
         records and the run does not spend minutes producing the same backlog again."""
         key = (events, partitions)
         if key not in self.backlogs:
-            from benchmarks.load import BacklogProducer
-
             topic = f"backlog-{events}-{uuid.uuid4().hex[:6]}"
             self.broker.create_topic(topic, partitions)
-            producer = BacklogProducer(self.broker, topic, partitions=partitions)
+            producer = EventProducer(self.broker, topic)
             started = time.monotonic()
             try:
                 producer.send(events)

@@ -110,7 +110,9 @@ class Broker:
             admin.close()
         return {tp.partition: meta.offset for tp, meta in committed.items()}
 
-    def producer(self) -> KafkaProducer:
-        # Batching off: Tansu answers ListOffsets(latest) from the last record *batch*, so multi-record
-        # batches would hide their tail from end-offset checks until the next produce.
-        return KafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=0, batch_size=0, acks="all")
+    def producer(self, **options) -> KafkaProducer:
+        """Batching off unless ``options`` turn it on: Tansu answers ListOffsets(latest) from the last record
+        *batch*, so multi-record batches would hide their tail from end-offset checks until the next
+        produce (``EventProducer`` seals each tail)."""
+        return KafkaProducer(**{"bootstrap_servers": self.bootstrap, "linger_ms": 0, "batch_size": 0,
+                                "acks": "all", **options})
