@@ -49,6 +49,9 @@ def _marks(checkpoint: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) if folder.is_dir() else []
 
 
+# Both databases wait for ``make soak``: real_airflow/test_write_behind.py meets the same window, with the
+# same checks, on a real Airflow in the default run.
+@pytest.mark.soak
 @POSTGRESQL_THEN_SQLITE_IN_SOAK
 def test_kill9_with_spark_ahead_of_the_database(broker, topic, big_batches, figures):
     """Killed while batch 1's commit waits in the writer and batch 2 already runs: Spark's commit log holds

@@ -35,7 +35,12 @@ REPAIR_TIMEOUT = 300
 LOST_AT = {"restart_after_stop": "STOPPED", "restart_before_stop": "STUCK"}
 
 
-@pytest.fixture(params=list(LOST_AT))
+@pytest.fixture(params=[
+    # a STOPPED run owed its restart is reported by the watcher on a real Airflow in test_lost_upgrade.py, and
+    # finished after a failed launch in test_provider_dags.py: this variant waits for ``make soak``
+    pytest.param("restart_after_stop", marks=pytest.mark.soak),
+    "restart_before_stop",
+])
 def lost_at(request) -> str:
     return request.param
 
