@@ -25,6 +25,7 @@ from airflow_stream_provider.kafka_client import (
     read_failed,
     read_stalled,
     read_truncated,
+    stall_timeout_s,
 )
 
 READER = "confluent-kafka"
@@ -75,6 +76,7 @@ def read_range_columns(config: dict[str, object], topic: str, partition: int, st
 
     client = _consumer(config)
     client.assign([TopicPartition(topic, partition, start)])
+    stall_s = stall_timeout_s(config, STALL_TIMEOUT_S)
     try:
         position, advanced_at = start, time.monotonic()
         while position < end:
@@ -106,7 +108,7 @@ def read_range_columns(config: dict[str, object], topic: str, partition: int, st
             if columns.offsets:
                 advanced_at = time.monotonic()
                 yield columns
-            elif time.monotonic() - advanced_at > STALL_TIMEOUT_S:
-                raise read_stalled(topic, partition, start, end, position, STALL_TIMEOUT_S)
+            elif time.monotonic() - advanced_at > stall_s:
+                raise read_stalled(topic, partition, start, end, position, stall_s)
     finally:
         client.unassign()

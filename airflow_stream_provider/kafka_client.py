@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 # only to create or plan the data source never reads Kafka, and importing kafka costs 90 ms and 20 MB.
 _CACHE: dict[tuple, KafkaConsumer] = {}
 _LOCK = threading.Lock()
-#: How long one range read may go without advancing before it calls the broker unreachable.  A read
-#: that advances, however slowly, goes on; Spark retries a failed read task (4 attempts in local mode),
-#: so an outage that cuts a running read ends the batch after about four times this.
+#: How long one range read may go without advancing before it calls the broker unreachable, unless the
+#: job sets its client's request timeout (``stall_timeout_s``).  A read that advances, however slowly,
+#: goes on; Spark retries a failed read task (4 attempts in local mode), so an outage that cuts a running
+#: read ends the batch after about four times this.  kafka-python's own default request timeout.
 STALL_TIMEOUT_S = 30.0
 #: Records one poll of a range read hands out at most (bounds a Python worker's memory per poll).
 MAX_POLL_RECORDS = 5000
@@ -90,6 +91,16 @@ def _value(value: object) -> object:
     if value.isdigit():
         return int(value)
     return {"true": True, "false": False}.get(value.lower(), value)
+
+
+def stall_timeout_s(options: Mapping[str, object] | None, default: float) -> float:
+    """How long a range read may go without advancing: the client's request timeout where the job sets one
+    (``request.timeout.ms``, in Kafka's or kafka-python's spelling), the time after which the client itself
+    stops waiting for an answer, so that a job that shortens it to notice an outage sooner has its reads
+    give up on the same scale as its planning; ``default`` otherwise."""
+    options = options or {}
+    value = options.get("request_timeout_ms", options.get("request.timeout.ms"))
+    return float(value) / 1000 if value is not None else default
 
 
 def read_failed(topic: str, partition: int, start: int, end: int, why: str) -> KafkaReadError:
@@ -219,13 +230,14 @@ def read_range_batches(
     tp = TopicPartition(topic, partition)
     client.assign([tp])
     client.seek(tp, start)
+    stall_s = stall_timeout_s(options, STALL_TIMEOUT_S)
     position, advanced_at = start, time.monotonic()
     while (now := client.position(tp)) < end:
         if now > position:
             position, advanced_at = now, time.monotonic()
-        elif time.monotonic() - advanced_at > STALL_TIMEOUT_S:
+        elif time.monotonic() - advanced_at > stall_s:
             raise _log_ended(client, tp, start, end) or read_stalled(
-                topic, partition, start, end, position, STALL_TIMEOUT_S)
+                topic, partition, start, end, position, stall_s)
         try:
             batch = client.poll(timeout_ms=500, max_records=min(MAX_POLL_RECORDS, end - now))
         except KafkaError as err:

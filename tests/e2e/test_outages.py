@@ -40,14 +40,16 @@ from tests.dagtest import airflow as airflow_stack
 from tests.dagtest.dagruns import caught_up, deployed, run_dag, runs
 
 #: The job's Kafka request timeout, named in its spec's client options in Kafka's own spelling and as
-#: text (a spec is JSON), so that every Kafka call of the driver must take it converted.  kafka-python's
-#: default: at 15 s the long outage below met a running read in both of two runs and ended after Spark's
-#: read retries (4 x 30 s), where at 30 s the offset planning gives up first (2 x 30 s).
-REQUEST_TIMEOUT_MS = 30_000
+#: text (a spec is JSON), so that every Kafka call of the driver must take it converted.  Shorter than
+#: kafka-python's default (30 s), as a job that wants to notice an outage sooner sets it: the offset
+#: planning gives up after two such timeouts, a read cut by the outage after Spark's four attempts at one
+#: stall timeout each, which the request timeout sets too.
+REQUEST_TIMEOUT_MS = 12_000
 #: Shorter than every kafka-python client timeout the job uses.
-SHORT_BROKER_OUTAGE_S = 8.0
-#: Longer than one kafka-python request's timeout, shorter than two.
-BROKER_STALL_S = 40.0
+SHORT_BROKER_OUTAGE_S = 6.0
+#: Longer than one kafka-python request's timeout, shorter than two, with seconds of margin each way: the
+#: idle driver's first planning request goes out within a trigger interval of the stall's start.
+BROKER_STALL_S = 18.0
 DATABASE_OUTAGE_S = 10.0
 
 
@@ -132,7 +134,7 @@ def test_broker_outage_short_is_ridden_out_long_ends_transient_and_is_recovered(
 
     # A long outage: once the client gives up the query fails, and the driver records why.  Usually the
     # driver's offset planning gives up first (after two request timeouts); an outage that cuts a running
-    # read ends after Spark's task retries, each giving up after the read stalled for STALL_TIMEOUT_S.
+    # read ends after Spark's task retries, each giving up after the read stalled for one request timeout.
     with Trickle(producer, chunk=20, pause_s=0.5):
         time.sleep(2)
         proxy.stop()

@@ -1,7 +1,7 @@
 """A broker that stops answering in the middle of a range read, with kafka-python, the default reader.
 
 The read must neither hang nor hand out a partial range: it fails once it has not advanced for
-``STALL_TIMEOUT_S`` (shortened here), naming the range, and Spark then runs the read task again in the
+the stall timeout (shortened here), naming the range, and Spark then runs the read task again in the
 same Python worker, whose cached consumer still holds the stalled connection.  That second attempt,
 begun while the broker is still silent, must return exactly the range once the broker answers again.
 
@@ -32,7 +32,7 @@ RECORDS = 5_000
 VALUE = b"x" * 400
 STALL_S = 6.0
 #: How long the proxy stays paused once the read goes on: longer than one stall, so the retry starts while
-#: it is silent, and shorter than two, as in the end-to-end stall (40 s against 30).  Seconds of margin each
+#: it is silent, and shorter than two, as in the end-to-end stall (18 s against 12).  Seconds of margin each
 #: way, for a loaded machine.
 SILENT_S = 9.0
 

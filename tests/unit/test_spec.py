@@ -67,6 +67,19 @@ def test_client_options_in_either_spelling_reach_kafka_python_as_its_keywords():
                                          "ssl_check_hostname": False, "retry_backoff_ms": 200}
 
 
+def test_a_read_stalls_for_the_request_timeout_the_spec_sets_in_either_reader():
+    """A job that shortens its client's request timeout to notice an outage sooner has its range reads
+    give up on the same scale; without one, both readers wait kafka-python's default, 30 s."""
+    from airflow_stream_provider import confluent_reader, kafka_client
+
+    for client_options, seconds in (({"request.timeout.ms": "12000"}, 12.0), ({}, kafka_client.STALL_TIMEOUT_S)):
+        spec = StreamJobSpec.from_dict(_with(kafka_client_options=client_options))
+        spark_options = {f"kafka.{k}": str(v) for k, v in spec.kafka.client_options.items()}  # as the harness
+        assert kafka_client.stall_timeout_s(kafka_client.client_options(spark_options), 30.0) == seconds
+        config = confluent_reader.client_config("broker:9092", spark_options)
+        assert kafka_client.stall_timeout_s(config, 30.0) == seconds
+
+
 @pytest.mark.parametrize(("root", "local"), [
     ("/data/ckpt", True), ("file:///data/ckpt", True), ("hdfs://nn:8020/ckpt", False),
 ])
