@@ -19,7 +19,6 @@ from collections.abc import Iterator, Mapping
 
 from airflow_stream_provider.kafka_client import (
     MAX_POLL_RECORDS,
-    STALL_TIMEOUT_S,
     Columns,
     kafka_properties,
     read_failed,
@@ -76,7 +75,7 @@ def read_range_columns(config: dict[str, object], topic: str, partition: int, st
 
     client = _consumer(config)
     client.assign([TopicPartition(topic, partition, start)])
-    stall_s = stall_timeout_s(config, STALL_TIMEOUT_S)
+    stall_s = stall_timeout_s(config)
     try:
         position, advanced_at = start, time.monotonic()
         while position < end:

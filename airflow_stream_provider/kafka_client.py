@@ -93,14 +93,14 @@ def _value(value: object) -> object:
     return {"true": True, "false": False}.get(value.lower(), value)
 
 
-def stall_timeout_s(options: Mapping[str, object] | None, default: float) -> float:
+def stall_timeout_s(options: Mapping[str, object] | None) -> float:
     """How long a range read may go without advancing: the client's request timeout where the job sets one
     (``request.timeout.ms``, in Kafka's or kafka-python's spelling), the time after which the client itself
     stops waiting for an answer, so that a job that shortens it to notice an outage sooner has its reads
-    give up on the same scale as its planning; ``default`` otherwise."""
+    give up on the same scale as its planning; ``STALL_TIMEOUT_S`` otherwise."""
     options = options or {}
     value = options.get("request_timeout_ms", options.get("request.timeout.ms"))
-    return float(value) / 1000 if value is not None else default
+    return float(value) / 1000 if value is not None else STALL_TIMEOUT_S
 
 
 def read_failed(topic: str, partition: int, start: int, end: int, why: str) -> KafkaReadError:
@@ -230,7 +230,7 @@ def read_range_batches(
     tp = TopicPartition(topic, partition)
     client.assign([tp])
     client.seek(tp, start)
-    stall_s = stall_timeout_s(options, STALL_TIMEOUT_S)
+    stall_s = stall_timeout_s(options)
     position, advanced_at = start, time.monotonic()
     while (now := client.position(tp)) < end:
         if now > position:

@@ -53,7 +53,7 @@ def test_the_fast_reader_reads_exactly_what_kafka_python_reads(log, start, end):
 def test_a_range_the_broker_does_not_have_is_a_read_error_not_a_hang(log, monkeypatch):
     """Past the log's end (records gone, a recreated topic) the read stalls: it fails after the stall
     timeout (shortened here) with the range named, and Spark retries the task as with kafka-python."""
-    monkeypatch.setattr(confluent_reader, "STALL_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(kafka_client, "STALL_TIMEOUT_S", 3.0)
     bootstrap, topic = log
     asked = time.monotonic()
     with pytest.raises(KafkaReadError, match=rf"{topic}-0 \[{RECORDS + 10}, {RECORDS + 20}\)"):
@@ -67,8 +67,7 @@ def test_a_range_that_ends_past_the_log_is_data_loss_not_an_unreachable_broker(l
     """A replayed batch whose records the log no longer holds in full (retention, an unclean leader
     election, a recreated topic): the read fails as data loss, naming the records gone, and the job is not
     restarted again and again as if Kafka were away."""
-    monkeypatch.setattr(kafka_client, "STALL_TIMEOUT_S", 3.0)
-    monkeypatch.setattr(confluent_reader, "STALL_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(kafka_client, "STALL_TIMEOUT_S", 3.0)  # both readers' default
     bootstrap, topic = log
     with pytest.raises(KafkaReadError) as raised:
         read(bootstrap, topic, RECORDS - 10, RECORDS + 20)

@@ -75,9 +75,9 @@ def test_a_read_stalls_for_the_request_timeout_the_spec_sets_in_either_reader():
     for client_options, seconds in (({"request.timeout.ms": "12000"}, 12.0), ({}, kafka_client.STALL_TIMEOUT_S)):
         spec = StreamJobSpec.from_dict(_with(kafka_client_options=client_options))
         spark_options = {f"kafka.{k}": str(v) for k, v in spec.kafka.client_options.items()}  # as the harness
-        assert kafka_client.stall_timeout_s(kafka_client.client_options(spark_options), 30.0) == seconds
+        assert kafka_client.stall_timeout_s(kafka_client.client_options(spark_options)) == seconds
         config = confluent_reader.client_config("broker:9092", spark_options)
-        assert kafka_client.stall_timeout_s(config, 30.0) == seconds
+        assert kafka_client.stall_timeout_s(config) == seconds
 
 
 @pytest.mark.parametrize(("root", "local"), [
