@@ -149,9 +149,16 @@ def new_consumer(
     then fails (no broker within ``bootstrap_timeout_ms``) returns no object to close: the thread would go
     on reconnecting and logging for the life of the process.  In a triggerer or API server that checks an
     unreachable Kafka every poll, that is a thread and a socket per check.  The network clients made here
-    are closed when the constructor fails."""
+    are closed when the constructor fails.
+
+    A request timeout set without a bootstrap timeout bounds the bootstrap too (kafka-python's defaults
+    are both 30 s): a job that shortens it to notice an outage sooner would otherwise still wait 30 s
+    wherever a consumer must connect again, as a retried read task's does."""
     from kafka import KafkaConsumer
 
+    options = dict(options or {})
+    if "request_timeout_ms" in options:
+        options.setdefault("bootstrap_timeout_ms", options["request_timeout_ms"])
     made: list = []
     default_client = KafkaConsumer.DEFAULT_CONFIG["kafka_client"]
 
@@ -167,7 +174,7 @@ def new_consumer(
             auto_offset_reset="none",
             consumer_timeout_ms=1000,
             kafka_client=network_client,
-            **(options or {}),
+            **options,
         )
     except BaseException:
         for client in made:

@@ -42,9 +42,9 @@ from tests.dagtest.dagruns import caught_up, deployed, run_dag, runs
 #: The job's Kafka request timeout, named in its spec's client options in Kafka's own spelling and as
 #: text (a spec is JSON), so that every Kafka call of the driver must take it converted.  Shorter than
 #: kafka-python's default (30 s), as a job that wants to notice an outage sooner sets it: the offset
-#: planning gives up after two such timeouts.  A read cut by the outage ends after Spark's four attempts:
-#: the first stalls for one request timeout, a retry whose consumer connects again waits kafka-python's
-#: bootstrap timeout (30 s).
+#: planning gives up after two such timeouts.  A read cut by the outage ends after Spark's four attempts,
+#: each bounded by it: the first stalls for one request timeout, a retry whose consumer must connect again
+#: waits as long to bootstrap.
 REQUEST_TIMEOUT_MS = 12_000
 #: Shorter than every kafka-python client timeout the job uses.
 SHORT_BROKER_OUTAGE_S = 6.0
@@ -135,7 +135,7 @@ def test_broker_outage_short_is_ridden_out_long_ends_transient_and_is_recovered(
 
     # A long outage: once the client gives up the query fails, and the driver records why.  Usually the
     # driver's offset planning gives up first (after two request timeouts); an outage that cuts a running
-    # read ends after Spark's task retries (about 100 s: see REQUEST_TIMEOUT_MS).
+    # read ends after Spark's task retries (about 50 s: see REQUEST_TIMEOUT_MS).
     with Trickle(producer, chunk=20, pause_s=0.5):
         time.sleep(2)
         proxy.stop()

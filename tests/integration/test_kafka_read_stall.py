@@ -13,6 +13,7 @@ network that drops packets), unlike a killed proxy, whose connections the client
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -93,3 +94,19 @@ def test_a_read_the_broker_stops_answering_fails_named_and_its_retry_reads_the_e
     assert retry.offsets == list(range(RECORDS))
     assert retry.keys == [str(n).encode() for n in range(RECORDS)]
     assert set(retry.values) == {VALUE}
+
+
+def test_a_read_whose_consumer_must_connect_to_a_gone_broker_gives_up_after_the_request_timeout():
+    """Spark's retry of a read task in a new Python worker makes its consumer anew.  With the broker gone,
+    kafka-python's constructor waits ``bootstrap_timeout_ms`` (30 s by default); a job that set a shorter
+    request timeout to notice an outage sooner gets that bound here too, not 30 s per retry."""
+    from kafka.errors import KafkaTimeoutError
+
+    with socket.socket() as probe:  # a port nothing listens on: connections are refused, as to a dead broker
+        probe.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{probe.getsockname()[1]}"
+    started = time.monotonic()
+    with pytest.raises(KafkaTimeoutError, match="Unable to bootstrap"):
+        next(kafka_client.read_range_batches(gone, {"request_timeout_ms": 2_000}, "events", 0, 0, 10))
+    assert time.monotonic() - started < kafka_client.STALL_TIMEOUT_S / 2, "bootstrapped for the default 30 s"
+    assert not [key for key in kafka_client._CACHE if key[0] == gone], "a consumer that never connected is not kept"
