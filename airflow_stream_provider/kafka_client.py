@@ -27,6 +27,9 @@ _LOCK = threading.Lock()
 STALL_TIMEOUT_S = 30.0
 #: Records one poll of a range read hands out at most (bounds a Python worker's memory per poll).
 MAX_POLL_RECORDS = 5000
+#: Consumer settings the provider makes itself (``new_consumer``, ``confluent_reader.client_config``).
+RESERVED_SETTINGS = frozenset({"bootstrap_servers", "group_id", "enable_auto_commit", "auto_offset_reset",
+                               "consumer_timeout_ms", "kafka_client"})
 
 
 class Columns(NamedTuple):
@@ -79,6 +82,12 @@ def unknown_options(properties: Mapping[str, object]) -> list[str]:
     from kafka import KafkaConsumer
 
     return [name for name in properties if _keyword(name) not in KafkaConsumer.DEFAULT_CONFIG]
+
+
+def reserved_options(properties: Mapping[str, object]) -> list[str]:
+    """The properties that name a setting ``new_consumer`` and the readers make themselves (brokers, group,
+    offset handling): kafka-python would refuse the duplicate keyword, and a reader must not reset or commit."""
+    return [name for name in properties if _keyword(name).lower() in RESERVED_SETTINGS]
 
 
 def _keyword(name: str) -> str:
@@ -157,6 +166,9 @@ def new_consumer(
     from kafka import KafkaConsumer
 
     options = dict(options or {})
+    if reserved := reserved_options(options):
+        raise ValueError(f"Kafka client settings {', '.join(map(repr, reserved))} are the provider's own: the "
+                         f"brokers, group and offset handling are set here. Remove them from the client options")
     if "request_timeout_ms" in options:
         options.setdefault("bootstrap_timeout_ms", options["request_timeout_ms"])
     made: list = []

@@ -310,12 +310,22 @@ def _validate_kafka(kafka: KafkaSpec) -> None:
             "Use 'kafka-python' (the default) or 'confluent-kafka' with the confluent extra installed",
         )
     if kafka.max_offsets_per_trigger is not None and (
-        not isinstance(kafka.max_offsets_per_trigger, int) or kafka.max_offsets_per_trigger < 1
+        isinstance(kafka.max_offsets_per_trigger, bool) or not isinstance(kafka.max_offsets_per_trigger, int)
+        or kafka.max_offsets_per_trigger < 1
     ):
         raise SpecError(
             "kafka.max_offsets_per_trigger",
-            "must be a positive integer or null",
+            f"{kafka.max_offsets_per_trigger!r} is not a positive integer or null",
             "Bound each batch, e.g. 100000 (the default), so memory stays flat on a backlog",
+        )
+    if not isinstance(kafka.fail_on_data_loss, bool):
+        # The startup check and the source would read a string or a number differently (``"false"`` is
+        # truthy): one would skip lost records that the other fails on.
+        raise SpecError(
+            "kafka.fail_on_data_loss",
+            f"{kafka.fail_on_data_loss!r} is not true or false",
+            "Give a JSON boolean: true (the default) fails on offsets Kafka no longer has, false skips them "
+            "and records the loss",
         )
     if kafka.read_tasks is not None and (
         isinstance(kafka.read_tasks, bool) or not isinstance(kafka.read_tasks, int) or kafka.read_tasks < 1
@@ -333,6 +343,13 @@ def _validate_kafka(kafka: KafkaSpec) -> None:
             "kafka.client_options",
             f"{kafka.client_options!r} is not a mapping of property names to values",
             'Give Kafka client properties by name, e.g. {"security.protocol": "SSL"}',
+        )
+    if reserved := kafka_client.reserved_options(kafka.client_options):
+        raise SpecError(
+            "kafka.client_options",
+            f"sets {', '.join(map(repr, reserved))}, which the provider sets itself",
+            "Remove them: the brokers come from kafka.bootstrap_servers, the consumer group is "
+            "stream-<job_id>, and the sink commits offsets after the results; reads follow exact ranges",
         )
     if unknown := kafka_client.unknown_options(kafka.client_options):
         raise SpecError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from airflow_stream_provider import confluent_reader, kafka_client
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 
 GOOD = {"job_id": "orders", "version": "1.0", "checkpoint_root": "/data/ckpt",
@@ -43,11 +44,21 @@ def test_good_spec_round_trips():
     ({"kafka_topics": ["bad topic"]}, "kafka.topics", "letters"),
     ({"trigger_interval": "soon"}, "trigger_interval", "1 second"),
     ({"kafka_max_offsets_per_trigger": 0}, "kafka.max_offsets_per_trigger", "100000"),
+    ({"kafka_max_offsets_per_trigger": True}, "kafka.max_offsets_per_trigger", "100000"),  # not 1 record a batch
+    # a string or a number would be read one way by the startup check and another by the source
+    ({"kafka_fail_on_data_loss": "false"}, "kafka.fail_on_data_loss", "JSON boolean"),
+    ({"kafka_fail_on_data_loss": 0}, "kafka.fail_on_data_loss", "JSON boolean"),
+    ({"kafka_fail_on_data_loss": None}, "kafka.fail_on_data_loss", "JSON boolean"),
     ({"kafka_read_tasks": 0}, "kafka.read_tasks", "half the cores"),
     ({"kafka_read_tasks": "2"}, "kafka.read_tasks", "e.g. 4"),
     ({"generaton": 2}, "generaton", "Known fields"),
     ({"kafka_client_options": {"sasl.jaas.config": "x"}}, "kafka.client_options", "security.protocol"),
     ({"kafka_client_options": {"request.timeout.ms": ["15000"]}}, "kafka.client_options", "by name"),
+    # settings the provider makes itself: kafka-python would refuse the duplicate keyword at the start
+    ({"kafka_client_options": {"group.id": "mine"}}, "kafka.client_options", "stream-<job_id>"),
+    ({"kafka_client_options": {"auto_offset_reset": "latest"}}, "kafka.client_options", "exact ranges"),
+    ({"kafka_client_options": {"enable.auto.commit": "true"}}, "kafka.client_options", "commits offsets"),
+    ({"kafka_client_options": {"bootstrap.servers": "k3:9092"}}, "kafka.client_options", "kafka.bootstrap_servers"),
 ])
 def test_bad_field_is_named_with_its_fix(changes, field, fix):
     with pytest.raises(SpecError) as err:
@@ -67,11 +78,16 @@ def test_client_options_in_either_spelling_reach_kafka_python_as_its_keywords():
                                          "ssl_check_hostname": False, "retry_backoff_ms": 200}
 
 
+def test_a_consumer_refuses_settings_the_provider_makes_before_it_connects():
+    """A Kafka connection's extra reaches the Airflow side's consumers without a spec: a setting the provider
+    makes itself is named there too, instead of kafka-python's "multiple values for keyword argument"."""
+    with pytest.raises(ValueError, match="'group_id'.* the provider's own"):
+        kafka_client.new_consumer("127.0.0.1:1", {"group_id": "mine", "request_timeout_ms": 1000})
+
+
 def test_a_read_stalls_for_the_request_timeout_the_spec_sets_in_either_reader():
     """A job that shortens its client's request timeout to notice an outage sooner has its range reads
     give up on the same scale; without one, both readers wait kafka-python's default, 30 s."""
-    from airflow_stream_provider import confluent_reader, kafka_client
-
     for client_options, seconds in (({"request.timeout.ms": "12000"}, 12.0), ({}, kafka_client.STALL_TIMEOUT_S)):
         spec = StreamJobSpec.from_dict(_with(kafka_client_options=client_options))
         spark_options = {f"kafka.{k}": str(v) for k, v in spec.kafka.client_options.items()}  # as the harness
