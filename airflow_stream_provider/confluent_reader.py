@@ -53,6 +53,10 @@ def client_config(bootstrap: str, options: Mapping[str, str]) -> dict[str, objec
         "enable.partition.eof": True,
         "auto.offset.reset": "error",
         "queued.max.messages.kbytes": QUEUED_KBYTES,
+        # What kafka-python plans with (and Spark's JVM source reads): librdkafka's own default,
+        # read_committed, stops at an open transaction, short of the planned end, which then looks like
+        # records gone (data loss).  A job that sets isolation.level plans and reads with its own.
+        "isolation.level": "read_uncommitted",
     }
     return {**config, **kafka_properties(options)}
 

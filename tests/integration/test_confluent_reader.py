@@ -31,6 +31,10 @@ def log(broker):
     producer.flush()
     producer.close()
     yield broker.bootstrap, topic
+    _close_cached_readers()
+
+
+def _close_cached_readers() -> None:
     for consumer in confluent_reader._CACHE.values():  # cached per process, as in a Spark worker
         consumer.close()
     confluent_reader._CACHE.clear()
@@ -76,3 +80,36 @@ def test_a_range_that_ends_past_the_log_is_data_loss_not_an_unreachable_broker(l
     assert f"records [{RECORDS}, {RECORDS + 20}) (retention" in message
     found = failures.classify(f"KafkaReadError: {message}")
     assert (found.kind, found.signature) == (FailureKind.DATA_LOSS, "kafka-data-loss"), found
+
+
+def test_a_partition_with_transactions_reads_as_kafka_python_plans_it(broker):
+    """A transactional producer's aborted transaction, then one left open: the batch's end is planned by
+    kafka-python (read_uncommitted, the log's end), and the fast reader reads the same records up to it.
+    With librdkafka's default (read_committed) it stopped at the open transaction and failed the batch as
+    data loss."""
+    topic = f"reader-txn-{uuid.uuid4().hex[:8]}"
+    broker.create_topic(topic, 1)
+    plain = broker.producer()
+    for n in range(3):
+        plain.send(topic, value=f"plain {n}".encode(), partition=0)
+    plain.flush()
+    plain.close()
+    transactional = broker.producer(transactional_id=f"tx-{topic}", enable_idempotence=True)
+    transactional.init_transactions()
+    for outcome in ("aborted", "open"):
+        transactional.begin_transaction()
+        for n in range(2):
+            transactional.send(topic, value=f"{outcome} {n}".encode(), partition=0)
+        transactional.flush()
+        if outcome == "aborted":
+            transactional.abort_transaction()
+    try:
+        _, latest = kafka_client.watermarks(kafka_client.consumer(broker.bootstrap), [topic])
+        end = latest[(topic, 0)]
+        expected = read_kafka_python(broker.bootstrap, topic, 0, end)
+        assert [v.decode().split()[0] for v in expected.values].count("open") == 2, expected
+        assert _confluent(broker.bootstrap, topic, 0, end) == expected
+    finally:
+        transactional.abort_transaction()
+        transactional.close()
+        _close_cached_readers()
