@@ -91,8 +91,13 @@ def one_per_key(rows: Rows, key: Sequence[str], increments: Sequence[str]) -> li
             merged[identity] = dict(row)
             continue
         for column, value in row.items():
-            current[column] = current[column] + value if column in increments else value
+            current[column] = _summed(current[column], value) if column in increments else value
     return list(merged.values())
+
+
+def _summed(a, b):
+    """Two increments of one key as SQL's SUM and the upsert add them: a NULL counts as nothing."""
+    return b if a is None else a if b is None else a + b
 
 
 def one_per_key_table(rows: pa.Table, key: Sequence[str], increments: Sequence[str]) -> pa.Table:

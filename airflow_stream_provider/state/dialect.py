@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import Engine, Table, create_engine, event
+from sqlalchemy import Engine, Table, create_engine, event, func
 from sqlalchemy import exc as sql_errors
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL
@@ -89,14 +89,18 @@ def upsert(dialect: str, table: Table, key: Sequence[str], increments: Sequence[
 
 def on_conflict(stmt, table: Table, key: Sequence[str], increments: Sequence[str]):
     """``stmt`` (an insert) with the upsert's ``ON CONFLICT (key)`` clause."""
-    updates = {
-        c.name: (table.c[c.name] + stmt.excluded[c.name]) if c.name in increments else stmt.excluded[c.name]
-        for c in table.columns
-        if c.name not in key
-    }
+    updates = {c.name: _added(table.c[c.name], stmt.excluded[c.name]) if c.name in increments
+               else stmt.excluded[c.name] for c in table.columns if c.name not in key}
     if not updates:
         return stmt.on_conflict_do_nothing(index_elements=list(key))
     return stmt.on_conflict_do_update(index_elements=list(key), set_=updates)
+
+
+def _added(stored, new):
+    """An increment added to the stored value as a SUM over both batches' records would: a NULL on one
+    side (a batch whose records held none) leaves the other side's value; NULL only when both are NULL.
+    ``stored + new`` alone would keep a stored NULL forever."""
+    return func.coalesce(stored + new, stored, new)
 
 
 def is_data_error(err: BaseException) -> bool:

@@ -161,3 +161,23 @@ def test_a_postgresql_table_without_increments_takes_a_direct_copy_until_a_key_c
     with store.engine.connect() as conn:
         staged = conn.exec_driver_sql("SELECT count(*) FROM pg_class WHERE relname LIKE 'stream_stage_%%'").scalar()
     assert staged == 0
+
+
+@pytest.mark.parametrize("as_arrow", [False, True], ids=["dicts", "arrow"])
+@pytest.mark.parametrize("padding", [0, bulk.COPY_FROM_ROWS])  # PostgreSQL: INSERT, then COPY
+def test_a_null_increment_adds_nothing_across_batches_and_within_one(store, as_arrow, padding):
+    """A key whose records hold no value in a batch sums to NULL there (SQL's SUM, Spark's ``sum``).  A later
+    batch's value must still be added, as one SUM over both batches' records would give it; NULL + 10 kept
+    the stored NULL, and the Python merge of one batch's rows refused None + 10."""
+    table = _table(store, f"null_increments_{int(as_arrow)}_{padding}")
+    minute = dt.datetime(2026, 11, 22, 10, 15)
+    batches = [[("a", None), ("b", 4), ("c", None)],
+               [("a", 10), ("b", None), ("c", None)],
+               [("a", 1), ("a", None), ("d", None), ("d", 2)]]  # within one batch too
+    for batch in batches:
+        rows = [{"k": k, "minute": minute, "n": n, "amount": None, "flag": None, "day": None, "note": None}
+                for k, n in batch + [(f"pad-{i}", 1) for i in range(padding)]]
+        _write(store, table, pa.Table.from_pylist(rows, ARROW_SCHEMA) if as_arrow else rows)
+    stored = {k: row["n"] for (k, _), row in _stored(store, table).items()}
+    assert {k: stored[k] for k in "abcd"} == {"a": 11, "b": 4, "c": None, "d": 2}
+    assert {stored[k] for k in stored if k.startswith("pad-")} <= {3}
