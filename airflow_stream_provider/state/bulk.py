@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Column, Connection, MetaData, Table, select
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.exc import DataError
 
 from airflow_stream_provider.state.dialect import on_conflict, upsert
 
@@ -74,10 +75,10 @@ def write_rows(conn: Connection, table: Table, key: Sequence[str], increments: S
         _copy_upsert(conn, table, key, increments, rows)
     elif dialect.name == "sqlite" and is_table(rows) and _sqlite_ready(rows.schema):
         for chunk in rows.to_batches(max_chunksize=SQLITE_CHUNK_ROWS):
-            columns = dict(zip(rows.column_names, _sqlite_columns(chunk), strict=True))
+            columns = dict(zip(rows.column_names, _sqlite_columns(table, chunk), strict=True))
             _sqlite_executemany(conn, table, key, increments, columns)
     else:
-        conn.execute(upsert(dialect.name, table, key, increments), rows.to_pylist() if is_table(rows) else rows)
+        conn.execute(upsert(dialect.name, table, key, increments), _pylist(table, rows) if is_table(rows) else rows)
 
 
 def one_per_key(rows: Rows, key: Sequence[str], increments: Sequence[str]) -> list[Mapping[str, Any]]:
@@ -101,18 +102,42 @@ def _summed(a, b):
 
 
 def one_per_key_table(rows: pa.Table, key: Sequence[str], increments: Sequence[str]) -> pa.Table:
-    """``one_per_key`` for an Arrow table, in Arrow: unchanged when every key is unique (the usual case)."""
+    """``one_per_key`` for an Arrow table, in Arrow: unchanged when every key is unique (the usual case).
+    Otherwise each key's last row, taken whole by its index (the last row's value, even a null one), with
+    its increments replaced by their sums; the columns and their types are the input's.  Arrow's
+    aggregate "last" would do without the index, but has no kernel for some types (decimal128, which
+    Spark's DecimalType arrives as); ``take`` has one for every type."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     if rows.num_rows < 2 or rows.group_by(list(key)).aggregate([]).num_rows == rows.num_rows:
         return rows
-    last = pc.ScalarAggregateOptions(skip_nulls=False)  # the last row's value, even a null one
-    how = {c: "sum" if c in increments else "last" for c in rows.column_names if c not in key}
-    merged = rows.group_by(list(key), use_threads=False).aggregate(
-        [(c, f, last) if f == "last" else (c, f) for c, f in how.items()]
+    sums = [c for c in rows.column_names if c in increments and c not in key]
+    keys = [f"key{i}" for i in range(len(key))]
+    index = pc.subtract(pc.cumulative_sum(pa.repeat(pa.scalar(1, pa.int64()), rows.num_rows)), 1)
+    # Own names: Arrow names an aggregate "<column>_<function>", which could be another column's name.
+    work = pa.Table.from_arrays([*(rows[k] for k in key), index, *(rows[c] for c in sums)],
+                                names=[*keys, "row", *(f"sum{i}" for i in range(len(sums)))])
+    merged = work.group_by(keys, use_threads=False).aggregate(
+        [("row", "max"), *((f"sum{i}", "sum") for i in range(len(sums)))]  # a sum skips nulls; all null: null
     )
-    named = {f"{c}_{f}": c for c, f in how.items()}  # Arrow names an aggregate "<column>_<function>"
-    return merged.rename_columns([named.get(c, c) for c in merged.column_names]).select(rows.column_names)
+    last = rows.take(merged["row_max"])
+    for i, column in enumerate(sums):
+        summed = _as_type(merged[f"sum{i}_sum"], rows.schema.field(column).type)
+        at = last.schema.get_field_index(column)
+        last = last.set_column(at, last.schema.field(at).with_type(summed.type), summed)
+    return last
+
+
+def _as_type(summed: pa.ChunkedArray, type_: pa.DataType) -> pa.ChunkedArray:
+    """Sums in their column's own type (Arrow sums into a wider one); a sum the type cannot hold keeps the
+    wider type, for the database to store or refuse as the value it is."""
+    import pyarrow as pa
+
+    try:
+        return summed.cast(type_)
+    except pa.ArrowInvalid:
+        return summed
 
 
 def _copy_upsert(conn: Connection, table: Table, key: Sequence[str], increments: Sequence[str],
@@ -124,7 +149,7 @@ def _copy_upsert(conn: Connection, table: Table, key: Sequence[str], increments:
     stage = Table(f"stream_stage_{table.name}", MetaData(), *(Column(c.name, c.type) for c in table.columns))
     conn.exec_driver_sql(f"CREATE TEMPORARY TABLE {quote(stage.name)} (LIKE {quote(table.name)}) ON COMMIT DROP")
     with conn.connection.driver_connection.cursor() as cursor:
-        _copy(cursor, quote, stage.name, names, rows)
+        _copy(cursor, quote, stage.name, names, rows, table)
     conn.execute(on_conflict(postgresql.insert(table).from_select(names, select(*(stage.c[n] for n in names))),
                              table, key, increments))
     conn.exec_driver_sql(f"DROP TABLE {quote(stage.name)}")  # a second write to the table in this transaction
@@ -141,7 +166,7 @@ def _copy_direct(conn: Connection, quote, table: Table, names: Sequence[str], ro
     with conn.connection.driver_connection.cursor() as cursor:
         cursor.execute(f"SAVEPOINT {_SAVEPOINT}")
         try:
-            _copy(cursor, quote, table.name, names, rows)
+            _copy(cursor, quote, table.name, names, rows, table)
         except Exception as err:
             cursor.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}")
             if getattr(err, "sqlstate", None) != _UNIQUE_VIOLATION:
@@ -154,7 +179,7 @@ def _copy_direct(conn: Connection, quote, table: Table, names: Sequence[str], ro
     return True
 
 
-def _copy(cursor, quote, target: str, names: Sequence[str], rows: Rows | pa.Table) -> None:
+def _copy(cursor, quote, target: str, names: Sequence[str], rows: Rows | pa.Table, table: Table) -> None:
     """``COPY`` the ``names`` columns of ``rows`` into table ``target``: an Arrow table as Arrow's CSV where
     it reads back the same, anything else row by row."""
     columns = f"{quote(target)} ({', '.join(quote(n) for n in names)})"
@@ -163,7 +188,7 @@ def _copy(cursor, quote, target: str, names: Sequence[str], rows: Rows | pa.Tabl
             for chunk in _csv_chunks(rows.select(names)):
                 copy.write(chunk)
     else:
-        rows = rows.to_pylist() if is_table(rows) else rows
+        rows = _pylist(table, rows) if is_table(rows) else rows
         with cursor.copy(f"COPY {columns} FROM STDIN") as copy:
             for row in rows:
                 copy.write_row([row.get(name) for name in names])
@@ -204,20 +229,45 @@ def _sqlite_ready(schema: pa.Schema) -> bool:
     )
 
 
-def _sqlite_columns(rows: pa.RecordBatch) -> list[list]:
-    """Each column of ``rows`` as the values SQLAlchemy would bind on SQLite (``_sqlite_ready`` types)."""
+def _sqlite_columns(table: Table, rows: pa.RecordBatch) -> list[list]:
+    """Each column of ``rows`` (bound for ``table``) as the values SQLAlchemy would bind on SQLite
+    (``_sqlite_ready`` types)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     columns = []
-    for column in rows.columns:
+    for name, column in zip(rows.schema.names, rows.columns, strict=True):
         t = column.type
         if pa.types.is_timestamp(t):
             column = pc.strftime(column.cast(pa.timestamp("us")), SQLITE_DATETIME)
         elif pa.types.is_date(t):
             column = pc.strftime(column, SQLITE_DATE)
-        columns.append(column.to_pylist())
+        columns.append(_pylist(table, column, name))
     return columns
+
+
+def _pylist(table: Table, values: pa.Table | pa.Array, column: str | None = None) -> list:
+    """``values.to_pylist()`` (a table's, or its ``column``'s), a string that is not valid UTF-8 raised as a
+    value the database refuses: a DataError, so the sink isolates the record instead of failing the batch
+    on every restart.  Arrow keeps a string's bytes unchecked (Spark's cast of binary to string does not
+    check them either) until Python decodes them here; PostgreSQL's COPY refuses them itself."""
+    try:
+        return values.to_pylist()
+    except UnicodeDecodeError as err:
+        if column is None:  # which column: only on this rare path, a full validation is no cost to a batch
+            column = next((c for c in values.column_names if not _valid(values[c])), "?")
+        raise DataError(f"a value of column {column!r} of table {table.name!r} is not valid UTF-8", None,
+                        err) from err
+
+
+def _valid(values: pa.ChunkedArray) -> bool:
+    import pyarrow as pa
+
+    try:
+        values.validate(full=True)
+    except pa.ArrowInvalid:
+        return False
+    return True
 
 
 def _sqlite_executemany(conn: Connection, table: Table, key: Sequence[str], increments: Sequence[str],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import random
+from decimal import Decimal
 
 import pyarrow as pa
 import pytest
@@ -19,6 +20,7 @@ from sqlalchemy import (
     Float,
     LargeBinary,
     MetaData,
+    Numeric,
     Table,
     Text,
     select,
@@ -181,3 +183,71 @@ def test_a_null_increment_adds_nothing_across_batches_and_within_one(store, as_a
     stored = {k: row["n"] for (k, _), row in _stored(store, table).items()}
     assert {k: stored[k] for k in "abcd"} == {"a": 11, "b": 4, "c": None, "d": 2}
     assert {stored[k] for k in stored if k.startswith("pad-")} <= {3}
+
+
+def test_one_row_per_key_in_arrow_takes_the_last_row_of_any_column_type():
+    """Arrow's aggregate "last" has no kernel for decimal128 (Spark's DecimalType): a key's last row, nulls
+    included, must come out of every column type, in the input's schema, its increments summed."""
+    schema = pa.schema([("k", pa.string()), ("n", pa.int32()), ("total", pa.decimal128(10, 2)),
+                        ("price", pa.decimal128(10, 2)), ("at", pa.timestamp("us")), ("note", pa.string()),
+                        ("raw", pa.binary()), ("flag", pa.bool_())])
+    at = dt.datetime(2026, 11, 22, 10, 15, 0, 7)
+    full = {"price": Decimal("9.99"), "at": at, "note": "first", "raw": b"\x00\xff", "flag": True}
+    empty = dict.fromkeys(full)
+    rows = [{"k": "a", "n": 1, "total": Decimal("1.10"), **full},
+            {"k": "b", "n": None, "total": None, **empty},
+            {"k": "c", "n": 3, "total": Decimal("2.50"), **empty},
+            {"k": "a", "n": 2, "total": None, **empty},  # the last row's nulls win; a null increment adds nothing
+            {"k": "b", "n": None, "total": None, **full},  # no increment at all: NULL
+            {"k": "c", "n": 4, "total": Decimal("0.25"), **full, "note": "last", "flag": False}]
+    merged = bulk.one_per_key_table(pa.Table.from_pylist(rows, schema), ("k",), ("n", "total"))
+    assert merged.schema == schema
+    assert sorted(merged.to_pylist(), key=lambda r: r["k"]) == [
+        {"k": "a", "n": 3, "total": Decimal("1.10"), **empty},
+        {"k": "b", "n": None, "total": None, **full},
+        {"k": "c", "n": 7, "total": Decimal("2.75"), **full, "note": "last", "flag": False},
+    ]
+
+
+@pytest.mark.parametrize("padding", [0, bulk.COPY_FROM_ROWS])  # PostgreSQL: INSERT, then COPY
+def test_a_decimal_column_with_a_key_twice_in_a_batch_is_stored(store, padding):
+    """The commit of such a batch failed on every restart: Arrow could not merge the decimal column."""
+    table = Table(f"balances_{padding}", MetaData(), Column("account", Text, primary_key=True),
+                  Column("n", BigInteger), Column("balance", Numeric(10, 2)))
+    table.create(store.engine)
+    rows = [{"account": "a", "n": 1, "balance": Decimal("1.00")}, {"account": "a", "n": 2, "balance": Decimal("2.50")}]
+    rows += [{"account": f"pad-{i}", "n": 1, "balance": Decimal(i)} for i in range(padding)]
+    schema = pa.schema([("account", pa.string()), ("n", pa.int64()), ("balance", pa.decimal128(10, 2))])
+    with store.engine.begin() as conn:
+        bulk.write_rows(conn, table, ("account",), ("n",), pa.Table.from_pylist(rows, schema))
+    with store.engine.connect() as conn:
+        stored = {r.account: (r.n, r.balance) for r in conn.execute(select(table))}
+    assert stored["a"] == (3, Decimal("2.50")) and len(stored) == 1 + padding
+
+
+def _not_utf8(strings: pa.ChunkedArray, at: int) -> pa.Array:
+    """``strings`` with the value at ``at`` made invalid UTF-8, as Spark's cast of binary to string hands
+    it to Arrow (neither checks)."""
+    raw = strings.cast(pa.binary()).to_pylist()
+    raw[at] = b"\xff\xfebad"
+    raw = pa.array(raw, pa.binary())
+    return pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())
+
+
+@pytest.mark.parametrize("with_bytes", [False, True], ids=["text", "bytes"])  # SQLite: its own path, or rows
+@pytest.mark.parametrize("count", [3, bulk.COPY_FROM_ROWS * 2])  # PostgreSQL: INSERT, then COPY
+def test_a_string_that_is_not_utf8_is_a_data_error_and_nothing_stays(store, count, with_bytes):
+    """Decoding it failed with a UnicodeDecodeError, which is no refused value to poison isolation: the
+    sink failed the batch on every restart instead of isolating the record."""
+    extra = (Column("raw", LargeBinary),) if with_bytes else ()
+    table = _table(store, f"not_utf8_{count}_{int(with_bytes)}", *extra)
+    rows = pa.Table.from_pylist(_rows(count, seed=6), ARROW_SCHEMA)
+    rows = rows.set_column(rows.schema.get_field_index("note"), "note", _not_utf8(rows["note"], 1))
+    if with_bytes:
+        rows = rows.append_column(pa.field("raw", pa.binary()), pa.array([b"\x00"] * count, pa.binary()))
+    with pytest.raises(Exception) as caught:
+        _write(store, table, rows)
+    assert is_data_error(caught.value), repr(caught.value)
+    assert _stored(store, table) == {}
+    if store.dialect == "sqlite" or count < bulk.COPY_FROM_ROWS or with_bytes:  # else PostgreSQL's CSV COPY
+        assert f"column 'note' of table '{table.name}' is not valid UTF-8" in str(caught.value)
