@@ -18,9 +18,12 @@ import time
 from collections.abc import Iterator, Mapping
 
 from airflow_stream_provider.kafka_client import (
+    LOG_END_TIMEOUT_MS,
     MAX_POLL_RECORDS,
     Columns,
+    KafkaReadError,
     kafka_properties,
+    read_below_start,
     read_failed,
     read_stalled,
     read_truncated,
@@ -95,6 +98,9 @@ def read_range_columns(config: dict[str, object], topic: str, partition: int, st
                         # markers leave no record to see)
                         position = end
                         continue
+                    if error.code() == KafkaError._AUTO_OFFSET_RESET:  # Kafka answered OFFSET_OUT_OF_RANGE
+                        raise _gone(client, topic, partition, start, end) or read_failed(
+                            topic, partition, start, end, f"OffsetOutOfRangeError: {error}")
                     raise read_failed(topic, partition, start, end, str(error))
                 offset = message.offset()
                 if offset >= end:  # the rest belongs to the next batch
@@ -112,6 +118,25 @@ def read_range_columns(config: dict[str, object], topic: str, partition: int, st
                 advanced_at = time.monotonic()
                 yield columns
             elif time.monotonic() - advanced_at > stall_s:
-                raise read_stalled(topic, partition, start, end, position, stall_s)
+                raise _gone(client, topic, partition, start, end) or read_stalled(
+                    topic, partition, start, end, position, stall_s)
     finally:
         client.unassign()
+
+
+def _gone(client, topic: str, partition: int, start: int, end: int) -> KafkaReadError | None:
+    """Data loss when the partition's log no longer holds the range (it ends before the range does, or
+    starts after it begins), as ``kafka_client`` reads it; None when the broker does not answer either (a
+    stall) or holds the range.  Asked of the broker, not taken from the last fetch."""
+    from confluent_kafka import KafkaException, TopicPartition
+
+    try:
+        low, high = client.get_watermark_offsets(TopicPartition(topic, partition),
+                                                 timeout=LOG_END_TIMEOUT_MS / 1000, cached=False)
+    except KafkaException:
+        return None
+    if high < end:
+        return read_truncated(topic, partition, start, end, high)
+    if low > start:
+        return read_below_start(topic, partition, start, end, low)
+    return None

@@ -128,6 +128,16 @@ def read_truncated(topic: str, partition: int, start: int, end: int, log_end: in
     )
 
 
+def read_below_start(topic: str, partition: int, start: int, end: int, log_start: int) -> KafkaReadError:
+    """The partition's log now starts after a range planned earlier begins (retention): data loss, as
+    ``read_truncated``."""
+    return KafkaReadError(
+        f"[KAFKA_DATA_LOSS.COULD_NOT_READ_OFFSET_RANGE] reading {topic}-{partition} [{start}, {end}): the log "
+        f"starts at offset {log_start}, after the range begins. Some data may have been lost because they are "
+        f"not available in Kafka any more: records [{start}, {min(log_start, end)}) (retention)"
+    )
+
+
 def read_stalled(topic: str, partition: int, start: int, end: int, position: int, seconds: float
                  ) -> KafkaReadError:
     return KafkaReadError(

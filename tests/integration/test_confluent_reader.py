@@ -54,16 +54,22 @@ def test_the_fast_reader_reads_exactly_what_kafka_python_reads(log, start, end):
     assert _confluent(bootstrap, topic, start, end) == expected  # the cached consumer, reassigned
 
 
-def test_a_range_the_broker_does_not_have_is_a_read_error_not_a_hang(log, monkeypatch):
-    """Past the log's end (records gone, a recreated topic) the read stalls: it fails after the stall
-    timeout (shortened here) with the range named, and Spark retries the task as with kafka-python."""
+@pytest.mark.parametrize("read", [read_kafka_python, _confluent], ids=["kafka-python", "confluent-kafka"])
+def test_a_range_past_the_logs_end_is_data_loss_not_a_hang(log, monkeypatch, read):
+    """A range that begins past the log's end (records gone, a recreated topic): this broker answers with
+    nothing rather than an out-of-range error, so the read stalls; after the stall timeout (shortened
+    here) it asks where the log ends and fails as data loss naming the range, where the fast reader used to
+    report an unreachable broker, which the job restarts again and again."""
     monkeypatch.setattr(kafka_client, "STALL_TIMEOUT_S", 3.0)
     bootstrap, topic = log
     asked = time.monotonic()
-    with pytest.raises(KafkaReadError, match=rf"{topic}-0 \[{RECORDS + 10}, {RECORDS + 20}\)"):
-        list(confluent_reader.read_range_columns(confluent_reader.client_config(bootstrap, {}), topic, 0,
-                                                 RECORDS + 10, RECORDS + 20))
+    with pytest.raises(KafkaReadError) as raised:
+        read(bootstrap, topic, RECORDS + 10, RECORDS + 20)
     assert time.monotonic() - asked < 15
+    message = str(raised.value)
+    assert f"reading {topic}-0 [{RECORDS + 10}, {RECORDS + 20}): the log ends at offset {RECORDS}" in message
+    found = failures.classify(f"KafkaReadError: {message}")
+    assert (found.kind, found.signature) == (FailureKind.DATA_LOSS, "kafka-data-loss"), found
 
 
 @pytest.mark.parametrize("read", [read_kafka_python, _confluent], ids=["kafka-python", "confluent-kafka"])
@@ -113,3 +119,26 @@ def test_a_partition_with_transactions_reads_as_kafka_python_plans_it(broker):
         transactional.abort_transaction()
         transactional.close()
         _close_cached_readers()
+
+
+class _Watermarks:
+    """A consumer whose partition log holds [low, high).  A stand-in: this broker keeps every record (no
+    retention, no DeleteRecords), so a log that starts after a range begins cannot be made here."""
+
+    def __init__(self, low: int, high: int):
+        self.bounds = (low, high)
+
+    def get_watermark_offsets(self, tp, timeout, cached):
+        return self.bounds
+
+
+def test_a_range_that_begins_below_the_logs_start_is_data_loss_naming_the_records_gone():
+    """What the fast reader raises when Kafka answers a read with OFFSET_OUT_OF_RANGE (librdkafka's
+    ``_AUTO_OFFSET_RESET``, auto.offset.reset=error) or a read stalls: the lost records, as data loss."""
+    below = confluent_reader._gone(_Watermarks(100, 300), "orders", 2, 40, 160)
+    assert str(below).startswith("[KAFKA_DATA_LOSS.COULD_NOT_READ_OFFSET_RANGE] reading orders-2 [40, 160)")
+    assert "records [40, 100) (retention)" in str(below)
+    found = failures.classify(f"KafkaReadError: {below}")
+    assert (found.kind, found.signature) == (FailureKind.DATA_LOSS, "kafka-data-loss"), found
+    assert "records [150, 160)" in str(confluent_reader._gone(_Watermarks(0, 150), "orders", 2, 40, 160))
+    assert confluent_reader._gone(_Watermarks(0, 300), "orders", 2, 40, 160) is None  # held: a stall
