@@ -175,6 +175,8 @@ class KafkaStreamReader(DataSourceStreamReader):
     def partitions(self, start: dict, end: dict) -> list[KafkaReadTask]:
         begin = kafka_offsets.from_spark_json(start)
         finish = kafka_offsets.from_spark_json(end)
+        if added := [tp for tp in finish if tp not in begin]:
+            begin = self._start_added_partitions(begin, added)
         if not self.fail_on_data_loss:
             begin = self._skip_lost_starts(begin, finish)
         ranges = {tp: (begin.get(tp, 0), stop) for tp, stop in finish.items() if stop > begin.get(tp, 0)}
@@ -182,6 +184,28 @@ class KafkaStreamReader(DataSourceStreamReader):
             KafkaReadTask(tuple(KafkaRange(*tp, *ranges[tp]) for tp in group))
             for group in kafka_offsets.read_tasks(ranges, self.read_tasks)
         ]
+
+    def _start_added_partitions(self, begin, added):
+        """Partitions new in this batch (added to a topic since the last one) begin at their earliest offset,
+        where ``latestOffset`` planned them from, not at 0: a log whose first records retention removed
+        before the job saw it would fail every read of the batch, and its replays, out of range.  Records
+        below it were never read: data loss, reported as Spark's own Kafka source reports an added partition
+        that does not start at 0, or skipped with failOnDataLoss=false."""
+        earliest, _ = self._watermarks()
+        lost = [kafka_offsets.LostRange(*tp, 0, earliest[tp], "an added partition whose first records Kafka no "
+                                        "longer has (retention) before the job read them")
+                for tp in added if earliest.get(tp, 0) > 0]
+        if lost and self.fail_on_data_loss:
+            raise KafkaDataLossError(
+                "[KAFKA_DATA_LOSS.ADDED_PARTITION_DOES_NOT_START_FROM_OFFSET_ZERO] Some data may have been "
+                f"missed because they are not available in Kafka any more: {'; '.join(r.describe() for r in lost)}. "
+                f"Lost ranges (JSON): {json.dumps([r.to_dict() for r in lost])}. Set failOnDataLoss=false only "
+                f"if losing them is acceptable."
+            )
+        if lost:
+            log.warning("Skipping records that Kafka no longer has (failOnDataLoss=false): %s",
+                        "; ".join(r.describe() for r in lost))
+        return {**begin, **{tp: earliest.get(tp, 0) for tp in added}}
 
     def _skip_lost_starts(self, begin, finish):
         """With failOnDataLoss=false a batch may start where Kafka holds nothing any more (below retention,
