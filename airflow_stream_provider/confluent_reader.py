@@ -46,9 +46,45 @@ def available() -> bool:
     return True
 
 
+#: librdkafka's name for each kafka-python setting a job spec may give (``kafka.client_options`` are checked
+#: against kafka-python's, which plans every batch) where the two differ; None: kafka-python's alone (its
+#: own objects, metrics, a bootstrap timeout), not passed on.  The rest are Kafka's dotted names in both.
+LIBRDKAFKA_NAMES: dict[str, str | None] = {
+    "ssl_cafile": "ssl.ca.location", "ssl_certfile": "ssl.certificate.location",
+    "ssl_keyfile": "ssl.key.location", "ssl_password": "ssl.key.password", "ssl_crlfile": "ssl.crl.location",
+    "ssl_ciphers": "ssl.cipher.suites", "ssl_check_hostname": "ssl.endpoint.identification.algorithm",
+    "sasl_plain_username": "sasl.username", "sasl_plain_password": "sasl.password",
+    "sasl_kerberos_name": "sasl.kerberos.principal", "fetch_max_wait_ms": "fetch.wait.max.ms",
+    "receive_buffer_bytes": "socket.receive.buffer.bytes", "send_buffer_bytes": "socket.send.buffer.bytes",
+    "max_in_flight_requests_per_connection": "max.in.flight.requests.per.connection",
+    **dict.fromkeys((
+        "api_version", "bootstrap_timeout_ms", "default_offset_commit_callback", "enable_incremental_fetch_sessions",
+        "exclude_internal_topics", "key_deserializer", "value_deserializer", "max_poll_records",
+        "metric_group_prefix", "metric_reporters", "metrics_enabled", "metrics_num_samples",
+        "metrics_sample_window_ms", "partition_assignment_strategy", "proxy_url", "socks5_proxy",
+        "sasl_kerberos_domain_name", "sasl_oauth_token_provider", "selector", "socket_options", "ssl_context",
+    )),
+}
+
+
+def librdkafka_properties(properties: Mapping[str, object]) -> dict[str, object]:
+    """A job's Kafka client properties (kafka-python's settings, in either spelling) in librdkafka's names,
+    so that one ``kafka.client_options`` serves the planning and this reader: TLS files and SASL
+    credentials are named differently in each."""
+    found: dict[str, object] = {}
+    for name, value in properties.items():
+        keyword = name.replace(".", "_")
+        target = LIBRDKAFKA_NAMES.get(keyword, keyword.replace("_", "."))
+        if target is None:
+            continue
+        if keyword == "ssl_check_hostname":  # a boolean in kafka-python, an algorithm in librdkafka
+            value = "https" if str(value).lower() in ("true", "1") else "none"
+        found[target] = value
+    return found
+
+
 def client_config(bootstrap: str, options: Mapping[str, str]) -> dict[str, object]:
-    """librdkafka settings from Spark-style ``kafka.*`` options: librdkafka takes Kafka's own dotted
-    names (``kafka.security.protocol`` -> ``security.protocol``), so they pass through as they are."""
+    """librdkafka settings from Spark-style ``kafka.*`` options (``librdkafka_properties``)."""
     config: dict[str, object] = {
         "bootstrap.servers": bootstrap,
         "group.id": "airflow-stream-provider-reader",  # required by librdkafka; nothing is committed
@@ -61,7 +97,7 @@ def client_config(bootstrap: str, options: Mapping[str, str]) -> dict[str, objec
         # records gone (data loss).  A job that sets isolation.level plans and reads with its own.
         "isolation.level": "read_uncommitted",
     }
-    return {**config, **kafka_properties(options)}
+    return {**config, **librdkafka_properties(kafka_properties(options))}
 
 
 def _consumer(config: dict[str, object]):

@@ -13,6 +13,7 @@ from kafka import KafkaProducer
 from airflow_stream_provider import confluent_reader, failures, kafka_client
 from airflow_stream_provider.failures import FailureKind
 from airflow_stream_provider.kafka_client import Columns, KafkaReadError
+from airflow_stream_provider.spec import StreamJobSpec
 from tests.integration.ranges import joined, read_kafka_python
 
 RECORDS = 240
@@ -142,3 +143,29 @@ def test_a_range_that_begins_below_the_logs_start_is_data_loss_naming_the_record
     assert (found.kind, found.signature) == (FailureKind.DATA_LOSS, "kafka-data-loss"), found
     assert "records [150, 160)" in str(confluent_reader._gone(_Watermarks(0, 150), "orders", 2, 40, 160))
     assert confluent_reader._gone(_Watermarks(0, 300), "orders", 2, 40, 160) is None  # held: a stall
+
+
+def test_one_set_of_client_options_serves_the_planning_and_the_fast_reader():
+    """A job's TLS and SASL settings in kafka-python's names (which plans every batch, and which the spec
+    checks them against) reach librdkafka in its own: it refused ``sasl.plain.username`` and
+    ``ssl.cafile`` ("No such configuration property"), so the fast reader could not reach a secured
+    cluster.  librdkafka checks the names when the consumer is made, before it connects."""
+    import certifi
+    from confluent_kafka import Consumer
+
+    options = {"security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN", "sasl.plain.username": "reader",
+               "sasl_plain_password": "secret", "ssl.cafile": certifi.where(),  # a CA bundle librdkafka loads
+               "ssl.check.hostname": "false", "fetch.max.wait.ms": "100", "bootstrap.timeout.ms": "5000",
+               "request.timeout.ms": "12000"}
+    spec = StreamJobSpec.from_dict({"job_id": "secured", "version": "1", "checkpoint_root": "/tmp/c",
+                                    "database_url": "sqlite:///x.db", "kafka": {
+                                        "bootstrap_servers": "127.0.0.1:9", "topics": ["t"], "client_options": options}})
+    config = confluent_reader.client_config("127.0.0.1:9", {f"kafka.{k}": str(v)  # as the harness hands them
+                                                            for k, v in spec.kafka.client_options.items()})
+    assert {k: config[k] for k in ("sasl.username", "sasl.password", "ssl.ca.location",
+                                   "ssl.endpoint.identification.algorithm", "fetch.wait.max.ms")} == {
+        "sasl.username": "reader", "sasl.password": "secret", "ssl.ca.location": certifi.where(),
+        "ssl.endpoint.identification.algorithm": "none", "fetch.wait.max.ms": "100"}
+    assert "bootstrap.timeout.ms" not in config  # kafka-python's own
+    assert kafka_client.stall_timeout_s(config) == 12.0
+    Consumer(config).close()
