@@ -523,11 +523,22 @@ class StreamJobController:
         resume, lost = self.resume_point(job, allow_data_loss=allow_data_loss)
         generation = self.state.current_generation(job.job_id)
         archive_path = None
-        active = {g.generation for g in self.checkpoints.list_generations(job.job_id) if not g.archived}
+        found = self.checkpoints.list_generations(job.job_id)
+        active = {g.generation for g in found if not g.archived}
+        archives = [g.path for g in found if g.archived and g.generation == generation]
         if generation in active:
             archive_path = self.checkpoints.archive_generation(job.job_id, generation)
             self.state.mark_archived(job.job_id, generation, archive_path, reason)
             self.log.info("Archived generation %s of job %s to %s", generation, job.job_id, archive_path)
+        elif archives and self.state.store.get_generation(job.job_id, generation) is not None:
+            # A reset died between its archive's rename and recording it (its task killed, the state database
+            # away): the generation is archived on disk but not in the database.  Record it now, or this
+            # reset would report no archive and the generation would count as current again once the next
+            # is archived, reusing its number.
+            archive_path = archives[-1]  # the newest: archive names carry their time
+            self.state.mark_archived(job.job_id, generation, archive_path, reason)
+            self.log.info("Generation %s of job %s was archived to %s by an earlier reset that did not record "
+                          "it: recorded now", generation, job.job_id, archive_path)
         elif generation > 1 and self.state.store.get_generation(job.job_id, generation) is None:
             # No driver ever registered this generation: every earlier one is archived, so a reset died
             # between its archive and its start (or a reset's new run never came up).  Finish that reset:

@@ -45,3 +45,36 @@ def test_a_reset_a_stop_closed_is_not_undone(state_store, retry):
     state_store.cancel_begun_restarts("job")  # a person's stop since
     done = retry._finished_by_another()
     assert done["action"] == "none" and "was closed by a stop asked for at" in done["why"], done
+
+
+def test_a_reset_lost_between_its_archive_and_its_record_is_recorded_by_the_next(state_store, database_url, topic,
+                                                                                  tmp_path):
+    """A reset renamed generation 1 into the archive, then its task died, or the state database failed, before
+    recording it.  The next reset reported no archive and left generation 1 current in the database: once
+    generation 2 was archived in turn, a reset started generation 2 again, on its incompatible checkpoint.
+    Now the next reset records the archive it finds and reports it, and numbers go on from there."""
+    from airflow_stream_provider.hooks.driver import StreamDriverHook
+    from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
+    from airflow_stream_provider.hooks.state import StreamStateHook
+    from airflow_stream_provider.lifecycle.controller import StreamJobController
+    from airflow_stream_provider.spec import KafkaSpec, StreamJobSpec
+
+    root = tmp_path / "checkpoints"
+    spec = StreamJobSpec("orders", "1.0", KafkaSpec("127.0.0.1:9092", (topic,)), str(root), database_url)
+    controller = StreamJobController(spec, state=StreamStateHook(), kafka=KafkaOffsetsHook(), driver=StreamDriverHook())
+
+    def runs(generation: int) -> None:  # what a driver's start records for its generation
+        path = root / "orders" / f"gen-{generation}"
+        (path / "offsets").mkdir(parents=True)
+        state_store.ensure_generation("orders", generation, str(path), f'{{"{topic}": {{"0": 0}}}}')
+
+    runs(1)
+    archived = controller.checkpoints.archive_generation("orders", 1)  # the reset's rename, and no more
+    reset = controller.before_reset(spec, "checkpoint incompatible", allow_data_loss=False)
+    assert (reset["generation"], reset["archived_generation"], reset["archive_path"]) == (2, 1, archived)
+    assert state_store.get_generation("orders", 1)["archive_path"] == archived
+
+    runs(2)
+    again = controller.before_reset(spec, "checkpoint incompatible again", allow_data_loss=False)
+    assert (again["generation"], again["archived_generation"]) == (3, 2), again
+    assert not (root / "orders" / "gen-2").exists(), "generation 2 archived, not started again"
