@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pyspark import SparkConf
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
+from sqlalchemy import exc as sql_errors
 
 from airflow_stream_provider import (
     confluent_reader,
@@ -215,9 +216,13 @@ class StreamHarness:
         try:
             return cls(spec, run_id=args.run_id, log_path=args.log_path, standby=args.standby,
                        successor=args.successor, warm_up_only=args.warm_up_only)
+        except (sql_errors.ArgumentError, ModuleNotFoundError) as err:  # a URL no installed driver serves
+            log.error("cannot use the state database %s: %s. Fix the spec's database_url, or install its "
+                      "driver where the job runs", spec.database_url, err)
+            sys.exit(failures.EXIT_CONFIG)
         except Exception as err:
             classification = failures.classify(repr(err))
-            log.error("cannot reach the state database %s: %s", spec.database_url, err)
+            log.error("could not register the run in the state database %s: %s", spec.database_url, err)
             sys.exit(failures.exit_code_for(classification.kind))
 
     def run(
@@ -522,7 +527,10 @@ class StreamHarness:
         ]
 
     def _after_commit(self, outcome: transaction.BatchOutcome) -> None:
-        self.store.record_progress(self.run_id, outcome.batch_id, None, committed=True)
+        try:  # bookkeeping after the batch's transaction: a failure here must not fail a committed batch
+            self.store.record_progress(self.run_id, outcome.batch_id, None, committed=True)
+        except Exception as err:
+            log.warning("batch %s committed; could not record its progress: %r", outcome.batch_id, err)
         self.startup.committed()
         if self.spec.dry_run:  # leave no other trace
             # Done once a batch that reads the previous batch's state ran: batch 0 starts from empty
@@ -556,6 +564,8 @@ class StreamHarness:
                 beat = self.store.heartbeat(self.run_id)
                 stop = beat.stop_requested or self._stop_signalled
                 epoch = None if self.spec.dry_run else beat.job_epoch  # a dry run holds no epoch of its own
+                if self.listener.start_pending and not stop:  # the listener's write of it failed
+                    self.listener.record_start()
             except Exception as err:
                 log.warning("heartbeat failed: %r", err)
                 stop, epoch = self._stop_signalled, None
@@ -579,8 +589,9 @@ class StreamHarness:
 
     def _stop_gracefully(self, query: StreamingQuery) -> int:
         """Let the running batch finish, then stop the query between batches."""
-        self.store.set_status(self.run_id, state.STOPPING)
+        self._stopping_bookkeeping(lambda: self.store.set_status(self.run_id, state.STOPPING), "its status")
         deadline = time.monotonic() + STOP_WAIT_S
+        beat_at = time.monotonic()
         completed = self.listener.batches_completed
         # Stop between batches: when no trigger runs, or as soon as a batch completed (its state and
         # commit log written).  On a busy stream the next batch starts at once, so "no trigger" may
@@ -591,6 +602,11 @@ class StreamHarness:
             and time.monotonic() < deadline
         ):
             time.sleep(0.02)
+            if time.monotonic() - beat_at >= self.spec.heartbeat_seconds:
+                # a batch may run for minutes: silent that long, a draining driver would read as dead to a
+                # watcher that cannot see its process, and a standby would take over a stop
+                beat_at = time.monotonic()
+                self._stopping_bookkeeping(lambda: self.store.heartbeat(self.run_id), "a heartbeat")
         faults.maybe_crash("during_stop")
         query.stop()
         exception = query.exception()
@@ -598,6 +614,15 @@ class StreamHarness:
             return self._failed(exception)
         log.info("stopped gracefully after batch %s", query.lastProgress and query.lastProgress["batchId"])
         return self._finish(state.STOPPED, failures.EXIT_STOPPED, None, None, "stopped")
+
+    def _stopping_bookkeeping(self, write: Callable[[], object], what: str) -> None:
+        """A state-database write of a graceful stop, best effort: a stop asked for while the database is away
+        (a SIGTERM, which it cannot record) still stops the query between batches and ends STOPPED, as its
+        heartbeats ride out the outage."""
+        try:
+            write()
+        except Exception as err:
+            log.warning("stopping: could not record %s: %r", what, err)
 
     def _failed(self, err: BaseException) -> int:
         text = _describe(err)

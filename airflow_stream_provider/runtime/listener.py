@@ -41,12 +41,26 @@ class StateListener(StreamingQueryListener):
         self.termination: dict | None = None
         #: Progress events seen: each one follows a fully completed batch (a graceful stop waits for one).
         self.batches_completed = 0
+        #: Whether the query's start reached the state database (``record_start``).
+        self.start_recorded = False
 
     def onQueryStarted(self, event) -> None:
         if event.name != self.query_name:
             return
         self.query_id = str(event.id)
-        self._safely(self.store.mark_query_started, self.run_id)
+        self._safely(self.record_start)
+
+    def record_start(self) -> None:
+        """The run RUNNING, with its query's start.  The driver's main loop calls it again while a write here
+        failed (``start_pending``): a run left STARTING is never judged STUCK, a deploy's wait for a ready
+        run times out on it, and a standby waits the whole start timeout before it takes over."""
+        self.store.mark_query_started(self.run_id)
+        self.start_recorded = True
+
+    @property
+    def start_pending(self) -> bool:
+        """The query started and the state database has not recorded it yet."""
+        return self.query_id is not None and not self.start_recorded
 
     @property
     def _jlistener(self):
