@@ -9,7 +9,8 @@ preflight verdict  reset_policy            decision
 compatible         any                     reuse the checkpoint (same generation)
 incompatible       auto, after_preflight   reset: archive, new generation from stored offsets
 incompatible       never                   abort before the stop, saying what a reset would do
-failed             any                     abort before the stop: the new code is broken
+failed             any                     abort before the stop: the new code is broken, or
+                                           could not be judged (``UNJUDGED_KINDS``)
 inconclusive,      any                     reuse; if the new version then fails on the
 skipped                                    checkpoint, reset only when the policy is ``auto``
 =================  ======================  ===================================================
@@ -22,6 +23,10 @@ from enum import StrEnum
 from typing import Any
 
 RESET_POLICIES = ("auto", "after_preflight", "never")
+#: Failure kinds of a dry run that say nothing of the new code: Kafka or the database away, memory, records
+#: gone from Kafka.  The upgrade still stops before anything changes, and says what to fix instead of
+#: calling the new version broken.
+UNJUDGED_KINDS = frozenset({"TRANSIENT", "RESOURCE", "DATA_LOSS"})
 
 
 class Verdict(StrEnum):
@@ -84,6 +89,9 @@ def decide(preflight: Preflight, policy: str) -> Decision:
                                           "reset_policy='never'")
         return Decision(Action.RESET, f"the checkpoint is incompatible with the new version "
                                       f"({preflight.error_class})")
+    if verdict == Verdict.FAILED and preflight.failure_kind in UNJUDGED_KINDS:
+        return Decision(Action.ABORT, f"its preflight could not judge the new version: the dry run ended "
+                                      f"{preflight.failure_kind}: {preflight.detail}")
     if verdict == Verdict.FAILED:
         return Decision(Action.ABORT, f"the new version failed its preflight: {preflight.detail}")
     return Decision(Action.REUSE, f"preflight {verdict.value}: {preflight.detail}",

@@ -303,8 +303,10 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         if decision.action == Action.ABORT:
             self.controller.end_successor(ctx.get("successor"), "the upgrade was aborted after its preflight")
             self._phase(ctx, UpgradePhase.DONE, "aborted")
-            raise AirflowFailException(self._abort_message(self.new_spec, ctx["generation"], preflight, decision,
-                                                           self.live_run()))
+            message = self._abort_message(self.new_spec, ctx["generation"], preflight, decision, self.live_run())
+            if preflight.failure_kind and FailureKind(preflight.failure_kind).retryable:
+                raise StreamJobError(message)  # Kafka or the database away, or memory: a retry may pass
+            raise AirflowFailException(message)
         if decision.action == Action.RESET:  # check the resume point while the old run still runs
             self.controller.resume_point(self.new_spec, allow_data_loss=self.allow_data_loss)
         self._phase(ctx, UpgradePhase.STOPPING)
@@ -504,8 +506,11 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
                    if live else "Nothing was stopped or started.")
         head = f"job {job_id}: upgrade to version {new.version} refused: {decision.why}. {running}"
         if preflight.verdict != Verdict.INCOMPATIBLE:
+            what = (f"The new version was not judged: {FailureKind(preflight.failure_kind).advice} Then rerun "
+                    "the upgrade." if preflight.failure_kind in upgrade.UNJUDGED_KINDS else
+                    "Fix the new version and rerun.")
             return (f"{head}\nPreflight run {preflight.run_id} ({preflight.failure_kind}, {preflight.error_class}): "
-                    f"{preflight.detail}\nFix the new version and rerun. Preflight driver log "
+                    f"{preflight.detail}\n{what} Preflight driver log "
                     f"{preflight.log_path}:\n{log_tail(preflight.log_path, secrets=[self.state.password])}")
         stored = self.state.stored_offsets(job_id)
         resume = kafka_offsets.to_spark_json(stored) if stored else f"{new.kafka.starting_offsets!r} (none stored)"

@@ -1,0 +1,45 @@
+"""What an upgrade says and does when its preflight's dry run ended for a reason that is not the new code:
+Kafka or the database away, memory, records gone from Kafka.  On real state databases; the dry run's end
+stands in (``Preflight``): the preflights of real drivers are in ``tests/e2e/test_upgrades.py``."""
+
+from __future__ import annotations
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_stream_provider.lifecycle.controller import StreamJobError
+from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
+from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
+from airflow_stream_provider.upgrade import Preflight, Verdict
+
+UNREACHABLE = "kafka.errors.KafkaTimeoutError: Unable to bootstrap from [('10.0.0.5', 9092)]"
+
+
+def _decided(state_store, tmp_path, kind: str, detail: str):
+    spec = {"job_id": "job", "version": "2.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    operator = UpgradeStreamingJobOperator(task_id="upgrade", spec=spec, application="/jobs/v2.py")
+    ctx = {"policy": "auto", "generation": 1, "outcome": {}, "live_run_id": None}
+    ctx["upgrade_id"] = UpgradeLog(state_store).begin("job", "1.0", "2.0", ctx)
+    preflight = Preflight(Verdict.FAILED, detail, failure_kind=kind, run_id="dry-1")
+    with pytest.raises((StreamJobError, AirflowFailException)) as raised:
+        operator._decide({}, ctx, preflight)
+    assert UpgradeLog(state_store).get(ctx["upgrade_id"]).phase == UpgradePhase.DONE, "nothing was stopped"
+    return raised
+
+
+@pytest.mark.parametrize(("kind", "retried"), [("TRANSIENT", True), ("RESOURCE", True), ("DATA_LOSS", False)])
+def test_a_preflight_that_could_not_judge_the_new_version_does_not_call_it_broken(state_store, tmp_path, kind,
+                                                                                 retried):
+    """It said "Fix the new version and rerun", and failed the task for good even where Airflow's retries
+    would pass once the service is back."""
+    raised = _decided(state_store, tmp_path, kind, UNREACHABLE)
+    assert isinstance(raised.value, StreamJobError) is retried
+    message = str(raised.value)
+    assert f"could not judge the new version: the dry run ended {kind}" in message
+    assert "The new version was not judged" in message and "Fix the new version" not in message
+
+
+def test_a_new_version_that_failed_its_preflight_is_still_called_broken(state_store, tmp_path):
+    raised = _decided(state_store, tmp_path, "USER_CODE", "ZeroDivisionError in parse")
+    assert isinstance(raised.value, AirflowFailException)
+    assert "the new version failed its preflight" in str(raised.value) and "Fix the new version" in str(raised.value)
