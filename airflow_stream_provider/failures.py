@@ -200,12 +200,13 @@ class Classification:
 
 
 _CK = FailureKind.CHECKPOINT_INCOMPATIBLE
-# A parse failure whose own stack frames are in Spark's checkpoint log readers: a corrupt offsets/commits
-# file. Only the stack trace tells; the message is just "next on empty iterator" or a Jackson error.
+# A parse failure whose own stack frames are in Spark's checkpoint readers: a corrupt offsets/commits file,
+# or the checkpoint's ``metadata`` file. Only the stack trace tells; the message is just "next on empty
+# iterator" or a Jackson error.
 _CORRUPT_LOG_PARSE = (
     r"(?:java\.util\.NoSuchElementException|Json\w*Exception|MismatchedInputException|MappingException)"
     r"[^\n]*\n(?:[ \t][^\n]*\n){0,60}?"
-    r"\s+at org\.apache\.spark\.sql\.execution\.streaming\.\S*(?:OffsetSeq|CommitLog|HDFSMetadataLog)"
+    r"\s+at org\.apache\.spark\.sql\.execution\.streaming\.\S*(?:OffsetSeq|CommitLog|HDFSMetadataLog|StreamMetadata)"
 )
 
 SIGNATURES: tuple[Signature, ...] = (

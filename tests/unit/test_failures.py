@@ -270,6 +270,7 @@ EXPECTED_FIXTURE_KINDS: dict[str, FailureKind] = {
     "stateful_operator_added": FailureKind.CHECKPOINT_INCOMPATIBLE,
     "state_dir_missing": FailureKind.CHECKPOINT_INCOMPATIBLE,
     "metadata_file_missing": FailureKind.CHECKPOINT_INCOMPATIBLE,
+    "metadata_file_garbage": FailureKind.CHECKPOINT_INCOMPATIBLE,
     "offsets_log_future_version": FailureKind.CHECKPOINT_INCOMPATIBLE,
     "offsets_log_truncated": FailureKind.CHECKPOINT_INCOMPATIBLE,
     "offsets_log_empty": FailureKind.CHECKPOINT_INCOMPATIBLE,
