@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from airflow_stream_provider import kafka_client, kafka_offsets
 
@@ -272,7 +272,7 @@ def _validate_database_url(url: str) -> None:
         raise SpecError(
             "database_url", f"scheme {scheme!r} is not supported", "Use sqlite:// or postgresql+psycopg://"
         )
-    if urlsplit(url).password:
+    if urlsplit(url).password or "password" in {k.lower() for k in parse_qs(urlsplit(url).query)}:
         raise SpecError(
             "database_url",
             "contains a password",

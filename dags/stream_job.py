@@ -118,7 +118,10 @@ def steps(diagnosis) -> list:
 
     return [
         EmptyOperator(task_id="healthy"),
-        RecoverStreamingJobOperator(task_id="recover", **JOB),
+        # a checkpoint the code cannot use is reset here only where ``next_step`` would reset it too: a retried
+        # or cleared recover diagnoses afresh, and may find the run it restarted refused since
+        RecoverStreamingJobOperator(task_id="recover", **JOB, on_incompatible=(
+            "{{ 'reset' if var.value.get('stream_reset_policy', 'after_preflight') == 'auto' else 'fail' }}")),
         ResetStreamingJobOperator(task_id="reset", reason="checkpoint incompatible (stream_health)", **JOB),
         needs_a_decision(diagnosis),
     ]

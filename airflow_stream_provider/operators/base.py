@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -139,6 +139,10 @@ class StreamJobOperator(BaseOperator):
     @cached_property
     def job(self) -> StreamJobSpec:
         """The validated spec; a bad one fails the task before anything starts (no retry can fix it)."""
+        if not isinstance(self.spec, Mapping):
+            raise AirflowFailException(
+                f"spec is a {type(self.spec).__name__}, not a mapping: a templated spec renders to text unless "
+                "its DAG sets render_template_as_native_obj=True (as dags/stream_job.py does)")
         data = dict(self.spec)
         try:
             data["kafka"] = {**data.get("kafka", {}), "bootstrap_servers": self.kafka.bootstrap_servers}
@@ -630,6 +634,10 @@ def flag(value: Any, name: str) -> bool:
 def _still_starting(run: RunRecord | None, launch: dict[str, Any]) -> bool:
     if run is not None:
         return run.active
+    if launch.get("submission_id") and not launch.get("pid"):
+        # A cluster's application, not registered yet (it may wait in the cluster's queue): nothing here can
+        # see its process, so the launch wait's deadline decides; launching again would start a second driver.
+        return True
     from airflow_stream_provider import local_driver
 
     # Started from another host: only its registration or the launch wait's deadline can tell.

@@ -36,6 +36,8 @@ def test_good_spec_round_trips():
     ({"job_id": "a/b"}, "job_id", "no '/'"),
     ({"database_url": "postgresql+psycopg://stream:s3cret@db/results"}, "database_url", "STREAM_DATABASE_PASSWORD"),
     ({"database_url": "mysql://db/x"}, "database_url", "sqlite://"),
+    ({"database_url": "postgresql+psycopg://stream@db/results?password=s3cret"}, "database_url",
+     "STREAM_DATABASE_PASSWORD"),  # psycopg takes it from the query too, and the URL is on the command line
     ({"kafka_starting_offsets": '{"orders": {"0": "ten"}}'}, "kafka.starting_offsets", "earliest"),
     ({"kafka_source": "jvmm"}, "kafka.source", "auto"),
     ({"kafka_reader": "librdkafka"}, "kafka.reader", "confluent extra"),
@@ -114,3 +116,24 @@ def test_the_jobs_own_spark_conf_wins_over_the_defaults():
     conf = StreamJobSpec.from_dict(_with(spark_conf=own)).session_conf()
     assert conf["spark.sql.shuffle.partitions"] == "64"
     assert conf["spark.sql.streaming.checkpointFileManagerClass"] == "x.Mine"
+
+
+def test_a_spec_that_rendered_to_text_fails_naming_the_dag_setting():
+    """Without native rendering a templated spec is text: it failed with "dictionary update sequence element
+    #0 has length 1", and was retried."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_stream_provider.operators.submit import SubmitStreamingJobOperator
+
+    operator = SubmitStreamingJobOperator(task_id="submit", spec=str(GOOD))
+    with pytest.raises(AirflowFailException, match="render_template_as_native_obj=True"):
+        _ = operator.job  # validated when first read
+
+
+def test_a_cluster_launch_not_registered_yet_is_picked_up_by_a_retry_not_launched_again():
+    """A cluster's application may wait in its queue: nothing on this host can see its process, and a retry
+    that launched again started a second driver on the same checkpoint."""
+    from airflow_stream_provider.operators.base import _still_starting
+
+    launch = {"run_id": "r1", "pid": None, "host": None, "submission_id": "application_1_0001", "submitted_at": 0}
+    assert _still_starting(None, launch)
