@@ -34,7 +34,7 @@ from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.kafka_offsets import LostRange, Offsets
 from airflow_stream_provider.lifecycle.driver_log import log_tail
 from airflow_stream_provider.lifecycle.health import HealthProbe, live_standby, standby_gone
-from airflow_stream_provider.lifecycle.waits import Outcome, RunWait, RunWatch
+from airflow_stream_provider.lifecycle.waits import DATABASE_OUTAGE, Outcome, RunWait, RunWatch
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.clock import DatabaseClock
 from airflow_stream_provider.state.leases import Lease, LeaseLog
@@ -577,11 +577,19 @@ class StreamJobController:
 
 def watch_for(wait: RunWait, state_conn_id: str, kafka_conn_id: str,
               topics: list[str]) -> tuple[RunWatch, Callable[[], None]]:
-    """A watch over ``wait`` built from connections (for the trigger), and how to close its clients."""
+    """A watch over ``wait`` built from connections (for the trigger), and how to close its clients.  The
+    state database is first reached in the watch's polls, which ride out its outage until the deadline: a
+    trigger started (or started again by a new triggerer) while it does not answer must wait, not fail."""
     state, kafka = StreamStateHook(state_conn_id), KafkaOffsetsHook(kafka_conn_id)
-    return (RunWatch(wait, state.store.get_run, StreamDriverHook.is_alive,
-                     lambda: caught_up(state, kafka, wait.job_id, topics), secrets=[state.password],
-                     now=state.store.clock.now),
+
+    def now() -> float:
+        try:
+            return state.store.clock.now()
+        except DATABASE_OUTAGE:  # not reached yet: this host's clock until it answers
+            return time.time()
+
+    return (RunWatch(wait, lambda run_id: state.store.get_run(run_id), StreamDriverHook.is_alive,
+                     lambda: caught_up(state, kafka, wait.job_id, topics), secrets=[state.password], now=now),
             state.close)
 
 
