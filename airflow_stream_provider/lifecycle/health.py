@@ -53,8 +53,8 @@ class HealthProbe:
 
     def observe(self) -> tuple[RunRecord | None, Diagnosis]:
         """The latest run and its diagnosis from the run, the driver process if it is on this host, and the
-        Kafka lag (only worth reading while the query runs: it is the evidence for STUCK).  A run found
-        dead is recorded DEAD."""
+        Kafka lag (only worth reading while the query runs: it is the evidence for STUCK).  A run whose
+        process is found gone is recorded DEAD."""
         run = self.state.latest_run(self.job_id)
         lag = None
         if run and run.status == "RUNNING":
@@ -64,7 +64,10 @@ class HealthProbe:
                 log.warning("Could not read the Kafka lag of job %s: %r", self.job_id, err)
         alive = StreamDriverHook.is_alive(run) if run else None
         found = diagnosis.diagnose(self.job_id, run, driver_alive=alive, lag=lag, thresholds=self.thresholds)
-        self.state.record_death(run, found)
+        if alive is False:  # the process is gone: recorded.  Silence alone (a process this host cannot see)
+            # may be a long pause: recorded, the run would stay DEAD when it heartbeats again, and a stop
+            # would find nothing to stop; the restart that acts on the verdict records it (``before_restart``)
+            self.state.record_death(run, found)
         if found.health in recovery.MAY_BE_OWED:  # only a run down or stuck can be owed a restart
             ended = partial(task_ended, log=log)
             found = recovery.with_interrupted_restart(found, self.state.store.latest_restart(self.job_id), ended)

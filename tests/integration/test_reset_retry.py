@@ -78,3 +78,31 @@ def test_a_reset_lost_between_its_archive_and_its_record_is_recorded_by_the_next
     again = controller.before_reset(spec, "checkpoint incompatible again", allow_data_loss=False)
     assert (again["generation"], again["archived_generation"]) == (3, 2), again
     assert not (root / "orders" / "gen-2").exists(), "generation 2 archived, not started again"
+
+
+def test_a_run_judged_dead_by_its_silence_alone_is_not_recorded_dead(state_store, database_url, topic):
+    """A driver on another host, silent past the heartbeat timeout (a long pause): the verdict is DEAD, but
+    only the restart acting on it records that.  Recorded at once, the run stayed DEAD when it heartbeat and
+    committed again, and a stop found "nothing to stop" while it ran."""
+    from sqlalchemy import update
+
+    from airflow_stream_provider.hooks.driver import StreamDriverHook
+    from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
+    from airflow_stream_provider.hooks.state import StreamStateHook
+    from airflow_stream_provider.lifecycle.controller import StreamJobController
+    from airflow_stream_provider.spec import KafkaSpec, StreamJobSpec
+    from airflow_stream_provider.state import schema
+
+    spec = StreamJobSpec("orders", "1.0", KafkaSpec("127.0.0.1:9092", (topic,)), "/tmp/ckpt", database_url)
+    controller = StreamJobController(spec, state=StreamStateHook(), kafka=KafkaOffsetsHook(), driver=StreamDriverHook())
+    run_id = state_store.begin_run("orders", 1, "1.0", host="another-host", pid=4242).run_id
+    state_store.mark_query_started(run_id)
+    with state_store.engine.begin() as conn:  # silent for two minutes
+        conn.execute(update(schema.runs).where(schema.runs.c.run_id == run_id)
+                     .values(heartbeat_at=state_store.now() - 120))
+    run, found = controller.probe.observe()
+    assert found.health.value == "DEAD", found
+    state_store.heartbeat(run_id)  # the pause is over
+    assert state_store.get_run(run_id).status == "RUNNING"
+    assert controller.probe.check().health.value == "HEALTHY"
+    assert controller.live_run().run_id == run_id, "a stop finds the run to stop"
