@@ -50,7 +50,10 @@ class RestartBudget:
         return min(self.backoff_base_s * 2 ** (consecutive - 1), self.backoff_max_s)
 
 
-def crash_loop_restarts(history: Sequence[Mapping[str, Any]]) -> list[float]:
-    """The times of the restarts whose new run never committed a batch: what the budget and the backoff
-    count.  ``history`` rows carry ``at`` and ``new_run_committed``."""
-    return [row["at"] for row in history if not row.get("new_run_committed")]
+def crash_loop_restarts(history: Sequence[Mapping[str, Any]], healthy_reset_s: float | None = None) -> list[float]:
+    """The times of the restarts whose new run got nowhere: what the budget and the backoff count.  A run
+    got somewhere when it committed a batch, or when its query ran ``healthy_reset_s`` (a quiet topic's run
+    commits nothing, however long it is healthy).  ``history`` rows carry ``at``, ``new_run_committed`` and
+    ``new_run_up_s``."""
+    return [row["at"] for row in history if not row.get("new_run_committed")
+            and not (healthy_reset_s is not None and (row.get("new_run_up_s") or 0.0) >= healthy_reset_s)]

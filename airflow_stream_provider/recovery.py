@@ -271,15 +271,16 @@ def _within_budget(found: Diagnosis, budget: RestartBudget, history: Sequence[Ma
     The newest record, where it is that action begun for ``run_id`` and not launched, is the attempt this
     decision carries on (its task lost, or this is its retry): the budget counts it once, as itself, not as
     one more before it.  The backoff counts it: a try that was lost spaces the next."""
-    times = crash_loop_restarts(history)
+    times = crash_loop_restarts(history, budget.healthy_reset_s)
     carried = bool(history) and begun_for(history[-1], action, run_id)
-    earlier = crash_loop_restarts(history[:-1]) if carried else times
+    earlier = crash_loop_restarts(history[:-1], budget.healthy_reset_s) if carried else times
     if budget.exhausted(earlier, now):
         used = budget.used(earlier, now)
         return RecoveryDecision(
             RecoveryAction.FAIL,
             f"job {found.job_id} is out of its restart budget: {len(used)} restarts in the last "
-            f"{budget.window_s / 60:.0f} min whose run never committed a batch (max {budget.max_restarts}); "
+            f"{budget.window_s / 60:.0f} min whose run neither committed a batch nor ran {budget.healthy_reset_s:.0f} s "
+            f"(max {budget.max_restarts}); "
             f"the job keeps failing: {found.summary()}. Fix the cause ({found.advice or 'see the driver log'}), "
             f"then restart it by hand.")
     return RecoveryDecision(action, why, reason=reason, backoff_s=budget.backoff(times, now))

@@ -114,7 +114,7 @@ def test_out_of_budget_fails_and_says_so(health, kind):
     decision = _decide(found, history=_restarts(100, 200, 300))
     assert decision.action == RecoveryAction.FAIL
     assert decision.why.startswith("job j is out of its restart budget: 3 restarts in the last 30 min whose run "
-                                   "never committed a batch (max 3); the job keeps failing: ")
+                                   "neither committed a batch nor ran 600 s (max 3); the job keeps failing: ")
     assert decision.why.endswith(f"{found.summary()}. Fix the cause (do the thing), then restart it by hand.")
 
 
@@ -345,3 +345,14 @@ def test_a_restart_already_owed_is_not_noted_twice():
     found = with_abandoned_upgrade(_found(Health.STOPPED, interrupted_restart=owed),
                                    _upgrade(UpgradePhase.STOPPING), lambda owner: True)
     assert found.interrupted_restart is owed
+
+
+def test_a_restart_whose_run_ran_healthy_for_a_while_is_no_part_of_a_crash_loop():
+    """A quiet topic's restarted runs commit nothing, however long they run: three kills in half an hour of
+    runs up for minutes each refused the fourth restart as a crash loop.  A run that stayed up
+    ``healthy_reset`` seconds got somewhere, as one that committed a batch did."""
+    quiet = [{**row, "new_run_up_s": 540.0} for row in _restarts(900, 1200, 1500)]
+    assert _decide(_found(Health.DEAD, None), history=quiet).action == RecoveryAction.FAIL, "9 minutes: not yet"
+    quiet = [{**row, "new_run_up_s": 600.0} for row in quiet]
+    decision = _decide(_found(Health.DEAD, None), history=quiet)
+    assert (decision.action, decision.backoff_s) == (RecoveryAction.RESTART, 0.0), decision

@@ -217,3 +217,29 @@ def test_connect_timeout_only_where_a_connection_can_wait():
     explicit = make_url("postgresql+psycopg://u@h/db?connect_timeout=30")
     assert with_connect_timeout(explicit, 7).query == {"connect_timeout": "30"}
     assert with_connect_timeout(make_url("sqlite:////tmp/x.db"), 7).query == {}
+
+
+def test_restart_history_says_how_long_the_new_run_ran(store):
+    """From its query's start to its end, or to its last heartbeat while it runs: the budget counts a restart
+    whose run stayed up ``healthy_reset`` seconds as one that got somewhere (a quiet topic commits nothing)."""
+    from sqlalchemy import update
+
+    from airflow_stream_provider.state import schema
+
+    first, up, ended = (store.begin_run("job", 1, "1.0").run_id for _ in range(3))
+    store.record_restart("job", "restart", "died", first, up)
+    store.record_restart("job", "restart", "died", up, ended)
+    store.record_restart("job", "restart", "died", ended, None)
+    store.mark_query_started(up)
+    store.mark_query_started(ended)
+    with store.engine.begin() as conn:
+        started = store.now() - 700
+        conn.execute(update(schema.runs).where(schema.runs.c.run_id.in_([up, ended])).values(query_started_at=started))
+    store.heartbeat(up)
+    store.finish_run(ended, status="FAILED", exit_code=1, failure_kind="USER_CODE", error_class=None, message="x")
+    with store.engine.begin() as conn:
+        conn.execute(update(schema.runs).where(schema.runs.c.run_id == ended).values(ended_at=started + 42))
+    history = {r["new_run_id"]: r["new_run_up_s"] for r in store.restarts_since("job", 0)}
+    assert 695 < history[up] < 710, history  # running: to its last heartbeat
+    assert abs(history[ended] - 42) < 0.01, history  # ended: to its end
+    assert history[None] == 0.0, "no run launched: nothing ran"
