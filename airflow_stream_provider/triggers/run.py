@@ -9,6 +9,7 @@ trigger may run twice.  A person killing the deferred task is the one exception 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,13 +34,16 @@ class StreamRunTrigger(BaseTrigger):
 
     def __init__(self, *, wait: dict[str, Any] | None, state_conn_id: str, kafka_conn_id: str,
                  topics: list[str] | None = None, pause_s: float = 0.0, resume: dict[str, Any] | None = None,
-                 killed: dict[str, Any] | None = None):
+                 killed: dict[str, Any] | None = None, resume_at: float | None = None):
         super().__init__()
         self.wait = RunWait.from_dict(wait) if wait else None
         self.state_conn_id = state_conn_id
         self.kafka_conn_id = kafka_conn_id
         self.topics = list(topics or [])
         self.pause_s = float(pause_s)
+        #: when the pause ends (epoch seconds), fixed when the task defers: a triggerer that picks the trigger
+        #: up again sleeps what is left, not the whole pause, which would outlast the lease held over it
+        self.resume_at = float(resume_at) if resume_at is not None else time.time() + self.pause_s
         self.resume = resume or {}
         self.killed = KilledTask.from_dict(killed) if killed else None
 
@@ -47,11 +51,11 @@ class StreamRunTrigger(BaseTrigger):
         return (f"{type(self).__module__}.{type(self).__qualname__}", {
             "wait": self.wait and self.wait.to_dict(), "state_conn_id": self.state_conn_id,
             "kafka_conn_id": self.kafka_conn_id, "topics": self.topics, "pause_s": self.pause_s,
-            "resume": self.resume, "killed": self.killed and self.killed.to_dict()})
+            "resume": self.resume, "killed": self.killed and self.killed.to_dict(), "resume_at": self.resume_at})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         if self.wait is None:
-            await asyncio.sleep(self.pause_s)
+            await asyncio.sleep(max(0.0, self.resume_at - time.time()))
             yield TriggerEvent({"outcome": "paused", "run_id": None, "resume": self.resume})
             return
         async for event in self._watch():

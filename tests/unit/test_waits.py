@@ -138,3 +138,20 @@ def test_a_pause_fires_with_the_flow_state(seconds):
             return event.payload
 
     assert asyncio.run(first()) == {"outcome": "paused", "run_id": None, "resume": {"method": "_act", "state": {}}}
+
+
+def test_a_pause_picked_up_by_another_triggerer_sleeps_what_is_left():
+    """A triggerer restarted 200 s into a 300 s backoff slept the whole pause again, past the lease the task
+    held over it (the pause plus a grace): another task could take the job meanwhile."""
+    trigger = StreamRunTrigger(wait=None, state_conn_id="s", kafka_conn_id="k", pause_s=300,
+                               resume={"method": "_act", "state": {}})
+    _, kwargs = trigger.serialize()
+    picked_up = StreamRunTrigger(**{**kwargs, "resume_at": kwargs["resume_at"] - 299.9})  # as 299.9 s later
+
+    async def first():
+        async for event in picked_up.run():
+            return event.payload
+
+    began = time.monotonic()
+    assert asyncio.run(first())["outcome"] == "paused"
+    assert time.monotonic() - began < 5
