@@ -90,6 +90,12 @@ def reserved_options(properties: Mapping[str, object]) -> list[str]:
     return [name for name in properties if _keyword(name).lower() in RESERVED_SETTINGS]
 
 
+def is_secret(name: str) -> bool:
+    """A client property that holds a secret (``sasl.plain.password``, ``ssl.password``): it reaches a driver
+    in its environment, never on its command line (``spec.KAFKA_SECRETS_ENV``)."""
+    return "password" in _keyword(name).lower()
+
+
 def _keyword(name: str) -> str:
     return name.replace(".", "_")
 

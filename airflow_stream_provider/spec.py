@@ -1,8 +1,9 @@
 """The stream job spec: one declarative description of a job, validated once, shared by both sides.
 
 The Airflow side builds it (from connections, Variables and params) and hands it to the driver as JSON
-on the command line; the runtime parses and re-validates it.  It therefore never holds a secret: the
-database password travels in the driver's environment (``DATABASE_PASSWORD_ENV``).  Pure module.
+on the command line; the runtime parses and re-validates it.  What it serializes therefore holds no
+secret: the database password travels in the driver's environment (``DATABASE_PASSWORD_ENV``), and so do
+the Kafka client's (``KAFKA_SECRETS_ENV``), which a serialized spec leaves out.  Pure module.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from urllib.parse import parse_qs, urlsplit
 from airflow_stream_provider import kafka_client, kafka_offsets
 
 DATABASE_PASSWORD_ENV = "STREAM_DATABASE_PASSWORD"
+#: The spec's Kafka client secrets (``KafkaSpec.secret_options``, as JSON) in the driver's environment: a
+#: serialized spec leaves them out, so they are on no command line, log or record.
+KAFKA_SECRETS_ENV = "STREAM_KAFKA_SECRETS"
 CHECKPOINT_MANAGER_CONF = "spark.sql.streaming.checkpointFileManagerClass"
 #: For a checkpoint on the local file system.  Spark's default manager goes through Hadoop's FileContext,
 #: whose local implementation (without Hadoop's native library, as pip-installed Spark runs) forks a
@@ -72,6 +76,11 @@ class KafkaSpec:
     #: librdkafka take them as they are; kafka-python (the driver's own calls and the Python source) in its
     #: spelling, ``python_options``.
     client_options: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def secret_options(self) -> dict[str, object]:
+        """The client options that hold secrets (``kafka_client.is_secret``): left out of a serialized spec."""
+        return {k: v for k, v in self.client_options.items() if kafka_client.is_secret(k)}
 
     def consumer_group(self, job_id: str) -> str:
         return f"stream-{job_id}"
@@ -145,10 +154,19 @@ class StreamJobSpec:
         return replace(self, generation=generation, kafka=kafka)
 
     # -- serialisation -----------------------------------------------------------------------------
+    def with_kafka_secrets(self, secrets: Mapping[str, object]) -> StreamJobSpec:
+        """The spec with the Kafka client secrets a serialized spec leaves out (a driver's, from its
+        environment: ``KAFKA_SECRETS_ENV``)."""
+        if not secrets:
+            return self
+        return replace(self, kafka=replace(self.kafka, client_options={**self.kafka.client_options, **secrets}))
+
     def to_dict(self) -> dict[str, Any]:
+        """The spec as data, without its Kafka client secrets: what a command line, a log or a record holds."""
         data = asdict(self)
         data["kafka"]["topics"] = list(self.kafka.topics)
-        data["kafka"]["client_options"] = dict(self.kafka.client_options)
+        data["kafka"]["client_options"] = {k: v for k, v in self.kafka.client_options.items()
+                                           if not kafka_client.is_secret(k)}
         data["spark_conf"] = dict(self.spark_conf)
         return data
 

@@ -12,6 +12,7 @@ that a stream driver must outlive the Airflow task that started it:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseHook
 
 from airflow_stream_provider import jvm_archive, jvm_heap, jvm_jit, local_driver
-from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV, StreamJobSpec
+from airflow_stream_provider.spec import DATABASE_PASSWORD_ENV, KAFKA_SECRETS_ENV, StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class StreamDriverHook(BaseHook):
     @staticmethod
     def driver_arguments(spec: StreamJobSpec, run_id: str, log_path: str, *, standby: bool = False,
                          successor: bool = False) -> list[str]:
-        """What the harness reads from its command line.  The spec never holds a password (validated)."""
+        """What the harness reads from its command line.  A serialized spec holds no secret."""
         return ["--spec", spec.to_json(), "--run-id", run_id, "--log-path", log_path, *(["--standby"] * standby),
                 *(["--successor"] * successor)]
 
@@ -177,7 +178,8 @@ class StreamDriverHook(BaseHook):
                 "deploy mode for this job, or set standby to false (the cluster manager's own restart applies)")
 
     def submit(self, application: str, spec: StreamJobSpec, run_id: str, password: str | None, *,
-               standby: bool = False, successor: bool = False) -> SubmittedDriver:
+               standby: bool = False, successor: bool = False,
+               kafka_secrets: Mapping[str, object] | None = None) -> SubmittedDriver:
         """Start a driver for ``spec`` and return at once; the run row appears when the driver is up (a
         standby's or successor's standby row)."""
         log_path = self.log_path(spec.job_id, run_id)
@@ -188,8 +190,10 @@ class StreamDriverHook(BaseHook):
         if standby or successor:
             self.check_standby()
         if deploy_mode == "cluster":
-            return self._submit_cluster(application, args, name, run_id, master, password)
+            return self._submit_cluster(application, args, name, run_id, master, password, kafka_secrets)
         env = {**os.environ, **self.env_vars}
+        if kafka_secrets:  # the spec on the command line leaves them out
+            env[KAFKA_SECRETS_ENV] = json.dumps(kafka_secrets)
         cmd = self._local_command(hook, application, spec, env)
         popen = local_driver.start_detached(cmd, log_path, env=env, password=password)
         self.log.info("Started %s for job %s run %s: pid %s, master %s, log %s",
@@ -198,12 +202,14 @@ class StreamDriverHook(BaseHook):
         return SubmittedDriver(run_id, deploy_mode, master, pid=popen.pid, log_path=log_path)
 
     def _submit_cluster(self, application: str, args: list[str], name: str, run_id: str, master: str,
-                        password: str | None) -> SubmittedDriver:
-        if password and not any(k.endswith(DATABASE_PASSWORD_ENV) for k in self.conf):
-            raise ValueError(
-                "cluster deploy mode: the driver's database password must come from the cluster manager "
-                f"(e.g. spark.kubernetes.driver.secretKeyRef.{DATABASE_PASSWORD_ENV}=secret:key); it is never "
-                "put on a spark-submit command line")
+                        password: str | None, kafka_secrets: Mapping[str, object] | None) -> SubmittedDriver:
+        for secret, env_name, what in ((password, DATABASE_PASSWORD_ENV, "database password"),
+                                       (kafka_secrets, KAFKA_SECRETS_ENV, "Kafka client secrets, as JSON,")):
+            if secret and not any(k.endswith(env_name) for k in self.conf):
+                raise ValueError(
+                    f"cluster deploy mode: the driver's {what} must come from the cluster manager "
+                    f"(e.g. spark.kubernetes.driver.secretKeyRef.{env_name}=secret:key); they are never put on "
+                    "a spark-submit command line")
         hook = self._spark_submit(args, {**self.conf, **_NO_WAIT}, name)
         hook.submit(application)
         handle = hook._driver_id or hook._yarn_application_id or hook._kubernetes_driver_pod

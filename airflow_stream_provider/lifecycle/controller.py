@@ -254,7 +254,8 @@ class StreamJobController:
 
     def _submitted(self, application: str, spec: StreamJobSpec, run_id: str) -> dict[str, Any]:
         """Start the driver; what a launch wait and ``abandon`` need of it (its pid is this host's)."""
-        submitted = self.driver.submit(application, spec, run_id, self.state.password)
+        submitted = self.driver.submit(application, spec, run_id, self.state.password,
+                                       kafka_secrets=self.spec.kafka.secret_options)
         return {"job_id": spec.job_id, "run_id": run_id, "pid": submitted.pid, "host": local_driver.this_host(),
                 "log_path": submitted.log_path, "submission_id": submitted.submission_id,
                 "submitted_at": time.time()}
@@ -397,6 +398,7 @@ class StreamJobController:
         started again; the driver takes the row over when it registers."""
         standby_id = uuid.uuid4().hex
         submitted = self.driver.submit(application, spec, standby_id, self.state.password,
+                                       kafka_secrets=self.spec.kafka.secret_options,
                                        standby=role == STANDBY, successor=role == SUCCESSOR)
         self.standbys.register(standby_id, self.job_id, spec.version, spec.generation, host=local_driver.this_host(),
                                pid=submitted.pid, log_path=submitted.log_path, role=role)

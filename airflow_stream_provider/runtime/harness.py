@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import json
 import logging
 import os
 import re
@@ -55,7 +56,7 @@ from airflow_stream_provider.runtime.sink import DEAD_LETTER_COLUMNS, ResultsFn,
 from airflow_stream_provider.runtime.standby import Standby, Takeover, run_warm_up
 from airflow_stream_provider.runtime.startup import StartupClock, StartupError
 from airflow_stream_provider.runtime.write_behind import WriteBehind
-from airflow_stream_provider.spec import SpecError, StreamJobSpec
+from airflow_stream_provider.spec import KAFKA_SECRETS_ENV, SpecError, StreamJobSpec
 from airflow_stream_provider.state import store as state
 from airflow_stream_provider.state import transaction
 from airflow_stream_provider.state.standbys import StandbyStatus
@@ -209,8 +210,9 @@ class StreamHarness:
         args = parser.parse_args(argv)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:
-            spec = StreamJobSpec.from_json(args.spec)
-        except SpecError as err:
+            spec = StreamJobSpec.from_json(args.spec).with_kafka_secrets(
+                json.loads(os.environ.get(KAFKA_SECRETS_ENV) or "{}"))
+        except (SpecError, json.JSONDecodeError) as err:
             log.error("invalid job spec: %s", err)
             sys.exit(failures.EXIT_CONFIG)
         try:

@@ -137,3 +137,19 @@ def test_a_cluster_launch_not_registered_yet_is_picked_up_by_a_retry_not_launche
 
     launch = {"run_id": "r1", "pid": None, "host": None, "submission_id": "application_1_0001", "submitted_at": 0}
     assert _still_starting(None, launch)
+
+
+def test_a_kafka_secret_in_the_spec_is_left_out_of_what_it_serializes():
+    """A SASL or key password in ``kafka.client_options`` went with the spec onto the driver's command line
+    (``ps``), its log and the run's record; it reaches the driver in its environment instead."""
+    from airflow_stream_provider.hooks.driver import StreamDriverHook
+
+    options = {"security.protocol": "SASL_SSL", "sasl.plain.username": "u", "sasl.plain.password": "hunter2",
+               "ssl_password": "k3y"}
+    spec = StreamJobSpec.from_dict(_with(kafka_client_options=options))
+    assert spec.kafka.secret_options == {"sasl.plain.password": "hunter2", "ssl_password": "k3y"}
+    arguments = " ".join(StreamDriverHook.driver_arguments(spec, "r1", "/tmp/r1.log"))
+    assert "hunter2" not in arguments and "k3y" not in arguments and "sasl.plain.username" in arguments
+    assert "hunter2" not in spec.to_json()
+    again = StreamJobSpec.from_json(spec.to_json()).with_kafka_secrets(spec.kafka.secret_options)
+    assert again == spec and again.kafka.python_options["sasl_plain_password"] == "hunter2"
