@@ -1,7 +1,8 @@
 """A STUCK run's restart lost before its launch, on a real Airflow: the job is not left down, nor stuck.
 
-The job's trigger interval is ten minutes, so once events arrive after its first batch the query sits idle
-with a lag: STUCK.  The watcher reports it once, and ``stream_health``'s ``recover`` begins the restart.
+The job's trigger interval is a day, so once events arrive after its first batch the query sits idle with a
+lag: STUCK.  (Spark starts triggers at multiples of the interval since the epoch: with ten minutes, a run
+deployed just before a multiple read the events itself there, and was never stuck.)  The watcher reports it once, and ``stream_health``'s ``recover`` begins the restart.
 Its task process is then SIGKILLed (``STREAM_FAULT`` in the task's environment, once: a worker lost, an OOM
 kill) at one of two points:
 
@@ -47,7 +48,7 @@ def lost_at(request) -> str:
 
 @pytest.fixture
 def deployment_options(tmp_path, lost_at) -> dict:
-    return {"spec": {"trigger_interval": "10 minutes"}, "watch": {"stuck_after": 8},
+    return {"spec": {"trigger_interval": "1440 minutes"}, "watch": {"stuck_after": 8},
             "variables": {"stream_health_retries": "0"},
             "airflow_env": task_lost_once(tmp_path, lost_at)}
 
@@ -58,7 +59,7 @@ def test_a_stuck_runs_restart_whose_task_is_lost_is_finished_by_stream_health(de
     deployment.deploy(producer.produced)
     stuck = deployment.latest_run()
 
-    producer.send(100)  # read at the next trigger, ten minutes away: STUCK after 8 s
+    producer.send(100)  # read at the next trigger, at midnight UTC: STUCK after 8 s
     deployment.wait_caught_up(producer.produced, timeout=REPAIR_TIMEOUT)
     restarted = deployment.latest_run()
     assert restarted.run_id != stuck.run_id and restarted.status == "RUNNING", restarted
