@@ -290,7 +290,8 @@ def _validate_database_url(url: str) -> None:
         raise SpecError(
             "database_url", f"scheme {scheme!r} is not supported", "Use sqlite:// or postgresql+psycopg://"
         )
-    if urlsplit(url).password or "password" in {k.lower() for k in parse_qs(urlsplit(url).query)}:
+    parts = urlsplit(url)
+    if parts.password or "password" in {k.lower() for k in parse_qs(parts.query)}:
         raise SpecError(
             "database_url",
             "contains a password",

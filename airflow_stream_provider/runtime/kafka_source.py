@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,6 +41,20 @@ SCHEMA = "topic string, partition int, offset long, key binary, value binary, ti
 
 class KafkaDataLossError(RuntimeError):
     """Offsets the query must read are gone from Kafka.  The message uses the JVM source's error class."""
+
+    @classmethod
+    def of(cls, error_class: str, lost: Sequence[kafka_offsets.LostRange]) -> KafkaDataLossError:
+        """The failure for ``lost`` (failOnDataLoss), naming the ranges as text and as JSON."""
+        return cls(
+            f"[KAFKA_DATA_LOSS.{error_class}] Some data may have been lost because they are not available in "
+            f"Kafka any more: {'; '.join(r.describe() for r in lost)}. Lost ranges (JSON): "
+            f"{json.dumps([r.to_dict() for r in lost])}. Set failOnDataLoss=false only if losing them is acceptable."
+        )
+
+
+def _say_skipped(lost: Sequence[kafka_offsets.LostRange]) -> None:
+    log.warning("Skipping records that Kafka no longer has (failOnDataLoss=false): %s",
+                "; ".join(r.describe() for r in lost))
 
 
 @dataclass(frozen=True)
@@ -146,19 +160,12 @@ class KafkaStreamReader(DataSourceStreamReader):
         lost = kafka_offsets.find_lost_ranges(position, earliest, latest)
         if not lost:
             return position
-        detail = "; ".join(r.describe() for r in lost)
         if self.fail_on_data_loss:
-            raise KafkaDataLossError(
-                f"[KAFKA_DATA_LOSS.START_OFFSET_RESET] Some data may have been lost because they are not "
-                f"available in Kafka any more: {detail}. Lost ranges (JSON): "
-                f"{json.dumps([r.to_dict() for r in lost])}. Set failOnDataLoss=false only if losing them "
-                f"is acceptable."
-            )
+            raise KafkaDataLossError.of("START_OFFSET_RESET", lost)
         vanished = {(r.topic, r.partition) for r in lost if (r.topic, r.partition) not in latest}
         news = [r for r in lost if (r.topic, r.partition) not in self.reported_vanished]
         if news:  # a partition that stays gone is planned every trigger: said once
-            log.warning("Skipping records that Kafka no longer has (failOnDataLoss=false): %s",
-                        "; ".join(r.describe() for r in news))
+            _say_skipped(news)
         self.reported_vanished = vanished
         moved = dict(position)
         for r in lost:
@@ -196,15 +203,9 @@ class KafkaStreamReader(DataSourceStreamReader):
                                         "longer has (retention) before the job read them")
                 for tp in added if earliest.get(tp, 0) > 0]
         if lost and self.fail_on_data_loss:
-            raise KafkaDataLossError(
-                "[KAFKA_DATA_LOSS.ADDED_PARTITION_DOES_NOT_START_FROM_OFFSET_ZERO] Some data may have been "
-                f"missed because they are not available in Kafka any more: {'; '.join(r.describe() for r in lost)}. "
-                f"Lost ranges (JSON): {json.dumps([r.to_dict() for r in lost])}. Set failOnDataLoss=false only "
-                f"if losing them is acceptable."
-            )
+            raise KafkaDataLossError.of("ADDED_PARTITION_DOES_NOT_START_FROM_OFFSET_ZERO", lost)
         if lost:
-            log.warning("Skipping records that Kafka no longer has (failOnDataLoss=false): %s",
-                        "; ".join(r.describe() for r in lost))
+            _say_skipped(lost)
         return {**begin, **{tp: earliest.get(tp, 0) for tp in added}}
 
     def _skip_lost_starts(self, begin, finish):

@@ -108,13 +108,12 @@ def one_per_key_table(rows: pa.Table, key: Sequence[str], increments: Sequence[s
     aggregate "last" would do without the index, but has no kernel for some types (decimal128, which
     Spark's DecimalType arrives as); ``take`` has one for every type."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     if rows.num_rows < 2 or rows.group_by(list(key)).aggregate([]).num_rows == rows.num_rows:
         return rows
     sums = [c for c in rows.column_names if c in increments and c not in key]
     keys = [f"key{i}" for i in range(len(key))]
-    index = pc.subtract(pc.cumulative_sum(pa.repeat(pa.scalar(1, pa.int64()), rows.num_rows)), 1)
+    index = pa.array(range(rows.num_rows), pa.int64())
     # Own names: Arrow names an aggregate "<column>_<function>", which could be another column's name.
     work = pa.Table.from_arrays([*(rows[k] for k in key), index, *(rows[c] for c in sums)],
                                 names=[*keys, "row", *(f"sum{i}" for i in range(len(sums)))])
