@@ -3,10 +3,12 @@
 A crash loop must end in a clear failure, not a storm of restarts (invariant 7).  Pure: decided from
 the restart history the state database keeps.
 
-Only restarts that got nowhere count: a restarted run that committed a batch was healthy, whatever
-killed it later (a lost machine, a kill -9), as Kubernetes' CrashLoopBackOff resets after a run that
-succeeded.  A job failing on the same record every time commits nothing after its restarts, so a real
-crash loop still ends at the budget.
+Only restarts that got nowhere count against the budget: a restarted run that committed a batch was
+healthy, whatever killed it later (a lost machine, a kill -9).  A job failing on the same record every
+time commits nothing after its restarts, so a real crash loop still ends at the budget.  The backoff also
+counts a run that failed by itself before it ran ``healthy_reset_s``, whatever it committed (a driver
+out of memory on its second batch gets somewhere, slowly): Kubernetes backs off a container that exits
+before it ran ten minutes.
 """
 
 from __future__ import annotations
@@ -55,5 +57,17 @@ def crash_loop_restarts(history: Sequence[Mapping[str, Any]], healthy_reset_s: f
     got somewhere when it committed a batch, or when its query ran ``healthy_reset_s`` (a quiet topic's run
     commits nothing, however long it is healthy).  ``history`` rows carry ``at``, ``new_run_committed`` and
     ``new_run_up_s``."""
-    return [row["at"] for row in history if not row.get("new_run_committed")
-            and not (healthy_reset_s is not None and (row.get("new_run_up_s") or 0.0) >= healthy_reset_s)]
+    return [row["at"] for row in history if not row.get("new_run_committed") and not _ran_healthy(row, healthy_reset_s)]
+
+
+def backoff_restarts(history: Sequence[Mapping[str, Any]], healthy_reset_s: float) -> list[float]:
+    """The times of the restarts the backoff counts: those of the crash loop, and those whose new run
+    failed by itself (``new_run_failed``: it ended FAILED, not killed from outside) before it ran
+    ``healthy_reset_s``, though it committed.  Without them a job that fails after each run's first batch
+    restarts at once, again and again."""
+    return [row["at"] for row in history
+            if not _ran_healthy(row, healthy_reset_s) and (not row.get("new_run_committed") or row.get("new_run_failed"))]
+
+
+def _ran_healthy(row: Mapping[str, Any], healthy_reset_s: float | None) -> bool:
+    return healthy_reset_s is not None and (row.get("new_run_up_s") or 0.0) >= healthy_reset_s

@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from airflow_stream_provider.budget import RestartBudget, crash_loop_restarts
+from airflow_stream_provider.budget import RestartBudget, backoff_restarts, crash_loop_restarts
 from airflow_stream_provider.diagnosis import Diagnosis, Health, clock
 from airflow_stream_provider.failures import Recovery
 from airflow_stream_provider.state.upgrades import UpgradePhase, UpgradeRecord
@@ -271,9 +271,8 @@ def _within_budget(found: Diagnosis, budget: RestartBudget, history: Sequence[Ma
     The newest record, where it is that action begun for ``run_id`` and not launched, is the attempt this
     decision carries on (its task lost, or this is its retry): the budget counts it once, as itself, not as
     one more before it.  The backoff counts it: a try that was lost spaces the next."""
-    times = crash_loop_restarts(history, budget.healthy_reset_s)
     carried = bool(history) and begun_for(history[-1], action, run_id)
-    earlier = crash_loop_restarts(history[:-1], budget.healthy_reset_s) if carried else times
+    earlier = crash_loop_restarts(history[:-1] if carried else history, budget.healthy_reset_s)
     if budget.exhausted(earlier, now):
         used = budget.used(earlier, now)
         return RecoveryDecision(
@@ -283,5 +282,6 @@ def _within_budget(found: Diagnosis, budget: RestartBudget, history: Sequence[Ma
             f"(max {budget.max_restarts}); "
             f"the job keeps failing: {found.summary()}. Fix the cause ({found.advice or 'see the driver log'}), "
             f"then restart it by hand.")
-    return RecoveryDecision(action, why, reason=reason, backoff_s=budget.backoff(times, now))
+    return RecoveryDecision(action, why, reason=reason,
+                            backoff_s=budget.backoff(backoff_restarts(history, budget.healthy_reset_s), now))
 

@@ -553,16 +553,19 @@ class StateStore:
 
     def restarts_since(self, job_id: str, since: float) -> list[dict[str, Any]]:
         """Restarts of the job, each with ``new_run_committed``: whether the run it started committed a
-        batch, and ``new_run_up_s``: how long its query ran, to its end or its last heartbeat (a restart
-        that got somewhere is no part of a crash loop: ``budget.crash_loop_restarts``)."""
+        batch, ``new_run_up_s``: how long its query ran, to its end or its last heartbeat (a restart
+        that got somewhere is no part of a crash loop: ``budget.crash_loop_restarts``), and
+        ``new_run_failed``: whether that run ended FAILED, by its own failure (``budget.backoff_restarts``)."""
         table, runs, offset = schema.restarts, schema.runs, self.clock.offset()
         up = func.coalesce(runs.c.ended_at, runs.c.heartbeat_at) - runs.c.query_started_at
-        query = (select(table, runs.c.last_batch_id.is_not(None).label("new_run_committed"), up.label("new_run_up_s"))
+        query = (select(table, runs.c.last_batch_id.is_not(None).label("new_run_committed"), up.label("new_run_up_s"),
+                        (runs.c.status == FAILED.value).label("new_run_failed"))
                  .select_from(table.outerjoin(runs, runs.c.run_id == table.c.new_run_id))
                  .where(table.c.job_id == job_id, table.c.at >= since + offset).order_by(table.c.at))
         with self.engine.connect() as conn:
             rows = conn.execute(query).mappings().all()
         return [in_host_terms({**r, "new_run_committed": bool(r["new_run_committed"]),
+                               "new_run_failed": bool(r["new_run_failed"]),
                                "new_run_up_s": max(0.0, float(r["new_run_up_s"] or 0.0))}, RESTART_TIMES, offset)
                 for r in rows]
 

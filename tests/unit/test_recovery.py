@@ -120,7 +120,20 @@ def test_out_of_budget_fails_and_says_so(health, kind):
 
 def test_restarts_whose_run_committed_do_not_count():
     history = _restarts(100, 200, 300, committed=True)
-    assert _decide(_found(Health.DEAD), history=history).action == RecoveryAction.RESTART
+    decision = _decide(_found(Health.DEAD), history=history)
+    assert (decision.action, decision.backoff_s) == (RecoveryAction.RESTART, 0.0), "killed from outside: no backoff"
+
+
+def test_runs_that_commit_then_fail_by_themselves_back_off_but_are_not_refused():
+    """A driver out of memory on each run's second batch commits the first every time: it gets somewhere,
+    so the budget never refuses it, but it must not restart at once again and again."""
+    failing = [{**row, "new_run_failed": True, "new_run_up_s": 40.0}
+               for row in _restarts(100, 200, 300, committed=True)]
+    decision = _decide(_found(Health.FAILED, FailureKind.RESOURCE), history=failing)
+    assert (decision.action, decision.backoff_s) == (RecoveryAction.RESTART, 20.0), decision
+    healthy_for_a_while = [{**row, "new_run_up_s": 600.0} for row in failing]
+    decision = _decide(_found(Health.FAILED, FailureKind.RESOURCE), history=healthy_for_a_while)
+    assert (decision.action, decision.backoff_s) == (RecoveryAction.RESTART, 0.0), decision
 
 
 def test_restarts_outside_the_window_do_not_count():

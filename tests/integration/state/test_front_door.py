@@ -243,3 +243,5 @@ def test_restart_history_says_how_long_the_new_run_ran(store):
     assert 695 < history[up] < 710, history  # running: to its last heartbeat
     assert abs(history[ended] - 42) < 0.01, history  # ended: to its end
     assert history[None] == 0.0, "no run launched: nothing ran"
+    failed = {r["new_run_id"]: r["new_run_failed"] for r in store.restarts_since("job", 0)}
+    assert failed == {up: False, ended: True, None: False}, failed
