@@ -244,6 +244,14 @@ class StreamJobController:
         """Start a driver for ``spec`` on ``generation`` (default: the current one) and return the launch at
         once; :meth:`ready_wait` says what to wait for, :meth:`finish_launch` what came of it."""
         generation = generation or self.state.current_generation(spec.job_id)
+        if starting_offsets is None and generation > 1 and self.state.store.get_generation(spec.job_id,
+                                                                                          generation) is None:
+            # Every earlier generation is archived and this one never started: a reset (a person's, or an
+            # upgrade's) ended between its archive and its launch, and a restart or a deploy carries on.  The
+            # generation starts where the results end, as that reset would have, not at the spec's earliest
+            # (a replay of the whole topic) or latest (a gap the sink refuses as lost records).
+            resume, _ = self.resume_point(spec)
+            starting_offsets = kafka_offsets.to_spark_json(resume) if resume else None
         spec = spec.with_generation(generation, starting_offsets)
         self.check_before_start(spec)
         return {**self._submitted(application, spec, uuid.uuid4().hex), "generation": generation, "version": spec.version,

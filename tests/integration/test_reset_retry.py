@@ -106,3 +106,41 @@ def test_a_run_judged_dead_by_its_silence_alone_is_not_recorded_dead(state_store
     assert state_store.get_run(run_id).status == "RUNNING"
     assert controller.probe.check().health.value == "HEALTHY"
     assert controller.live_run().run_id == run_id, "a stop finds the run to stop"
+
+
+def test_a_start_after_a_reset_lost_before_its_launch_resumes_from_the_stored_offsets(
+        state_store, database_url, broker, topic, tmp_path, monkeypatch):
+    """An upgrade's reset archived generation 1, then its task was killed before the new version started:
+    the recovery restarts the old code, on generation 2, which no driver registered.  That launch started
+    generation 2 at the spec's ``latest`` (a gap the sink refuses as lost records, the job down as DATA_LOSS)
+    or ``earliest`` (the whole topic again).  It now starts where the results end, as the reset would have."""
+    import json
+    import time
+
+    from airflow_stream_provider.hooks.driver import StreamDriverHook
+    from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
+    from airflow_stream_provider.hooks.state import StreamStateHook
+    from airflow_stream_provider.lifecycle.controller import StreamJobController
+    from airflow_stream_provider.spec import KafkaSpec, StreamJobSpec
+    from airflow_stream_provider.state import schema
+
+    with broker.producer() as producer:
+        for i in range(10):
+            producer.send(topic, b'{"n": %d}' % i, partition=0)
+    root = tmp_path / "checkpoints"
+    spec = StreamJobSpec("orders", "1.0", KafkaSpec(broker.bootstrap, (topic,), starting_offsets="latest"),
+                         str(root), database_url)
+    controller = StreamJobController(spec, state=StreamStateHook(), kafka=KafkaOffsetsHook(), driver=StreamDriverHook())
+    state_store.ensure_generation("orders", 1, str(root / "orders" / "gen-1"), f'{{"{topic}": {{"0": 0, "1": 0, "2": 0}}}}')
+    with state_store.engine.begin() as conn:  # generation 1 applied the first 4 records of partition 0
+        conn.execute(schema.offsets.insert().values(job_id="orders", topic=topic, partition=0, next_offset=4,
+                                                    generation=1, batch_id=2, updated_at=time.time()))
+    state_store.mark_archived("orders", 1, str(root / "orders" / "archive" / "gen-1-x"), "upgrade: incompatible")
+    # Where the launch starts is the question; a driver is not needed to answer it.
+    launched = []
+    monkeypatch.setattr(controller, "_submitted", lambda application, spec, run_id: launched.append(spec) or {})
+
+    controller.submit("job.py", spec)
+    (started,) = launched
+    assert started.generation == 2
+    assert json.loads(started.kafka.starting_offsets) == {topic: {"0": 4, "1": 0, "2": 0}}
