@@ -56,15 +56,18 @@ def end_unreleased_successor(store: StateStore, job_id: str, why: str) -> str | 
 def end_killed_upgrade(store: StateStore, job_id: str, why: str, log: logging.Logger) -> None:
     """The job's unfinished upgrade, whose task was killed, ends (result ``killed``): left in its phase, it
     would keep every recovery and lifecycle task away for ``UPGRADE_STALE_S``, with no task to finish it.
-    Killed after it stopped the old run and before the new version ran (or while it rolled back), it leaves
-    the job down: a restart of the old run is recorded as begun, so that the next recovery finishes it
+    Killed after it stopped the old run, or asked it to stop, and before the new version ran (or while it
+    rolled back), it leaves the job down: a restart of the old run is recorded as begun, so that the next recovery finishes it
     with the code that ran before, as the upgrade's own rollback would (``recovery.interrupted_restart``)."""
     upgrades = UpgradeLog(store)
     found = upgrades.latest(job_id)
     if found is None or found.phase == UpgradePhase.DONE:
         return
     old_run = store.get_run(found.detail.get("live_run_id") or "")
-    if found.phase in LEAVES_THE_JOB_DOWN and old_run is not None and not old_run.active:
+    # An old run still finishing its batch after the upgrade's stop marker ends soon, stop requested, which a
+    # recovery takes for a stop someone wanted: it is owed the restart as well.
+    stopping = old_run is not None and (not old_run.active or old_run.stop_requested_at is not None)
+    if found.phase in LEAVES_THE_JOB_DOWN and stopping:
         store.record_restart(job_id, "restart", f"upgrade {found.upgrade_id} to version {found.to_version} was "
                              f"killed in phase {found.phase.value} ({why}): back to version {found.from_version}",
                              old_run.run_id, None)

@@ -69,6 +69,22 @@ def test_an_upgrade_killed_after_it_stopped_the_job_ends_and_the_old_code_is_res
     assert (restart["failed_run_id"], restart["new_run_id"]) == (old, None)
 
 
+def test_an_upgrade_killed_while_the_old_run_finishes_its_stop_leaves_it_owed_a_restart(state_store):
+    """Killed while it waited for the old run's graceful stop: the run then honoured the upgrade's marker
+    and ended STOPPED, stop requested, which a recovery leaves alone as a stop someone wanted.  Nothing
+    restarted the job, and nothing said so."""
+    upgrade_id, old = _upgrade(state_store, UpgradePhase.STOPPING, old_stopped=False)
+    state_store.request_stop(old)  # the upgrade's stop marker; the run finishes its batch
+
+    undo(state_store, KilledTask("job", lease_owner=OWNER, upgrade=True), "marked failed while deferred", log)
+    assert _decision(state_store).action == RecoveryAction.NONE, "the old run still runs: nothing to do yet"
+    state_store.finish_run(old, status="STOPPED", exit_code=0, message="stopped by the upgrade")
+
+    assert UpgradeLog(state_store).get(upgrade_id).result == "killed"
+    decision = _decision(state_store)
+    assert (decision.action, decision.restart_run_id) == (RecoveryAction.RESTART, old), decision
+
+
 @pytest.mark.parametrize("phase", [UpgradePhase.PREFLIGHT, UpgradePhase.VERIFYING])
 def test_an_upgrade_killed_while_a_version_runs_ends_and_leaves_it_running(state_store, phase):
     """In its preflight the old version runs on; while it verifies, the new one runs: nothing to restart."""
