@@ -154,6 +154,8 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         unfinished = self._unfinished(context)
         if unfinished is not None:
             return self._resume(context, unfinished)
+        # Another upgrade between two of its tries holds no lease, and its retry would roll this one back.
+        self.refuse_during_upgrade("new upgrade")
         new = self.new_spec
         job_id = new.job_id
         before = self.state.latest_run(job_id)
@@ -194,6 +196,15 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         (its dry run is ended first); past the stop, a new version that runs is verified, anything else
         rolls back to what ran before."""
         ctx = found.detail
+        latest = self.upgrades.latest(found.job_id)
+        if latest is not None and latest.upgrade_id != found.upgrade_id:  # left stale, then another began
+            _set_task_state(context, UPGRADE_KEY, None)
+            self.upgrades.move(found.upgrade_id, UpgradePhase.DONE, {**ctx, "superseded_by": latest.upgrade_id},
+                               result="superseded")
+            raise AirflowFailException(
+                f"upgrade {found.upgrade_id} of job {found.job_id} to version {found.to_version}, left in phase "
+                f"{found.phase.value}, was superseded by upgrade {latest.upgrade_id} to version "
+                f"{latest.to_version}. This retry does nothing; trigger the upgrade again to upgrade the job")
         self.log.warning("Resuming upgrade %s of job %s, left in phase %s by an earlier try", found.upgrade_id,
                          found.job_id, found.phase.value)
         if found.phase == UpgradePhase.PREFLIGHT:
@@ -205,7 +216,11 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             ctx.pop("preflight", None)
             return self._preflight(context, ctx)
         live = self.live_run()
-        if found.phase != UpgradePhase.ROLLING_BACK and live is not None and live.version == found.to_version:
+        # The new version runs: not the old run, which bears the same version in an upgrade that keeps it
+        # (the job file changed, not the label) and may still be finishing the stop.
+        new_version_runs = (live is not None and live.version == found.to_version
+                            and live.run_id != ctx.get("live_run_id"))
+        if found.phase != UpgradePhase.ROLLING_BACK and new_version_runs:
             ctx["started"] = ctx.get("started") or {"run_id": live.run_id, "log_path": live.log_path}
             return self._verify(context, ctx)
         return self._failed_after_stop(context, StreamJobError(

@@ -182,3 +182,55 @@ def test_a_person_s_stop_supersedes_an_upgrade_left_after_its_stop_and_its_retry
         retry.execute({"task_state_store": task_state})
     assert state_store.latest_run("job").run_id == old, "the retry launched nothing"
     assert task_state.get(UPGRADE_KEY) is None
+
+
+def _operator(tmp_path, version: str = "3.0") -> UpgradeStreamingJobOperator:
+    from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
+
+    spec = {"job_id": "job", "version": version, "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    return UpgradeStreamingJobOperator(task_id="upgrade_b", spec=spec, application=f"/jobs/v{version}.py")
+
+
+def test_a_new_upgrade_is_refused_while_another_is_between_its_tries(state_store, tmp_path):
+    """Upgrade A stopped the job and failed its try, its retry to come: it holds no lease then.  An upgrade B
+    went on past the stop, and A's retry, finding B's version running, rolled it back."""
+    first, _ = _upgrade(state_store, UpgradePhase.STARTING, old_stopped=True, leased=False)
+
+    with pytest.raises(AirflowFailException, match=f"upgrade {first} to version 2.0 is in phase STARTING"):
+        _operator(tmp_path).execute({"task_state_store": TaskStateStore()})
+    assert UpgradeLog(state_store).latest("job").upgrade_id == first, "nothing begun"
+
+
+def test_the_retry_of_an_upgrade_another_one_superseded_does_nothing(state_store, tmp_path):
+    """Left stale (its record older than ``UPGRADE_STALE_S``), upgrade A no longer kept others away; B began."""
+    from airflow_stream_provider.operators.upgrade import UPGRADE_KEY
+
+    first, _ = _upgrade(state_store, UpgradePhase.STARTING, old_stopped=True, leased=False)
+    second = UpgradeLog(state_store).begin("job", "1.0", "3.0", {"task": "stream_upgrade/manual__2/upgrade/-1"})
+
+    with pytest.raises(AirflowFailException, match=f"was superseded by upgrade {second} to version 3.0"):
+        _operator(tmp_path, "2.0").execute({"task_state_store": TaskStateStore({UPGRADE_KEY: first})})
+    assert UpgradeLog(state_store).get(first).result == "superseded"
+    assert UpgradeLog(state_store).get(second).phase == UpgradePhase.PREFLIGHT, "left alone"
+
+
+def test_the_retry_of_an_upgrade_to_the_same_version_does_not_verify_the_old_run(state_store, tmp_path):
+    """The job file changed, the version label did not.  The try failed while the old run finished its stop;
+    the retry took the old run, alive and of the same version, for the new one, verified it on its last
+    batch and reported the job upgraded: the new code never ran, and the job went down once the stop ended."""
+    from airflow_stream_provider.operators.upgrade import UPGRADE_KEY
+
+    old = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.mark_query_started(old)
+    state_store.record_progress(old, 7, None, committed=True)
+    state_store.request_stop(old)
+    upgrades = UpgradeLog(state_store)
+    ctx = {"task": OWNER, "live_run_id": old, "generation": 1, "previous": None, "outcome": {"job_id": "job"},
+           "phase": "STOPPING"}
+    upgrade_id = ctx["upgrade_id"] = upgrades.begin("job", "1.0", "1.0", ctx)
+    upgrades.move(upgrade_id, UpgradePhase.STOPPING, ctx)
+
+    with pytest.raises(AirflowFailException, match="No rollback"):
+        _operator(tmp_path, "1.0").execute({"task_state_store": TaskStateStore({UPGRADE_KEY: upgrade_id})})
+    ended = UpgradeLog(state_store).get(upgrade_id)
+    assert ended.result != "upgraded" and "interrupted in phase STOPPING" in ended.detail["error"], ended
