@@ -23,7 +23,8 @@ with DAG("stream_upgrade", schedule=None, doc_md=__doc__, **DAG_ARGS,
                                               "during the preflight): seconds of downtime instead of a cold "
                                               "start")}):
     upgrade = UpgradeStreamingJobOperator(
-        task_id="upgrade", **{**JOB, "application": "{{ params.application }}"}, version="{{ params.version }}",
+        # tojson: rendered as native objects, a bare "1.10" would become the float 1.1
+        task_id="upgrade", **{**JOB, "application": "{{ params.application }}"}, version="{{ params.version | tojson }}",
         reset_policy=f"{{{{ params.reset_policy or {RESET_POLICY} }}}}", prewarm="{{ params.prewarm }}")
 
     @task

@@ -76,7 +76,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
     lease_action = "upgrade"
 
     template_fields = (*StreamJobOperator.template_fields, "version", "reset_policy", "previous_application",
-                       "preflight_timeout", "verify_timeout", "prewarm")
+                       "preflight_timeout", "verify_timeout", "prewarm", "allow_data_loss")
     ui_color = "#fdf2e0"
 
     def __init__(self, *, version: str | None = None, reset_policy: str = "after_preflight",
@@ -146,11 +146,17 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         ctx["phase"] = phase.value
         self.upgrades.move(ctx["upgrade_id"], phase, ctx, result)
 
+    @property
+    def accepts_data_loss(self) -> bool:
+        """``allow_data_loss`` as a flag: templated, "False" must not read as yes (invariant 5)."""
+        return flag(self.allow_data_loss, "allow_data_loss")
+
     def start(self, context) -> dict[str, Any]:
         try:
             policy = upgrade.check_policy(self.reset_policy)
         except ValueError as err:
             raise AirflowFailException(str(err)) from None
+        _ = self.accepts_data_loss  # bad input fails before anything is done
         unfinished = self._unfinished(context)
         if unfinished is not None:
             return self._resume(context, unfinished)
@@ -323,7 +329,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
                 raise StreamJobError(message)  # Kafka or the database away, or memory: a retry may pass
             raise AirflowFailException(message)
         if decision.action == Action.RESET:  # check the resume point while the old run still runs
-            self.controller.resume_point(self.new_spec, allow_data_loss=self.allow_data_loss)
+            self.controller.resume_point(self.new_spec, allow_data_loss=self.accepts_data_loss)
         self._phase(ctx, UpgradePhase.STOPPING)
         return self.stop_live_then(context, "_old_stopped", {"ctx": ctx})
 
@@ -337,7 +343,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         if ctx.get("successor"):
             return self._release_successor(context, ctx, reason)
         if ctx["decision"]["action"] == Action.RESET:
-            return self.reset_then(context, reason, "_started", {"ctx": ctx}, allow_data_loss=self.allow_data_loss,
+            return self.reset_then(context, reason, "_started", {"ctx": ctx}, allow_data_loss=self.accepts_data_loss,
                                    spec_json=new.to_json(), application=self.application,
                                    on_fail="_failed_after_stop")
         return self.launch_then(context, "_started", {"ctx": ctx}, spec_json=new.to_json(), on_fail="_start_refused")
@@ -348,7 +354,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         new, successor = self.new_spec, ctx.pop("successor")
         reset = None
         if ctx["decision"]["action"] == Action.RESET:
-            reset = self.controller.before_reset(new, reason, allow_data_loss=self.allow_data_loss)
+            reset = self.controller.before_reset(new, reason, allow_data_loss=self.accepts_data_loss)
             launch = self.controller.release_successor(successor, reset["generation"], reset["starting_offsets"])
         else:
             launch = self.controller.release_successor(successor, ctx["generation"], None)
@@ -388,7 +394,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         self.log.warning("Version %s refused the checkpoint on start (%s): resetting", new.version,
                          failed.error_class)
         reason = f"upgrade to version {new.version}: {ctx['decision']['why']}; refused on start: {failed.error_class}"
-        return self.reset_then(context, reason, "_started", {"ctx": ctx}, allow_data_loss=self.allow_data_loss,
+        return self.reset_then(context, reason, "_started", {"ctx": ctx}, allow_data_loss=self.accepts_data_loss,
                                spec_json=new.to_json(), application=self.application, on_fail="_failed_after_stop")
 
     def _started(self, context, started, ctx) -> dict[str, Any]:

@@ -234,3 +234,17 @@ def test_demo_tells_the_whole_story_exactly_once(tmp_path):
                  re.search(r"broker at 127.0.0.1:(\d+)", done.stdout).group(1)):
         with socket.socket() as probe:
             assert probe.connect_ex(("127.0.0.1", int(port))) != 0, f"port {port} still answers"
+
+
+def test_the_upgrades_version_label_renders_as_typed(monkeypatch):
+    """The DAGs render templates as native objects: ``{{ params.version }}`` turned "1.10" into the float 1.1,
+    recorded on the runs and the Variables as "1.1", and "2" into the int 2."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    monkeypatch.syspath_prepend(str(DAGS))
+    monkeypatch.setenv("AIRFLOW_VAR_STREAM_JOB_SPEC", '{"job_id": "events", "kafka": {"topics": ["events"]}}')
+    dag = DagBag(str(DAGS)).dags["stream_upgrade"]
+    upgrade = dag.get_task("upgrade")
+    for label in ("1.10", "2", "1e3", "2.0-rc1"):
+        context = {"params": {"version": label, "application": "/jobs/v2.py"}}
+        assert upgrade.render_template(upgrade.version, context, dag.get_template_env()) == label

@@ -234,3 +234,16 @@ def test_the_retry_of_an_upgrade_to_the_same_version_does_not_verify_the_old_run
         _operator(tmp_path, "1.0").execute({"task_state_store": TaskStateStore({UPGRADE_KEY: upgrade_id})})
     ended = UpgradeLog(state_store).get(upgrade_id)
     assert ended.result != "upgraded" and "interrupted in phase STOPPING" in ended.detail["error"], ended
+
+
+def test_the_upgrades_allow_data_loss_is_a_templated_flag(state_store, tmp_path):
+    """As the reset's: a DAG passing "{{ params.allow_data_loss }}" rendered "False", a non-empty string the
+    upgrade took for yes, accepting lost offsets nobody chose to (invariant 5)."""
+    operator = _operator(tmp_path)
+    assert "allow_data_loss" in operator.template_fields
+    operator.allow_data_loss = "False"
+    assert operator.accepts_data_loss is False
+    operator.allow_data_loss = "sure"
+    with pytest.raises(AirflowFailException, match="allow_data_loss='sure': expected true or false"):
+        operator.execute({"task_state_store": TaskStateStore()})
+    assert UpgradeLog(state_store).latest("job") is None, "nothing begun"
