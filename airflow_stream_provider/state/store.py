@@ -202,7 +202,9 @@ class StateStore:
     def record_progress(
         self, run_id: str, batch_id: int, progress: Mapping[str, Any] | None, committed: bool
     ) -> None:
-        values: dict[str, Any] = {"heartbeat_at": self.now(), "last_progress": json.dumps(progress or {})}
+        values: dict[str, Any] = {"heartbeat_at": self.now()}
+        if progress is not None:  # a commit recorded without one (write-behind) keeps the listener's detail
+            values["last_progress"] = json.dumps(progress)
         if committed:
             values.update(last_batch_id=batch_id, last_batch_at=self.now())
         self._update_run(run_id, **values)

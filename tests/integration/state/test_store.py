@@ -88,6 +88,19 @@ def _health_check():
         probe.close()
 
 
+def test_a_commit_recorded_without_progress_keeps_the_listeners_detail(state_store):
+    """With write-behind the writer records a batch's commit after the listener recorded its progress: it
+    wrote "{}" over the detail (sources, rates) the Streams page and the standby read."""
+    import json
+
+    run = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.record_progress(run, 3, {"batchId": 3, "sources": [{"numInputRows": 7}]}, committed=False)
+    state_store.record_progress(run, 3, None, committed=True)
+    found = state_store.get_run(run)
+    assert found.last_batch_id == 3
+    assert json.loads(found.last_progress)["sources"] == [{"numInputRows": 7}], found.last_progress
+
+
 def test_a_run_found_dead_is_recorded_dead(state_store):
     """A driver killed -9 writes nothing: the health check that finds it gone records DEAD with the
     evidence, so the history never shows a dead run as RUNNING."""
