@@ -14,7 +14,10 @@ FAILED                                waits: the recovery decides, inside the re
 DEAD, or its process is gone (same    takes over
 host), or silent past
 ``heartbeat_timeout_seconds``
-(anywhere, even if its process lives)
+(anywhere, even if its process lives;
+counted from ``silent_since`` when
+later: after the standby's own
+outage of the state database)
 anything else                         waits
 ====================================  =========================================================
 """
@@ -22,7 +25,7 @@ anything else                         waits
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from airflow_stream_provider import diagnosis
@@ -41,9 +44,11 @@ class Verdict:
 
 
 def decide(spec: StreamJobSpec, run: RunRecord | None, generation: int, *, driver_alive: bool | None,
-           now: float | None = None) -> Verdict:
+           now: float | None = None, silent_since: float | None = None) -> Verdict:
     """The standby's rule, pure: ``run`` is the job's latest run, ``generation`` its current generation,
-    ``driver_alive`` the process check where it is possible (else None: the heartbeat decides)."""
+    ``driver_alive`` the process check where it is possible (else None: the heartbeat decides).
+    ``silent_since``: when the standby could read the state database again after an outage; the run could
+    not heartbeat into it either, so its silence counts from then at the earliest."""
     if generation != spec.generation:
         return Verdict("refuse", f"the job is on generation {generation}, this standby was started for generation "
                                  f"{spec.generation}: start a standby for the current generation", run)
@@ -62,14 +67,17 @@ def decide(spec: StreamJobSpec, run: RunRecord | None, generation: int, *, drive
     if run.status == RunStatus.DEAD and not being_stopped:
         return Verdict("take_over", run.termination_message or f"run {run.run_id} is recorded DEAD", run)
     now = time.time() if now is None else now
-    silent = now - (run.heartbeat_at or run.started_at or now)
+    heard = run
+    if silent_since is not None and (run.heartbeat_at or run.started_at or now) < silent_since:
+        heard = replace(run, heartbeat_at=silent_since)  # its silence before then was the database's
+    silent = now - (heard.heartbeat_at or heard.started_at or now)
     if run.running_query and silent > spec.heartbeat_timeout_seconds and not being_stopped:
         # Alive or not: a driver silent this long is not processing (hung, paused, cut off).  The new epoch
         # fences it should it come back; it then finds itself fenced and exits.
         alive = " although its process lives" if driver_alive else ""
         return Verdict("take_over", f"run {run.run_id} sent no heartbeat for {silent:.0f}s (timeout "
                                     f"{spec.heartbeat_timeout_seconds:.0f}s){alive}", run)
-    found = diagnosis.diagnose(spec.job_id, run, driver_alive=driver_alive, lag=None, now=now,
+    found = diagnosis.diagnose(spec.job_id, heard, driver_alive=driver_alive, lag=None, now=now,
                                thresholds=Thresholds(heartbeat_timeout_s=spec.heartbeat_timeout_seconds))
     if found.health == Health.DEAD:  # asked to stop and gone since: a takeover would undo the stop
         return Verdict("end" if found.stop_requested_at is not None else "take_over", "; ".join(found.evidence),

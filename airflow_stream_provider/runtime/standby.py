@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sqlalchemy.exc import InterfaceError, OperationalError
+
 from airflow_stream_provider import local_driver
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
@@ -60,6 +62,9 @@ WARM_UP_STOP_S = 30.0
 #: longer would fork and import them all again at takeover.  About a second of work each time.  (The
 #: tests shorten it, so that takeovers meet a re-warm in flight.)
 REWARM_S = float(os.environ.get("STREAM_STANDBY_REWARM_S", "45"))
+#: What a state database that does not answer raises (a restart, a failover, a locked SQLite file), as
+#: ``lifecycle.waits.DATABASE_OUTAGE`` on the Airflow side: a standby rides it out, as the active driver does.
+DATABASE_OUTAGE = (OperationalError, InterfaceError)
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,10 @@ class Standby:
         self._query: Callable[[str], object] | None = None
         self._warmed_at = 0.0
         self._rewarm: threading.Thread | None = None
+        #: when the state database stopped answering (monotonic), None while it answers
+        self._outage_began: float | None = None
+        #: when it answered again after the last outage (wall clock): the run's silence counts from there
+        self._silent_since: float | None = None
 
     def register(self) -> bool:
         """Record this standby WARMING; False when it was ended before its driver came up."""
@@ -120,7 +129,13 @@ class Standby:
                 return self._end(Verdict("end", "SIGTERM"))
             if time.monotonic() >= next_heartbeat:
                 next_heartbeat = time.monotonic() + self.spec.heartbeat_seconds
-                ended = self._asked_to_end()
+                try:
+                    ended = self._asked_to_end()
+                    self._database_answered()
+                except DATABASE_OUTAGE as err:
+                    self._database_away(err)
+                    next_heartbeat = time.monotonic() + POLL_S
+                    ended = None
                 if ended is not None:
                     return ended
             if time.monotonic() - began > WARM_UP_TIMEOUT_S + WARM_UP_STOP_S:
@@ -130,7 +145,16 @@ class Standby:
             self._rewarm.join(POLL_S)
         seconds = time.monotonic() - began
         self._query = query
-        self.log.ready(self.standby_id)
+        while True:
+            if stop_signalled():
+                return self._end(Verdict("end", "SIGTERM"))
+            try:
+                self.log.ready(self.standby_id)
+                break
+            except DATABASE_OUTAGE as err:
+                self._database_away(err)
+                time.sleep(POLL_S)
+        self._database_answered()
         log.info("standby %s is warm after %.1fs: waiting for run of job %s to need it", self.standby_id, seconds,
                  self.spec.job_id)
         return seconds
@@ -164,35 +188,60 @@ class Standby:
     def wait(self, stop_signalled: Callable[[], bool] = lambda: False) -> Takeover | Verdict:
         """Wait until the active run is dead and take it over (a :class:`Takeover`), or until this standby
         must not (a refusing or ending :class:`Verdict`, recorded)."""
-        spec, next_heartbeat = self.spec, 0.0
+        next_heartbeat = 0.0
         while True:
             if stop_signalled():
                 return self._end(Verdict("end", "SIGTERM"))
             beat = time.monotonic() >= next_heartbeat
             if beat:
-                next_heartbeat = time.monotonic() + spec.heartbeat_seconds
-                ended = self._asked_to_end()
-                if ended is not None:
-                    return ended
-            if self.successor:
-                took = self._released() or (self._unheld() if beat else None)
-                if took is not None:
-                    return took
-                self._keep_warm()
-                time.sleep(POLL_S)
-                continue
-            run = self.store.latest_run(spec.job_id)
-            verdict = decide(spec, run, self.store.current_generation(spec.job_id),
-                             driver_alive=local_driver.run_alive(run))
-            if verdict.action == "take_over":
-                took = self._take_over(verdict)
-                if took is not None:
-                    return took
-                continue  # another standby (or a launch) took the epoch first: watch the new run
-            if verdict.action != "wait":
-                return self._end(verdict)
+                next_heartbeat = time.monotonic() + self.spec.heartbeat_seconds
+            try:
+                outcome = self._poll(beat)
+            except DATABASE_OUTAGE as err:
+                self._database_away(err)
+                if beat:  # beat again once it answers
+                    next_heartbeat = 0.0
+                outcome = None
+            if outcome is not None:
+                return outcome
             self._keep_warm()
             time.sleep(POLL_S)
+
+    def _poll(self, beat: bool) -> Takeover | Verdict | None:
+        """One look at the job (and, with ``beat``, at this standby's own row): what ends the wait, if anything."""
+        if beat:
+            ended = self._asked_to_end()
+            if ended is not None:
+                return ended
+        if self.successor:
+            took = self._released() or (self._unheld() if beat else None)
+            self._database_answered()
+            return took
+        spec = self.spec
+        run = self.store.latest_run(spec.job_id)
+        generation = self.store.current_generation(spec.job_id)
+        self._database_answered()
+        verdict = decide(spec, run, generation, driver_alive=local_driver.run_alive(run),
+                         silent_since=self._silent_since)
+        if verdict.action == "take_over":
+            return self._take_over(verdict)  # None: another standby (or a launch) took the epoch first
+        return None if verdict.action == "wait" else self._end(verdict)
+
+    def _database_away(self, err: Exception) -> None:
+        """A poll met a state database that does not answer: said once per outage; the poll is tried again."""
+        if self._outage_began is None:
+            self._outage_began = time.monotonic()
+            log.warning("standby %s: the state database does not answer (%r): trying again every %.1fs",
+                        self.standby_id, err, POLL_S)
+
+    def _database_answered(self) -> None:
+        """After an outage the active run could not heartbeat either: its silence counts from now."""
+        if self._outage_began is None:
+            return
+        self._silent_since = time.time()
+        log.warning("standby %s: the state database answers again after %.0fs; a run's silence counts from now",
+                    self.standby_id, time.monotonic() - self._outage_began)
+        self._outage_began = None
 
     def _take_over(self, verdict: Verdict) -> Takeover | None:
         spec, dead = self.spec, verdict.run
@@ -204,8 +253,12 @@ class Standby:
                      spec.job_id, dead.epoch)
             return None
         why = f"standby {self.standby_id} took over: {verdict.why}"
-        self.store.mark_dead(dead.run_id, why)
-        self.log.took_over(self.standby_id, dead.run_id, verdict.why)
+        try:  # the epoch is taken: the takeover goes on whatever this bookkeeping meets
+            self.store.mark_dead(dead.run_id, why)
+            self.log.took_over(self.standby_id, dead.run_id, verdict.why)
+        except DATABASE_OUTAGE as err:
+            log.warning("standby %s holds epoch %s; could not record its takeover of run %s: %r", self.standby_id,
+                        ticket.epoch, dead.run_id, err)
         log.warning("standby %s took over run %s of job %s with epoch %s: %s", self.standby_id, dead.run_id,
                     spec.job_id, ticket.epoch, verdict.why)
         return Takeover(ticket, dead, verdict.why, spec)
@@ -224,7 +277,11 @@ class Standby:
             return self._end(Verdict("refuse", f"the epoch of job {spec.job_id} moved past {record.release_epoch} "
                                                "after the upgrade released this successor: another run started"))
         why = f"released by the upgrade to version {spec.version} on generation {spec.generation}"
-        self.log.took_over(self.standby_id, None, why)
+        try:  # the epoch is taken: the start goes on whatever this bookkeeping meets
+            self.log.took_over(self.standby_id, None, why)
+        except DATABASE_OUTAGE as err:
+            log.warning("successor %s holds epoch %s; could not record its release: %r", self.standby_id,
+                        ticket.epoch, err)
         log.warning("successor %s starts job %s version %s on generation %s with epoch %s", self.standby_id,
                     spec.job_id, spec.version, spec.generation, ticket.epoch)
         return Takeover(ticket, None, why, spec)

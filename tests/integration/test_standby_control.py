@@ -343,3 +343,75 @@ def test_a_waiting_standby_is_judged_by_the_heartbeat_timeout_its_spec_asks_for(
     assert with_standby(Diagnosis("orders", Health.HEALTHY, run_id=run.run_id), run, log,
                         Thresholds()).standby == "MISSING"
     assert log.get("s-far").status == StandbyStatus.DEAD
+
+
+def _standby(store, database_url, standby_id: str, **spec_changes):
+    """A standby's own side (``runtime.standby``) registered in the state database, without its Spark session:
+    what is checked is what its polls of the database decide."""
+    import os
+    from dataclasses import replace
+
+    from airflow_stream_provider.runtime.standby import Standby
+
+    spec = replace(StreamJobSpec("orders", "1.0", KafkaSpec("127.0.0.1:9092", ("orders",)), "/tmp/ckpt",
+                                 database_url, standby=True), **spec_changes)
+    standby = Standby(store, spec, standby_id, pid=os.getpid(), log_path=None)
+    assert standby.register()
+    return standby
+
+
+def _down_for(calls: int, outage: dict, real):
+    """``real``, failing as a state database that does not answer for its first ``calls`` calls; ``outage``
+    says ``down`` until a call went through (a test's driver heartbeats again after that)."""
+    from sqlalchemy.exc import OperationalError
+
+    outage.update(left=calls, down=True)
+
+    def call(*args, **kwargs):
+        if outage["left"] > 0:
+            outage["left"] -= 1
+            raise OperationalError("SELECT", {}, Exception("server closed the connection unexpectedly"))
+        answer = real(*args, **kwargs)
+        outage["down"] = False
+        return answer
+    return call
+
+
+def test_a_standby_rides_out_an_outage_of_the_state_database(store, database_url, caplog):
+    """The state database goes away (a restart, a failover) while a standby warms up, and again while it
+    waits, each time for about the heartbeat timeout.  The standby exited at the first error, its row left
+    WARMING or WAITING (one warming counted as died warming up, towards withholding standbys).  Now it tries
+    again each poll, saying so once per outage; and it does not take over the run, which could not heartbeat
+    during the outage either and heartbeats again once the database is back."""
+    import logging
+    import threading
+
+    run = store.begin_run("orders", 1, "1.0")
+    store.mark_query_started(run.run_id)
+    standby = _standby(store, database_url, "s-outage", heartbeat_seconds=0.5, heartbeat_timeout_seconds=2.0)
+    warming, waiting = {"down": False}, {"down": False}
+    done = threading.Event()
+
+    def driver():  # the active run: heartbeats every 0.5 s, none while the database does not answer
+        while not done.is_set():
+            if not warming["down"] and not waiting["down"]:
+                store.heartbeat(run.run_id)
+            done.wait(0.5)
+
+    threading.Thread(target=driver, daemon=True).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="airflow_stream_provider.standby"):
+            standby.log.heartbeat = _down_for(10, warming, standby.log.heartbeat)  # 2 s of polls
+            standby.log.ready = _down_for(10, warming, standby.log.ready)
+            assert isinstance(standby.warm_up(lambda checkpoint: time.sleep(1.0)), float)
+            assert StandbyLog(store).get("s-outage").status == StandbyStatus.WAITING
+
+            standby.store.latest_run = _down_for(15, waiting, standby.store.latest_run)  # 3 s of polls
+            verdict = standby.wait(_polls(35))
+    finally:
+        done.set()
+    assert verdict.why == "SIGTERM", verdict
+    assert store.current_epoch("orders") == run.epoch, "the run that heartbeats apart from the outage was taken over"
+    assert store.get_run(run.run_id).status == "RUNNING"
+    outages = [r for r in caplog.records if "does not answer" in r.getMessage()]
+    assert len(outages) == 2, [r.getMessage() for r in outages]

@@ -56,3 +56,21 @@ def test_a_heartbeat_timeout_under_two_heartbeats_is_refused_before_anything_sta
     with pytest.raises(SpecError) as err:
         replace(SPEC, heartbeat_seconds=2.0, heartbeat_timeout_seconds=3.0).validate()
     assert err.value.field == "heartbeat_timeout_seconds"
+
+
+
+@pytest.mark.parametrize(("run", "alive", "action"), [
+    (_run(heartbeat_age=60), None, "wait"),  # silent 60 s, but 50 s of it the standby could not read either
+    (_run(status=RunStatus.STARTING, query_started_at=None, heartbeat_age=400), None, "wait"),
+    (_run(heartbeat_age=60), False, "take_over"),  # its process is gone: no outage explains that
+    (_run(status=RunStatus.DEAD), None, "take_over"),
+])
+def test_silence_counts_from_when_the_standby_could_read_again(run, alive, action):
+    """After an outage of the state database the run could not heartbeat into it either: its silence before
+    the standby could read again is no evidence."""
+    assert decide(SPEC, run, 1, driver_alive=alive, now=NOW, silent_since=NOW - 10).action == action
+
+
+def test_silence_after_the_standby_could_read_again_is_judged_by_the_timeout():
+    assert decide(SPEC, _run(heartbeat_age=60), 1, driver_alive=None, now=NOW + 25,
+                  silent_since=NOW - 10).action == "take_over"
