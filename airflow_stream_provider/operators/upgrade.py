@@ -330,8 +330,12 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             raise AirflowFailException(message)
         if decision.action == Action.RESET:  # check the resume point while the old run still runs
             self.controller.resume_point(self.new_spec, allow_data_loss=self.accepts_data_loss)
+        # The run to stop is the live one now: a standby may have taken over since the upgrade began, and a
+        # kill of this task owes the restart to the run it stopped (``end_killed_upgrade``).
+        live = self.live_run()
+        ctx["live_run_id"] = live and live.run_id
         self._phase(ctx, UpgradePhase.STOPPING)
-        return self.stop_live_then(context, "_old_stopped", {"ctx": ctx})
+        return self.stop_run_then(context, live, "_old_stopped", {"ctx": ctx})
 
     def _old_stopped(self, context, stopped, ctx) -> dict[str, Any]:
         if stopped is not None:

@@ -247,3 +247,25 @@ def test_the_upgrades_allow_data_loss_is_a_templated_flag(state_store, tmp_path)
     with pytest.raises(AirflowFailException, match="allow_data_loss='sure': expected true or false"):
         operator.execute({"task_state_store": TaskStateStore()})
     assert UpgradeLog(state_store).latest("job") is None, "nothing begun"
+
+
+def test_an_upgrade_stops_and_owes_the_run_live_at_its_stop_not_the_one_live_at_its_start(state_store, tmp_path):
+    """A standby took over while the preflight ran: the upgrade stopped the run live then, but its record still
+    named the run of its start, so a kill of its task owed the restart to a run that was no longer the
+    job's latest, which a recovery does not finish: the job stayed down."""
+    from airflow_stream_provider.upgrade import Preflight, Verdict
+
+    first = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.mark_query_started(first)
+    ctx = {"task": OWNER, "live_run_id": first, "generation": 1, "policy": "after_preflight", "previous": None,
+           "outcome": {"job_id": "job"}}
+    ctx["upgrade_id"] = UpgradeLog(state_store).begin("job", "1.0", "2.0", ctx)
+    took_over = state_store.begin_run("job", 1, "1.0").run_id  # the standby's takeover: the next epoch
+    state_store.mark_query_started(took_over)
+    state_store.finish_run(first, status="FAILED", exit_code=5, failure_kind="CONCURRENT", error_class=None,
+                           message="fenced")
+
+    with pytest.raises(TaskDeferred):  # the stop's wait
+        _operator(tmp_path, "2.0")._decide({}, ctx, Preflight(Verdict.SKIPPED, "no checkpoint yet"))
+    assert UpgradeLog(state_store).get(ctx["upgrade_id"]).detail["live_run_id"] == took_over
+    assert state_store.get_run(took_over).stop_requested_at is not None
