@@ -156,7 +156,13 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             policy = upgrade.check_policy(self.reset_policy)
         except ValueError as err:
             raise AirflowFailException(str(err)) from None
-        _ = self.accepts_data_loss  # bad input fails before anything is done
+        _ = self.accepts_data_loss  # bad input fails before anything is done, not after the old run's stop
+        for name in ("preflight_timeout", "ready_timeout", "verify_timeout"):
+            value = getattr(self, name)
+            try:
+                float(value if value is not None else 0.0)
+            except (TypeError, ValueError):
+                raise AirflowFailException(f"{name}={value!r}: expected a number of seconds") from None
         unfinished = self._unfinished(context)
         if unfinished is not None:
             return self._resume(context, unfinished)

@@ -19,6 +19,7 @@ from airflow_stream_provider.diagnosis import diagnose
 from airflow_stream_provider.lifecycle import health
 from airflow_stream_provider.lifecycle.killed import KilledTask, undo
 from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
+from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
 from airflow_stream_provider.recovery import RecoveryAction, with_interrupted_restart
 from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
@@ -110,7 +111,7 @@ def test_a_finished_upgrade_is_left_as_it_ended(state_store):
 def test_the_retry_of_an_upgrade_killed_while_rolling_back_keeps_the_error_that_failed_it(state_store, tmp_path):
     """The retry rolls back again; the error it ends with is what failed the new version, not the kill
     (before, the record and the task's error said only "interrupted in phase ROLLING_BACK")."""
-    from airflow_stream_provider.operators.upgrade import UPGRADE_KEY, UpgradeStreamingJobOperator
+    from airflow_stream_provider.operators.upgrade import UPGRADE_KEY
 
     upgrade_id, _ = _upgrade(state_store, UpgradePhase.ROLLING_BACK, old_stopped=True)
     failed = "job job run r2 did not start: FAILED (USER_CODE): ZeroDivisionError in the new version's parse"
@@ -163,7 +164,7 @@ def test_a_person_s_stop_supersedes_an_upgrade_left_after_its_stop_and_its_retry
     undoes the stop, and the task's retry fails saying why instead of rolling back to the old code, which
     would start the job again."""
     from airflow_stream_provider.operators.stop import StopStreamingJobOperator
-    from airflow_stream_provider.operators.upgrade import UPGRADE_KEY, UpgradeStreamingJobOperator
+    from airflow_stream_provider.operators.upgrade import UPGRADE_KEY
 
     upgrade_id, old = _upgrade(state_store, UpgradePhase.STOPPING, old_stopped=True, leased=False)
     spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
@@ -185,8 +186,6 @@ def test_a_person_s_stop_supersedes_an_upgrade_left_after_its_stop_and_its_retry
 
 
 def _operator(tmp_path, version: str = "3.0") -> UpgradeStreamingJobOperator:
-    from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
-
     spec = {"job_id": "job", "version": version, "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
     return UpgradeStreamingJobOperator(task_id="upgrade_b", spec=spec, application=f"/jobs/v{version}.py")
 
@@ -245,6 +244,16 @@ def test_the_upgrades_allow_data_loss_is_a_templated_flag(state_store, tmp_path)
     assert operator.accepts_data_loss is False
     operator.allow_data_loss = "sure"
     with pytest.raises(AirflowFailException, match="allow_data_loss='sure': expected true or false"):
+        operator.execute({"task_state_store": TaskStateStore()})
+    assert UpgradeLog(state_store).latest("job") is None, "nothing begun"
+
+
+def test_an_upgrades_timeouts_are_checked_before_it_begins(state_store, tmp_path):
+    """A verify timeout that is no number failed the task after the old run's stop, its record left in
+    VERIFYING, keeping every recovery away for half an hour."""
+    operator = _operator(tmp_path)
+    operator.verify_timeout = "soon"
+    with pytest.raises(AirflowFailException, match="verify_timeout='soon': expected a number of seconds"):
         operator.execute({"task_state_store": TaskStateStore()})
     assert UpgradeLog(state_store).latest("job") is None, "nothing begun"
 
