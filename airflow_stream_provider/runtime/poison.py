@@ -41,9 +41,10 @@ RawReader = Callable[[str, int, int, int], Iterable[tuple]]
 
 RAW_SCHEMA = "topic string, partition int, offset long, key binary, value binary, timestamp timestamp"
 
-# Logical plan nodes that keep state in a streaming query.
+# Logical plan nodes that keep state in a streaming query (analyzed, before the optimizer turns a Distinct
+# into an Aggregate).
 _STATEFUL_NODE = re.compile(
-    r"^[\s+:|~-]*(?:Aggregate|Deduplicate\w*|FlatMapGroups\w*|TransformWithState\w*|\w*Join|GlobalLimit|"
+    r"^[\s+:|~-]*(?:Aggregate|Distinct|Deduplicate\w*|FlatMapGroups\w*|TransformWithState\w*|\w*Join|GlobalLimit|"
     r"Window|SessionWindow\w*|UpdateEventTimeWatermarkColumn)\b",
     re.MULTILINE,
 )
@@ -112,7 +113,7 @@ class PositionSpace:
                     & (F.col("offset") < first + b)
                 )
             base += end - first
-        return reduce(lambda x, y: x | y, conditions) if conditions else F.lit(False)
+        return F.coalesce(reduce(lambda x, y: x | y, conditions), F.lit(False)) if conditions else F.lit(False)
 
     def position(self, index: int) -> tuple[str, int, int]:
         base = 0
@@ -123,7 +124,8 @@ class PositionSpace:
         raise IndexError(index)
 
 def positions(at: Sequence[tuple[str, int, int]]) -> Column:
-    """The records at these (topic, partition, offset) positions."""
+    """The records at these (topic, partition, offset) positions: false, not null, on a row with no position
+    (a stateful operator's own output), so that ``~positions(...)`` keeps such rows."""
     by_partition: dict[transaction.TopicPartition, list[int]] = {}
     for topic, partition, offset in at:
         by_partition.setdefault((topic, partition), []).append(offset)
@@ -131,7 +133,7 @@ def positions(at: Sequence[tuple[str, int, int]]) -> Column:
         (F.col("topic") == topic) & (F.col("partition") == partition) & F.col("offset").isin(offsets)
         for (topic, partition), offsets in sorted(by_partition.items())
     ]
-    return reduce(lambda x, y: x | y, conditions) if conditions else F.lit(False)
+    return F.coalesce(reduce(lambda x, y: x | y, conditions), F.lit(False)) if conditions else F.lit(False)
 
 def may_be_record_error(err: BaseException) -> bool:
     """Could a record be what this failure comes from?  An error in the job's code or an unclassified

@@ -674,10 +674,9 @@ class TransactionalSink:
             except Exception as err:
                 raise poison_error(list(poison), f"its raw key and value could not be read: {reason(err)}") \
                     from err
-        return [
-            _dead_letter({**row, "error": reasons[(row["topic"], row["partition"], row["offset"])]})
-            for row in rows
-        ]
+        # one per record: a transform's output may hold several rows of one record
+        by_position = {(row["topic"], row["partition"], row["offset"]): row for row in rows}
+        return [_dead_letter({**row, "error": reasons[at]}) for at, row in by_position.items()]
 
     # -- result tables ----------------------------------------------------------------------------------
     def _writes(self, results: Sequence[Result]) -> list[transaction.Write]:
@@ -769,7 +768,22 @@ def _tally(frame: DataFrame, bounds: Bounds, table: pa.Table | None = None) -> _
     counts = stats(kept, "count") if bounds.needs_filter else found
     read = {tp: row["offset_count"] for tp, row in counts.items()}
     dead = kept.filter(pc.is_valid(kept["error"])).to_pylist()
-    return _Tally(read, [_dead_letter(row) for row in dead], span(table, found))
+    return _Tally(read, [_dead_letter(row) for row in _one_per_position(dead)], span(table, found))
+
+
+def _one_per_position(rows: Sequence[dict]) -> list[dict]:
+    """One dead letter per record, with each of its rows' errors: a transform that makes several rows of a
+    record (an explode, a join) may give a malformed one several error rows, and dead letters are keyed by
+    position; the second would fail the commit, and then the record's isolation, as POISON."""
+    merged: dict[tuple, dict] = {}
+    for row in rows:
+        at = (row["topic"], row["partition"], row["offset"])
+        error = str(row["error"])
+        if at not in merged:
+            merged[at] = {**row, "error": error}
+        elif error not in merged[at]["error"].split("; "):
+            merged[at]["error"] += "; " + error
+    return list(merged.values())
 
 
 def _positions(frame: DataFrame) -> pa.Table:
