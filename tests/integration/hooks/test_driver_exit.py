@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from airflow_stream_provider import local_driver
+from airflow_stream_provider import jvm_archive, local_driver
 from airflow_stream_provider.hooks.driver import EXIT_ON_MAIN_EXIT, StreamDriverHook
 from stack.jobs import REPO, make_spec, spark_env, wait_until
 from tests.dagtest import airflow as airflow_stack
@@ -20,7 +20,11 @@ APP = REPO / "tests" / "fixtures" / "jobs" / "leaves_a_jvm_thread.py"
 def hook(monkeypatch, tmp_path):
     monkeypatch.setenv(*airflow_stack.connection_env("spark_local", conn_type="spark", host="local[1]",
                                                      extra={"deploy-mode": "client", "spark-binary": "spark-submit"}))
-    return StreamDriverHook("spark_local", log_dir=str(tmp_path / "logs"), archive_dir=str(tmp_path / "archives"))
+    hook = StreamDriverHook("spark_local", log_dir=str(tmp_path / "logs"), archive_dir=str(tmp_path / "archives"))
+    # The JVM's own class sharing, as a deployment may choose: no warm-up-only run to write the provider's
+    # archive, whose JVM this fixture's job would keep alive until the warm-up's 10-minute timeout.
+    hook.conf[jvm_archive.JAVA_OPTIONS] = "-Xshare:auto"
+    return hook
 
 
 def _run(hook, tmp_path) -> int | None:
