@@ -283,8 +283,8 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         dry = replace(new.with_generation(generation), checkpoint_root=root, dry_run=True)
         launch = self.controller.submit_dry_run(self.application, dry)
         self._in_flight = launch
-        ctx["preflight"] = {"root": root, **{k: launch[k] for k in ("run_id", "pid", "host", "submitted_at",
-                                                                      "log_path")},
+        ctx["preflight"] = {"root": root, **{k: launch[k] for k in ("job_id", "run_id", "pid", "host", "submitted_at",
+                                                                      "log_path", "submission_id")},
                             "reads_old_state": None if committed is None else max(committed, 1)}
         self.upgrades.move(ctx["upgrade_id"], UpgradePhase.PREFLIGHT, ctx)
         self.log.info("Preflight of version %s on a copy of generation %s (%s; batch %s replayed): run %s",
@@ -298,6 +298,8 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         ending = self.outcome(event)
         dry = ctx["preflight"]
         run = self.controller.get_run(dry["run_id"])
+        if run is None and ending == "timeout":  # its driver may still come up, on a copy about to be removed
+            self.controller.abandon(dry, f"its run did not register within the preflight's {self.preflight_timeout}s")
         if ending == "ended" or run is None or not run.active:
             return self._preflight_over(context, None, ctx, "ended" if ending == "idle" else ending)
         if ending == "idle":
@@ -559,6 +561,10 @@ def _verdict(run: RunRecord | None, ending: DryRunEnd, log_path: str | None,
     if ending == "idle":
         return Preflight(Verdict.INCONCLUSIVE, "the stream is caught up: no record arrived for the dry run's "
                                                "batch, and the copy held no committed batch to re-run")
+    if run is None and ending == "timeout":  # a start that slow is no verdict on the code: not judged
+        return Preflight(Verdict.FAILED, f"the dry-run driver did not register its run within the preflight's "
+                                         f"timeout: {_first_lines(log_tail(log_path, 5), 5)}",
+                         failure_kind=FailureKind.TRANSIENT.value)
     if ending == "timeout":
         return Preflight(Verdict.INCONCLUSIVE, "the dry run ran no batch before it ended")
     if run is None:

@@ -43,3 +43,33 @@ def test_a_new_version_that_failed_its_preflight_is_still_called_broken(state_st
     raised = _decided(state_store, tmp_path, "USER_CODE", "ZeroDivisionError in parse")
     assert isinstance(raised.value, AirflowFailException)
     assert "the new version failed its preflight" in str(raised.value) and "Fix the new version" in str(raised.value)
+
+
+def test_a_dry_run_that_never_registered_is_killed_and_the_upgrade_stops_before_the_old_run(state_store, tmp_path):
+    """Its driver not registered within the preflight's timeout (a cluster's queue, a machine out of memory),
+    the preflight was INCONCLUSIVE: the upgrade stopped the old run for a new version nobody had seen start,
+    and left the dry run's driver to come up later on a copy already removed."""
+    import subprocess
+    import time
+
+    from airflow_stream_provider import local_driver
+
+    spec = {"job_id": "job", "version": "2.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    operator = UpgradeStreamingJobOperator(task_id="upgrade", spec=spec, application="/jobs/v2.py",
+                                           preflight_timeout=1)
+    # A process in its own group stands in for the dry run's spark-submit, still starting.
+    starting = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    root = tmp_path / "job" / "preflight" / "1"
+    root.mkdir(parents=True)
+    ctx = {"policy": "auto", "generation": 1, "outcome": {}, "live_run_id": None, "preflight_began": time.time(),
+           "preflight": {"root": str(root), "job_id": "job", "run_id": "dry-1", "pid": starting.pid,
+                         "host": local_driver.this_host(), "submitted_at": time.time() - 1,
+                         "log_path": str(tmp_path / "dry.log"), "submission_id": None, "reads_old_state": 1}}
+    ctx["upgrade_id"] = UpgradeLog(state_store).begin("job", "1.0", "2.0", ctx)
+    try:
+        with pytest.raises(StreamJobError, match="could not judge the new version"):
+            operator._dry_run_waited({}, {"outcome": "timeout"}, ctx)
+        assert starting.wait(10) == -9, "the dry run's driver was killed"
+    finally:
+        starting.kill()
+    assert UpgradeLog(state_store).get(ctx["upgrade_id"]).phase == UpgradePhase.DONE, "nothing was stopped"

@@ -70,5 +70,17 @@ def test_a_dry_run_stopped_early_is_inconclusive_and_says_why():
     stopped = RunRecord("r", "j", 1, 1, RunStatus.STOPPED)
     idle = _verdict(stopped, "idle", None, None)
     assert idle.verdict == Verdict.INCONCLUSIVE and "caught up" in idle.detail
-    timed_out = _verdict(None, "timeout", None, 1)
+    timed_out = _verdict(RunRecord("r", "j", 1, 1, RunStatus.STOPPED), "timeout", None, 1)
     assert timed_out.verdict == Verdict.INCONCLUSIVE and "ran no batch" in timed_out.detail
+
+
+def test_a_dry_run_that_never_registered_is_no_verdict_on_the_code_and_stops_the_upgrade():
+    """It was INCONCLUSIVE, so the upgrade went on to stop the old run and start a new version no driver had
+    even started (a cluster's queue, a machine out of memory); its driver was left to come up later."""
+    from airflow_stream_provider.operators.upgrade import _verdict
+
+    never = _verdict(None, "timeout", None, 1)
+    assert (never.verdict, never.failure_kind) == (Verdict.FAILED, "TRANSIENT"), never
+    assert "did not register its run within the preflight's timeout" in never.detail
+    decision = decide(never, "auto")
+    assert decision.action == Action.ABORT and "could not judge the new version" in decision.why
