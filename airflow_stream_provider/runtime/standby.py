@@ -243,19 +243,25 @@ class Standby:
                     self.standby_id, time.monotonic() - self._outage_began)
         self._outage_began = None
 
-    def _take_over(self, verdict: Verdict) -> Takeover | None:
+    def _take_over(self, verdict: Verdict) -> Takeover | Verdict | None:
+        """Take the epoch from the dead run, if this standby is still live: it is ended (a stop of the job)
+        between two heartbeats, while takeovers are decided at each poll.  None when another standby (or a
+        launch) took the epoch first."""
         spec, dead = self.spec, verdict.run
         ticket = self.store.begin_run(spec.job_id, spec.generation, spec.version, run_id=self.standby_id,
                                       host=self.host, pid=self.pid, log_path=self.log_path,
-                                      expected_epoch=dead.epoch)
+                                      expected_epoch=dead.epoch,
+                                      claim=lambda conn: self.log.took_over(conn, self.standby_id, dead.run_id,
+                                                                            verdict.why))
         if ticket is None:
-            log.info("standby %s: the epoch of job %s moved past %s before it could take over", self.standby_id,
-                     spec.job_id, dead.epoch)
-            return None
+            ended = self._ended()
+            if ended is None:
+                log.info("standby %s: the epoch of job %s moved past %s before it could take over",
+                         self.standby_id, spec.job_id, dead.epoch)
+            return ended
         why = f"standby {self.standby_id} took over: {verdict.why}"
         try:  # the epoch is taken: the takeover goes on whatever this bookkeeping meets
             self.store.mark_dead(dead.run_id, why)
-            self.log.took_over(self.standby_id, dead.run_id, verdict.why)
         except DATABASE_OUTAGE as err:
             log.warning("standby %s holds epoch %s; could not record its takeover of run %s: %r", self.standby_id,
                         ticket.epoch, dead.run_id, err)
@@ -270,18 +276,15 @@ class Standby:
         if record is None or record.release_generation is None:
             return None
         spec = self.spec.with_generation(record.release_generation, record.release_offsets)
+        why = f"released by the upgrade to version {spec.version} on generation {spec.generation}"
         ticket = self.store.begin_run(spec.job_id, spec.generation, spec.version, run_id=self.standby_id,
                                       host=self.host, pid=self.pid, log_path=self.log_path,
-                                      expected_epoch=record.release_epoch)
+                                      expected_epoch=record.release_epoch,
+                                      claim=lambda conn: self.log.took_over(conn, self.standby_id, None, why))
         if ticket is None:
-            return self._end(Verdict("refuse", f"the epoch of job {spec.job_id} moved past {record.release_epoch} "
-                                               "after the upgrade released this successor: another run started"))
-        why = f"released by the upgrade to version {spec.version} on generation {spec.generation}"
-        try:  # the epoch is taken: the start goes on whatever this bookkeeping meets
-            self.log.took_over(self.standby_id, None, why)
-        except DATABASE_OUTAGE as err:
-            log.warning("successor %s holds epoch %s; could not record its release: %r", self.standby_id,
-                        ticket.epoch, err)
+            return self._ended() or self._end(Verdict(
+                "refuse", f"the epoch of job {spec.job_id} moved past {record.release_epoch} after the upgrade "
+                          "released this successor: another run started"))
         log.warning("successor %s starts job %s version %s on generation %s with epoch %s", self.standby_id,
                     spec.job_id, spec.version, spec.generation, ticket.epoch)
         return Takeover(ticket, None, why, spec)
@@ -290,10 +293,14 @@ class Standby:
         """Beat; the end its record holds if something ended this standby (an upgrade's abort or its killed
         task, a stop of the job, a newer standby's start)."""
         status = self.log.heartbeat(self.standby_id)
-        if status is None or status.live:
-            return None
+        return None if status is None or status.live else self._ended()
+
+    def _ended(self) -> Verdict | None:
+        """The end its record holds if something ended this standby, else None."""
         record = self.log.get(self.standby_id)
-        verdict = Verdict("end", f"asked to end ({record.message if record else status.value})")
+        if record is None or record.status.live:
+            return None
+        verdict = Verdict("end", f"asked to end ({record.message or record.status.value})")
         log.info("standby %s ends: %s", self.standby_id, verdict.why)
         return verdict
 

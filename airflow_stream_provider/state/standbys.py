@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sqlalchemy import Column, Float, Integer, String, Table, Text, insert, select, update
+from sqlalchemy import Column, Connection, Float, Integer, String, Table, Text, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from airflow_stream_provider.state import schema
@@ -166,10 +166,15 @@ class StandbyLog:
                 release_generation=generation, release_offsets=starting_offsets, release_epoch=epoch))
         return result.rowcount == 1
 
-    def took_over(self, standby_id: str, replaced_run_id: str | None, why: str) -> None:
+    def took_over(self, conn: Connection, standby_id: str, replaced_run_id: str | None, why: str) -> bool:
+        """Record that a live standby takes over, on ``conn``: the transaction that takes its epoch
+        (``StateStore.begin_run(claim=...)``), so that a standby ended meanwhile (a stop of the job) takes
+        nothing.  False when it is no longer live."""
         now = self.clock.now()
-        self._update(standby_id, status=StandbyStatus.TOOK_OVER.value, replaced_run_id=replaced_run_id,
-                     took_over_at=now, ended_at=now, message=plain_text(why)[:4000])
+        result = conn.execute(update(standbys).where(standbys.c.standby_id == standby_id, _live()).values(
+            status=StandbyStatus.TOOK_OVER.value, replaced_run_id=replaced_run_id, took_over_at=now, ended_at=now,
+            message=plain_text(why)[:4000]))
+        return result.rowcount == 1
 
     def end(self, standby_id: str, status: StandbyStatus, why: str) -> bool:
         """End a live standby (REFUSED, ENDED or DEAD); False when it had already ended."""

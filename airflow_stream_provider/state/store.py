@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, Float, Table, and_, func, inspect, literal, select, text, update
+from sqlalchemy import Connection, Engine, Float, Table, and_, func, inspect, literal, select, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
@@ -130,6 +130,7 @@ class StateStore:
         pid: int | None = None,
         log_path: str | None = None,
         expected_epoch: int | None = None,
+        claim: Callable[[Connection], bool] | None = None,
     ) -> RunTicket | None:
         """Register a driver lifetime and take a new fencing epoch.
 
@@ -137,7 +138,9 @@ class StateStore:
         different epochs and only the later one can commit.  A dry run (preflight) must not fence the
         live run: it reads the current epoch without taking a new one.  With ``expected_epoch`` (a
         standby taking over the run that held it) nothing is registered, and None returned, when the
-        epoch has moved on: someone else took over first.
+        epoch has moved on: someone else took over first.  ``claim`` (a standby's on its own row) is
+        written in the same transaction, after the epoch check: when it returns False (the standby was
+        ended meanwhile) nothing is registered either, and None returned.
         """
         run_id = run_id or uuid.uuid4().hex
         now = self.now()
@@ -155,6 +158,8 @@ class StateStore:
             else:
                 epoch = row.epoch
             if expected_epoch is not None and epoch != expected_epoch:
+                return None
+            if claim is not None and not claim(conn):
                 return None
             if not dry_run:
                 epoch += 1

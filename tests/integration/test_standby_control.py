@@ -102,7 +102,8 @@ def test_a_successor_is_released_once_and_is_no_standby_to_the_health_check(stat
         assert (record.release_generation, record.release_offsets, record.release_epoch) == (
             2, '{"orders":{"0":42}}', 7)
         process.kill()
-    log.took_over("succ", None, "released by the upgrade")
+    with state_store.engine.begin() as conn:
+        assert log.took_over(conn, "succ", None, "released by the upgrade")
     assert not log.release("succ", 3, None, 8), "an ended successor is not released again"
 
 
@@ -415,3 +416,50 @@ def test_a_standby_rides_out_an_outage_of_the_state_database(store, database_url
     assert store.get_run(run.run_id).status == "RUNNING"
     outages = [r for r in caplog.records if "does not answer" in r.getMessage()]
     assert len(outages) == 2, [r.getMessage() for r in outages]
+
+
+
+def _after_the_first_poll(then, polls: int = 25):
+    """A wait's ``stop_signalled`` that runs ``then`` after the wait's first poll (before its next
+    heartbeat, 2 s later) and signals after ``polls`` polls."""
+    left = iter(range(polls))
+
+    def stop_signalled() -> bool:
+        poll = next(left, None)
+        if poll == 1:
+            then()
+        return poll is None
+    return stop_signalled
+
+
+def test_a_standby_ended_between_its_heartbeats_takes_nothing_over(store, database_url):
+    """A stop ends the job's standbys (``end_standbys``) and finds the run already DEAD: nothing to stop.  A
+    standby learns of its end at its next heartbeat, but decides on takeovers at each poll in between: it
+    took the epoch anyway, the job ran on after the stop and its ENDED row turned TOOK_OVER.  So did a
+    successor whose upgrade was aborted right after it released it."""
+    from airflow_stream_provider.takeover import Verdict
+
+    log = StandbyLog(store)
+    run = store.begin_run("orders", 1, "1.0")
+    store.mark_query_started(run.run_id)
+    standby = _standby(store, database_url, "s-ended")
+
+    def stopped_finding_the_run_dead():
+        assert log.end_all("orders", "the job is being stopped") == ["s-ended"]
+        store.mark_dead(run.run_id, "its driver process is gone")
+
+    verdict = standby.wait(_after_the_first_poll(stopped_finding_the_run_dead))
+    assert isinstance(verdict, Verdict) and "asked to end (the job is being stopped)" in verdict.why, verdict
+    assert store.current_epoch("orders") == run.epoch and store.get_run("s-ended") is None
+    assert log.get("s-ended").status == StandbyStatus.ENDED
+
+    successor = _successor(store, database_url, "succ-aborted")
+    _upgrade_holding(store, "succ-aborted")
+
+    def released_then_aborted():
+        assert log.release("succ-aborted", 1, None, run.epoch)
+        assert log.end("succ-aborted", StandbyStatus.ENDED, "the upgrade was aborted")
+
+    verdict = successor.wait(_after_the_first_poll(released_then_aborted))
+    assert isinstance(verdict, Verdict) and "asked to end (the upgrade was aborted)" in verdict.why, verdict
+    assert store.current_epoch("orders") == run.epoch and log.get("succ-aborted").status == StandbyStatus.ENDED
