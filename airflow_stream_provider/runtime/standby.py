@@ -149,12 +149,14 @@ class Standby:
             if stop_signalled():
                 return self._end(Verdict("end", "SIGTERM"))
             try:
-                self.log.ready(self.standby_id)
+                ready = self.log.ready(self.standby_id)
                 break
             except DATABASE_OUTAGE as err:
                 self._database_away(err)
                 time.sleep(POLL_S)
         self._database_answered()
+        if not ready:  # ended after its last heartbeat: it must not come back as WAITING
+            return self._ended() or Verdict("end", "its record is gone")
         log.info("standby %s is warm after %.1fs: waiting for run of job %s to need it", self.standby_id, seconds,
                  self.spec.job_id)
         return seconds

@@ -146,9 +146,13 @@ class StandbyLog:
                                  role=role)
         return True
 
-    def ready(self, standby_id: str) -> None:
+    def ready(self, standby_id: str) -> bool:
+        """Record a warming standby WAITING; False when it was ended meanwhile (it stays ended)."""
         now = self.clock.now()
-        self._update(standby_id, status=StandbyStatus.WAITING.value, ready_at=now, heartbeat_at=now)
+        with self.engine.begin() as conn:
+            result = conn.execute(update(standbys).where(standbys.c.standby_id == standby_id, _live()).values(
+                status=StandbyStatus.WAITING.value, ready_at=now, heartbeat_at=now))
+        return result.rowcount == 1
 
     def heartbeat(self, standby_id: str) -> StandbyStatus | None:
         """Record that the standby is alive; return its status (ENDED once someone asked it to end)."""

@@ -463,3 +463,21 @@ def test_a_standby_ended_between_its_heartbeats_takes_nothing_over(store, databa
     verdict = successor.wait(_after_the_first_poll(released_then_aborted))
     assert isinstance(verdict, Verdict) and "asked to end (the upgrade was aborted)" in verdict.why, verdict
     assert store.current_epoch("orders") == run.epoch and log.get("succ-aborted").status == StandbyStatus.ENDED
+
+
+def test_a_standby_ended_while_it_warms_up_stays_ended(store, database_url):
+    """A stop ends the job's standbys while one warms up, after its warm-up's last heartbeat.  Its warm-up
+    done, it recorded itself WAITING over its end: live again, it waited on, and could take the job over
+    after the stop."""
+    from airflow_stream_provider.takeover import Verdict
+
+    log = StandbyLog(store)
+    standby = _standby(store, database_url, "s-warming")
+
+    def warm_up_query(checkpoint: str):  # the job's code runs for a while; the stop comes meanwhile
+        time.sleep(0.5)
+        assert log.end_all("orders", "the job is being stopped") == ["s-warming"]
+
+    verdict = standby.warm_up(warm_up_query)
+    assert isinstance(verdict, Verdict) and "asked to end (the job is being stopped)" in verdict.why, verdict
+    assert log.get("s-warming").status == StandbyStatus.ENDED
