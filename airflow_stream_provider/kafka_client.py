@@ -84,6 +84,28 @@ def unknown_options(properties: Mapping[str, object]) -> list[str]:
     return [name for name in properties if _keyword(name) not in KafkaConsumer.DEFAULT_CONFIG]
 
 
+def mistyped_options(properties: Mapping[str, object]) -> list[str]:
+    """The properties whose value is not of the kind kafka-python's setting takes: a number where its default
+    is one (it compares them), true or false where its default is a flag.  kafka-python would fail on them
+    only as the driver starts, in a way that reads like an unreachable broker."""
+    if not properties:
+        return []
+    from kafka import KafkaConsumer
+
+    wrong = []
+    for name, value in properties.items():
+        default, given = KafkaConsumer.DEFAULT_CONFIG.get(_keyword(name)), _value(value)
+        if isinstance(default, bool):
+            fits = isinstance(given, bool)
+        elif isinstance(default, int | float):
+            fits = isinstance(given, int | float) and not isinstance(given, bool)
+        else:
+            fits = True
+        if not fits:
+            wrong.append(name)
+    return wrong
+
+
 def reserved_options(properties: Mapping[str, object]) -> list[str]:
     """The properties that name a setting ``new_consumer`` and the readers make themselves (brokers, group,
     offset handling): kafka-python would refuse the duplicate keyword, and a reader must not reset or commit."""

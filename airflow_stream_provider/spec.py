@@ -39,7 +39,7 @@ READERS = ("kafka-python", "confluent-kafka")
 JOB_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}"
 _JOB_ID = re.compile(f"^{JOB_ID_PATTERN}$")
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-_INTERVAL = re.compile(r"^\s*(\d+(\.\d+)?)\s*(ms|milliseconds?|s|seconds?|m|minutes?)\s*$")
+_INTERVAL = re.compile(r"^\s*(\d+(\.\d+)?)\s*(ms|milliseconds?|s|seconds?|m|minutes?|h|hours?)\s*$")
 
 
 class SpecError(ValueError):
@@ -146,6 +146,12 @@ class StreamJobSpec:
     @property
     def trigger_seconds(self) -> float:
         return parse_interval(self.trigger_interval)
+
+    @property
+    def spark_trigger_interval(self) -> str:
+        """The trigger interval as Spark's processing-time trigger takes it: Spark refuses much of what the
+        spec accepts ('500ms', '2 s', '1.5 minutes', a number), and failed the query's start on it."""
+        return f"{max(1, round(self.trigger_seconds * 1000))} milliseconds"
 
     def with_generation(self, generation: int, starting_offsets: str | None = None) -> StreamJobSpec:
         kafka = (
@@ -275,6 +281,8 @@ def parse_interval(text: str | float | int) -> float:
     value, unit = float(match.group(1)), match.group(3)
     if unit == "ms" or unit.startswith("milli"):
         return value / 1000
+    if unit.startswith("h"):
+        return value * 3600
     return value * 60 if unit.startswith("m") else value
 
 
@@ -377,6 +385,14 @@ def _validate_kafka(kafka: KafkaSpec) -> None:
             "The driver plans batches and commits the consumer group through kafka-python, whatever the source: "
             "use the properties it knows (security.protocol, sasl.mechanism, sasl.plain.username, "
             "ssl.cafile, request.timeout.ms, ...; its KafkaConsumer settings, with dots or underscores)",
+        )
+    if mistyped := kafka_client.mistyped_options(kafka.client_options):
+        raise SpecError(
+            "kafka.client_options",
+            ", ".join(f"{name}={kafka.client_options[name]!r}" for name in mistyped)
+            + " is not of the kind kafka-python's setting takes",
+            'Give a number where the setting is one (e.g. "request.timeout.ms": 15000) and true or false '
+            "where it is a flag",
         )
     if kafka.starting_offsets not in ("earliest", "latest"):
         try:

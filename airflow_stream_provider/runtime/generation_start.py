@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from kafka.errors import KafkaConfigurationError
+
 from airflow_stream_provider import failures, kafka_client, kafka_offsets
 from airflow_stream_provider.runtime.startup import StartupError
 from airflow_stream_provider.spec import StreamJobSpec
@@ -102,6 +104,13 @@ class GenerationStart:
             client = kafka_client.consumer(spec.kafka.bootstrap_servers, spec.kafka.python_options)
             earliest, latest = kafka_client.watermarks(client, topics)
         except Exception as err:
+            if isinstance(err, TypeError | ValueError | KafkaConfigurationError):  # no broker would change this
+                raise StartupError(
+                    None,
+                    f"the Kafka client refused the job's settings (kafka.client_options): {err!r}. Fix them in "
+                    "the job spec",
+                    failures.EXIT_CONFIG,
+                ) from err
             raise StartupError(
                 failures.FailureKind.TRANSIENT,
                 f"cannot read partitions of {list(topics)} from "

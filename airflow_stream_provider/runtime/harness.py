@@ -482,7 +482,7 @@ class StreamHarness:
         return (
             records.writeStream.queryName(name)
             .option("checkpointLocation", checkpoint)
-            .trigger(processingTime=spec.trigger_interval)
+            .trigger(processingTime=spec.spark_trigger_interval)
             .foreachBatch(self._batch)
             .start()
         )

@@ -136,6 +136,16 @@ def test_a_topic_that_does_not_exist_is_a_configuration_error_that_names_it(spec
     assert store.get_generation(spec.job_id, spec.generation) is None
 
 
+def test_settings_the_kafka_client_refuses_are_a_configuration_error(spec, store):
+    """They were TRANSIENT, "check the broker list and that the brokers are up": restarted with backoff until
+    the budget ran out.  (The spec refuses this one; a spec built in code reaches the driver unchecked.)"""
+    refused = replace(spec, kafka=replace(spec.kafka, client_options={"request.timeout.ms": "abc"}))
+    with pytest.raises(StartupError) as raised:
+        GenerationStart(refused, store, _no_batch).job_topics()
+    assert raised.value.exit_code == failures.EXIT_CONFIG, raised.value
+    assert "the Kafka client refused the job's settings (kafka.client_options)" in str(raised.value)
+
+
 def test_an_unreachable_broker_is_transient(spec, store):
     unreachable = replace(spec, kafka=replace(spec.kafka, bootstrap_servers="127.0.0.1:9",
                                               client_options={"bootstrap.timeout.ms": 1000}))

@@ -56,6 +56,12 @@ def test_good_spec_round_trips():
     ({"generaton": 2}, "generaton", "Known fields"),
     ({"kafka_client_options": {"sasl.jaas.config": "x"}}, "kafka.client_options", "security.protocol"),
     ({"kafka_client_options": {"request.timeout.ms": ["15000"]}}, "kafka.client_options", "by name"),
+    # kafka-python fails on these only at the driver's start, which read like an unreachable broker
+    ({"kafka_client_options": {"request.timeout.ms": "abc"}}, "kafka.client_options", "request.timeout.ms"),
+    ({"kafka_client_options": {"ssl_check_hostname": "no"}}, "kafka.client_options", "true or false"),
+    # Spark refused much of what the spec took ('500ms', '2 s', '1.5 minutes', a number) as the query started;
+    # the spec takes these and hands Spark milliseconds (``spark_trigger_interval``): what it refuses is this
+    ({"trigger_interval": "2 fortnights"}, "trigger_interval", "1 second"),
     # settings the provider makes itself: kafka-python would refuse the duplicate keyword at the start
     ({"kafka_client_options": {"group.id": "mine"}}, "kafka.client_options", "stream-<job_id>"),
     ({"kafka_client_options": {"auto_offset_reset": "latest"}}, "kafka.client_options", "exact ranges"),
@@ -66,6 +72,15 @@ def test_bad_field_is_named_with_its_fix(changes, field, fix):
     with pytest.raises(SpecError) as err:
         StreamJobSpec.from_dict(_with(**changes))
     assert err.value.field == field and fix in str(err.value)
+
+
+@pytest.mark.parametrize(("interval", "spark"), [
+    ("500ms", "500 milliseconds"), ("2 s", "2000 milliseconds"), ("1 m", "60000 milliseconds"),
+    ("1.5 minutes", "90000 milliseconds"), (5, "5000 milliseconds"), ("1 hour", "3600000 milliseconds"),
+    ("1 second", "1000 milliseconds"),
+])
+def test_a_trigger_interval_reaches_spark_in_a_form_it_takes(interval, spark):
+    assert StreamJobSpec.from_dict(_with(trigger_interval=interval)).spark_trigger_interval == spark
 
 
 def test_client_options_in_either_spelling_reach_kafka_python_as_its_keywords():
