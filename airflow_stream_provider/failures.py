@@ -475,7 +475,11 @@ SIGNATURES: tuple[Signature, ...] = (
         error_classes=(),
         patterns=(
             (
-                r"(?i)OperationalError\b.*(?:connection refused|could not connect|server closed the connection "
+                # psycopg 3 begins a refusal of the job's credentials with "connection failed" too: that is
+                # "database-refused-the-job", no outage
+                r"(?i)OperationalError\b(?!.*(?:FATAL:\s+(?:password authentication|role \"|database \"|no pg_hba)"
+                r"|fe_sendauth))"
+                r".*(?:connection refused|could not connect|server closed the connection "
                 r"unexpectedly|connection failed|connection timed out|timeout expired)"
             ),
             r"(?i)OperationalError\b.*database is locked",
@@ -498,6 +502,20 @@ SIGNATURES: tuple[Signature, ...] = (
         "evidence; a restart with backoff resumes from the checkpoint.",
     ),
     # -- the job's results and the tables they go to -----------------------------------------------------
+    Signature(
+        name="database-refused-the-job",
+        kind=FailureKind.USER_CODE,
+        error_classes=(),
+        patterns=(
+            r"\bFATAL:\s+(?:password authentication failed|role \"[^\"]*\" does not exist|database \"[^\"]*\" "
+            r"does not exist|no pg_hba\.conf entry)",
+            r"\bfe_sendauth: no password supplied\b",
+            r"(?i)OperationalError\b.*unable to open database file",
+        ),
+        advice="The sink/state database refused the job's connection (its user, password, database name or "
+        "file path): fix the spec's database_url or the state connection's password; a restart with the same "
+        "settings fails the same way.",
+    ),
     Signature(
         name="result-table-mismatch",
         kind=FailureKind.USER_CODE,

@@ -221,6 +221,26 @@ SAMPLES: dict[str, tuple[str, ...]] = {
             "exclusion constraint matching the ON CONFLICT specification"
         ),
     ),
+    # psycopg 3's texts, from PostgreSQL 15; they begin as an unreachable server's do
+    "database-refused-the-job": (
+        (
+            'psycopg.OperationalError: connection failed: connection to server at "127.0.0.1", port 5432 '
+            'failed: FATAL:  password authentication failed for user "stream"'
+        ),
+        (
+            'psycopg.OperationalError: connection failed: connection to server at "127.0.0.1", port 5432 '
+            'failed: FATAL:  role "nosuchuser" does not exist'
+        ),
+        (
+            'psycopg.OperationalError: connection failed: connection to server at "127.0.0.1", port 5432 '
+            'failed: FATAL:  database "no_such_db" does not exist'
+        ),
+        (
+            'psycopg.OperationalError: connection failed: connection to server at "127.0.0.1", port 5432 '
+            "failed: fe_sendauth: no password supplied"
+        ),
+        "sqlite3.OperationalError: unable to open database file",
+    ),
     "database-unreachable": (
         (
             'psycopg.OperationalError: connection failed: connection to server at "127.0.0.1", port 5432 '
