@@ -378,6 +378,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             return self.launch_reset(context, new, reset, reason, "_started", {"ctx": ctx},
                                      on_fail="_failed_after_stop")
         ctx["successor_id"] = launch["run_id"]
+        self._in_flight = launch  # as a cold start's: a kill of this task while it starts ends it
         self._phase(ctx, UpgradePhase.STARTING)
         pending = {"launch": launch, "after": "_successor_started", "carry": {"ctx": ctx, "reset": reset,
                                                                             "reason": reason},

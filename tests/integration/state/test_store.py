@@ -275,6 +275,50 @@ def test_a_task_killed_while_deferred_is_undone_by_its_trigger(state_store, tmp_
     assert state_store.get_run(elsewhere.run_id).stop_requested_at is not None
 
 
+def test_an_upgrade_killed_while_deferred_on_its_released_successors_start_ends_that_run(state_store, tmp_path):
+    """The upgrade released its warm successor and waits, deferred, for its query to start; a person marks the
+    task failed.  The trigger's undo ends the launch the task waited on, as for a cold start.  The released
+    successor was neither an unreleased one to end nor the task's launch: it ran on after the kill,
+    unverified."""
+    import asyncio
+
+    import pytest
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
+    from airflow_stream_provider.state.standbys import SUCCESSOR, StandbyLog
+    from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
+    from airflow_stream_provider.triggers.run import StreamRunTrigger
+    from tests.integration.task_state import TaskStateStore
+
+    spec = {"job_id": "job", "version": "2.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    operator = UpgradeStreamingJobOperator(task_id="upgrade", spec=spec, application="job.py", prewarm=True,
+                                           deferrable=True)
+    operator._lease_owner = "stream_upgrade/manual__1/upgrade/-1"
+    here = socket.gethostname()
+    old = state_store.begin_run("job", 1, "1.0")
+    state_store.finish_run(old.run_id, status="STOPPED", exit_code=0, message="stopped by the upgrade")
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True) as driver:
+        StandbyLog(state_store).register("succ", "job", "2.0", 1, host=here, pid=driver.pid, log_path=None,
+                                         role=SUCCESSOR)
+        successor = {"standby_id": "succ", "application": "job.py", "spec": operator.new_spec.to_json()}
+        ctx = {"upgrade_id": UpgradeLog(state_store).begin("job", "1.0", "2.0", {"successor": successor}),
+               "successor": successor, "decision": {"action": "reuse"}, "generation": 1, "outcome": {}}
+        try:
+            with pytest.raises(TaskDeferred) as caught:
+                operator._release_successor({"task_state_store": TaskStateStore()}, ctx, "upgrade to version 2.0")
+            # the successor takes the epoch the release names and starts its query
+            state_store.begin_run("job", 1, "2.0", run_id="succ", host=here, pid=driver.pid,
+                                  expected_epoch=old.epoch)
+            _, kwargs = caught.value.trigger.serialize()
+            asyncio.run(StreamRunTrigger(**kwargs).on_kill())
+            assert driver.wait(10) == -9
+        finally:
+            driver.kill()
+    assert state_store.get_run("succ").status == "DEAD"
+    assert UpgradeLog(state_store).get(ctx["upgrade_id"]).phase == UpgradePhase.DONE
+
+
 def test_an_upgrade_refused_by_another_tasks_lease_leaves_that_upgrades_successor_alone(state_store, tmp_path):
     """A second upgrade triggered while the first one runs fails on the job's lease, before anything: the
     first upgrade's successor is the first upgrade's to release or end."""
