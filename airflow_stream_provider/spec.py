@@ -9,6 +9,7 @@ the Kafka client's (``KAFKA_SECRETS_ENV``), which a serialized spec leaves out. 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -233,9 +234,8 @@ class StreamJobSpec:
             raise SpecError("job_id", f"{self.job_id!r} contains '..'", "Choose a name without '..'")
         if not self.version or not isinstance(self.version, str):
             raise SpecError("version", "is empty", "Give the code version, e.g. '1.4.0' or a git sha")
-        if not self.checkpoint_root:
-            raise SpecError("checkpoint_root", "is empty", "Give a local path or an hdfs:// URI")
-        if not isinstance(self.generation, int) or self.generation < 1:
+        _validate_checkpoint_root(self.checkpoint_root)
+        if isinstance(self.generation, bool) or not isinstance(self.generation, int) or self.generation < 1:
             raise SpecError(
                 "generation", f"{self.generation!r} is not a positive integer", "Generations start at 1"
             )
@@ -249,12 +249,18 @@ class StreamJobSpec:
                 f"{self.trigger_interval!r} is not a positive interval",
                 "Write e.g. '500 milliseconds', '1 second' or '2 minutes'",
             ) from None
+        for name in ("heartbeat_seconds", "heartbeat_timeout_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise SpecError(name, f"{value!r} is not a number of seconds", "Give a JSON number, e.g. 2.0")
         if self.heartbeat_seconds <= 0:
             raise SpecError("heartbeat_seconds", "must be positive", "Use e.g. 2.0")
         if self.heartbeat_timeout_seconds < 2 * self.heartbeat_seconds:
             raise SpecError("heartbeat_timeout_seconds",
                             f"{self.heartbeat_timeout_seconds} is under two heartbeats ({self.heartbeat_seconds}s each)",
                             "A driver would be found dead while it lives; use e.g. 30")
+        if not isinstance(self.dry_run, bool):  # "false" would make a deploy a dry run
+            raise SpecError("dry_run", f"{self.dry_run!r} is not true or false", "Leave it out: upgrades set it")
         if not isinstance(self.standby, bool):
             raise SpecError("standby", f"{self.standby!r} is not true or false", "Use true to keep a warm standby")
         if not isinstance(self.min_batches_to_retain, int) or self.min_batches_to_retain < 2:
@@ -286,6 +292,23 @@ def parse_interval(text: str | float | int) -> float:
     return value * 60 if unit.startswith("m") else value
 
 
+def _validate_checkpoint_root(root: object) -> None:
+    """What the provider's checkpoint handling takes (``hooks.checkpoint``), checked before anything starts:
+    the job would run, and its first reset or upgrade, in an incident maybe, would fail on the root."""
+    fix = "Give an absolute local path, a file:///absolute/path URI or an hdfs://namenode:port/path URI"
+    if not isinstance(root, str) or not root.strip():
+        raise SpecError("checkpoint_root", f"{root!r} is not a path", fix)
+    parts = urlsplit(root)
+    if parts.scheme not in ("", "file", "hdfs"):
+        raise SpecError("checkpoint_root", f"{root!r} uses scheme {parts.scheme!r}, which the provider cannot "
+                        "archive, copy or list", fix)
+    if parts.scheme == "file" and parts.netloc not in ("", "localhost"):
+        raise SpecError("checkpoint_root", f"{root!r} names host {parts.netloc!r}", fix)
+    if not (parts.path if parts.scheme else root).startswith("/"):
+        # relative: each process (the driver, a task, the triggerer) would resolve it against its own directory
+        raise SpecError("checkpoint_root", f"{root!r} is not an absolute path", fix)
+
+
 def _validate_database_url(url: str) -> None:
     if not url or "://" not in url:
         raise SpecError(
@@ -309,7 +332,9 @@ def _validate_database_url(url: str) -> None:
 
 
 def _validate_kafka(kafka: KafkaSpec) -> None:
-    if not kafka.bootstrap_servers or not all(":" in s for s in kafka.bootstrap_servers.split(",")):
+    if not isinstance(kafka.bootstrap_servers, str) or not kafka.bootstrap_servers or not all(
+        ":" in s for s in kafka.bootstrap_servers.split(",")
+    ):
         raise SpecError(
             "kafka.bootstrap_servers",
             f"{kafka.bootstrap_servers!r} is not host:port[,host:port]",

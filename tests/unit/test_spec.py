@@ -62,6 +62,19 @@ def test_good_spec_round_trips():
     # Spark refused much of what the spec took ('500ms', '2 s', '1.5 minutes', a number) as the query started;
     # the spec takes these and hands Spark milliseconds (``spark_trigger_interval``): what it refuses is this
     ({"trigger_interval": "2 fortnights"}, "trigger_interval", "1 second"),
+    # the provider archives, copies and lists checkpoints itself: a root it cannot handle failed its first
+    # reset or upgrade, and a relative one each process resolves against its own directory
+    ({"checkpoint_root": "s3a://bucket/ckpt"}, "checkpoint_root", "hdfs://namenode:port/path"),
+    ({"checkpoint_root": "hdfs://nn:8020"}, "checkpoint_root", "absolute"),
+    ({"checkpoint_root": "file://otherhost/ckpt"}, "checkpoint_root", "file:///absolute/path"),
+    ({"checkpoint_root": "ckpt"}, "checkpoint_root", "absolute local path"),
+    ({"checkpoint_root": 5}, "checkpoint_root", "absolute local path"),
+    # a TypeError, or taken at face value
+    ({"heartbeat_seconds": "2"}, "heartbeat_seconds", "JSON number"),
+    ({"heartbeat_timeout_seconds": float("nan")}, "heartbeat_timeout_seconds", "JSON number"),
+    ({"dry_run": "false"}, "dry_run", "upgrades set it"),
+    ({"generation": True}, "generation", "start at 1"),
+    ({"kafka_bootstrap_servers": 5}, "kafka.bootstrap_servers", "broker1:9092"),
     # settings the provider makes itself: kafka-python would refuse the duplicate keyword at the start
     ({"kafka_client_options": {"group.id": "mine"}}, "kafka.client_options", "stream-<job_id>"),
     ({"kafka_client_options": {"auto_offset_reset": "latest"}}, "kafka.client_options", "exact ranges"),
