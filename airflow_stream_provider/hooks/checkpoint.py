@@ -242,7 +242,16 @@ class _WebHdfsFileSystem:
         return "/" + posixpath.normpath(raw).lstrip("/")
 
     def _status(self, path: str) -> dict | None:
-        return self._client.status(path, strict=False)
+        """The path's status; None only where the NameNode says it does not exist (``strict=False`` would
+        say so of a path the WebHDFS user may not read, too: a checkpoint it cannot see is no lost one)."""
+        from hdfs.util import HdfsError
+
+        try:
+            return self._client.status(path)
+        except HdfsError as err:
+            if err.exception == "FileNotFoundException":
+                return None
+            raise _os_error(err, path) from err
 
     def list(self, path: str) -> list[_Entry]:
         status = self._status(path)
@@ -261,8 +270,13 @@ class _WebHdfsFileSystem:
         return _hdfs_time(status) if status else None
 
     def read_text(self, path: str) -> str:
-        with self._client.read(path) as reader:
-            return reader.read().decode("utf-8", errors="replace")
+        from hdfs.util import HdfsError
+
+        try:
+            with self._client.read(path) as reader:
+                return reader.read().decode("utf-8", errors="replace")
+        except HdfsError as err:  # as the local file system's errors: an OSError
+            raise _os_error(err, path) from err
 
     def makedirs(self, path: str) -> None:
         self._client.makedirs(path)
@@ -306,6 +320,16 @@ _COPY_FIRST = {"commits": 0, "offsets": 1}
 
 def _copy_order(names: list[str]) -> list[str]:
     return sorted(names, key=lambda name: (_COPY_FIRST.get(name, 2), name))
+
+
+def _os_error(err, path: str) -> OSError:
+    """A WebHDFS error as the local file system would raise it."""
+    if err.exception == "FileNotFoundException":
+        return FileNotFoundError(f"{path}: {err}")
+    if err.exception in ("AccessControlException", "SecurityException"):
+        return PermissionError(f"{path}: {err}. Give the WebHDFS user of the checkpoint connection read "
+                               "access to the job's checkpoints")
+    return OSError(f"{path}: {err}")
 
 
 def _hdfs_time(status: dict) -> float | None:

@@ -752,3 +752,95 @@ class TestOnHdfs:
             (2, False),
             (13, True),
         ]
+
+
+class _StandInWebHdfs:
+    """A WebHDFS endpoint over a few in-memory paths that refuses chosen requests as a NameNode does when
+    its user may not read them (403, AccessControlException).  No HDFS runs here; this is the part of the
+    protocol the hook's reads use."""
+
+    def __init__(self, files: dict[str, bytes], refused: set[tuple[str, str]]):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import parse_qs
+
+        dirs = {"/"} | {p.rsplit("/", i)[0] or "/" for p in files for i in range(1, p.count("/") + 1)}
+
+        def status(path: str, suffix: str = "") -> dict:
+            kind = "FILE" if path in files else "DIRECTORY"
+            return {"pathSuffix": suffix, "type": kind, "length": len(files.get(path, b"")),
+                    "modificationTime": 1_714_564_800_000}
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, code: int, body: bytes, kind: str = "application/json") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _error(self, code: int, exception: str, message: str) -> None:
+                self._answer(code, json.dumps({"RemoteException": {"exception": exception, "message": message}})
+                             .encode())
+
+            def do_GET(self):
+                url = urlsplit(self.path)
+                op, path = parse_qs(url.query)["op"][0], url.path.removeprefix("/webhdfs/v1") or "/"
+                if any(op == o and path.startswith(p) for o, p in refused):
+                    return self._error(403, "AccessControlException",
+                                       f"Permission denied: user=airflow, access=EXECUTE, inode=\"{path}\"")
+                if path not in files and path not in dirs:
+                    return self._error(404, "FileNotFoundException", f"File does not exist: {path}")
+                if op == "GETFILESTATUS":
+                    return self._answer(200, json.dumps({"FileStatus": status(path)}).encode())
+                if op == "LISTSTATUS":
+                    children = sorted({p[len(path.rstrip("/")) + 1:].split("/")[0] for p in files | dict.fromkeys(dirs)
+                                       if p.startswith(path.rstrip("/") + "/")} - {""})
+                    listed = [status(f"{path.rstrip('/')}/{c}", c) for c in children]
+                    return self._answer(200, json.dumps({"FileStatuses": {"FileStatus": listed}}).encode())
+                if op == "OPEN":
+                    return self._answer(200, files[path], "application/octet-stream")
+                return self._error(400, "IllegalArgumentException", f"op {op}")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+
+@pytest.fixture
+def stand_in_webhdfs(monkeypatch):
+    started = []
+
+    def start(files: dict[str, bytes], refused: set[tuple[str, str]]) -> CheckpointHook:
+        started.append(_StandInWebHdfs(files, refused))
+        hdfs_connection(monkeypatch, started[-1].url)
+        return CheckpointHook("hdfs://nn:8020/ck", HDFS_CONN)
+
+    yield start
+    for server in started:
+        server.server.shutdown()
+
+
+def test_an_hdfs_checkpoint_the_webhdfs_user_may_not_read_is_not_taken_for_a_missing_one(stand_in_webhdfs):
+    """Asked with ``strict=False``, the client answered None for any refusal as for a missing path: an
+    upgrade skipped its preflight ("no checkpoint yet"), a reset archived nothing and a diagnosis said the
+    checkpoint was lost."""
+    hook = stand_in_webhdfs({f"/ck/{JOB}/gen-1/offsets/0": b"v1\n{}\n{}\n"}, {("GETFILESTATUS", f"/ck/{JOB}")})
+    with pytest.raises(PermissionError, match="read access"):
+        hook.has_checkpoint(hook.generation_path(JOB, 1))
+    with pytest.raises(PermissionError):
+        hook.list_generations(JOB)
+
+
+def test_an_unreadable_hdfs_offsets_file_leaves_the_listing_working(stand_in_webhdfs):
+    """The local file system's listing reports an unreadable offsets file as unknown offsets; on HDFS the
+    client's own error escaped, and one such file in any generation or archive blocked every reset, upgrade
+    and prune."""
+    offsets = f'v1\n{{"batchWatermarkMs":0,"batchTimestampMs":0}}\n{{"{TOPIC}":{{"0":10}}}}\n'.encode()
+    hook = stand_in_webhdfs({f"/ck/{JOB}/gen-1/offsets/0": offsets, f"/ck/{JOB}/gen-1/commits/0": b"v1\n{}\n"},
+                            {("OPEN", f"/ck/{JOB}/gen-1/offsets/0")})
+    (found,) = hook.list_generations(JOB)
+    assert (found.generation, found.latest_batch.batch_id, found.latest_batch.offsets) == (1, 0, None), found
