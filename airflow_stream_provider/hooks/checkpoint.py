@@ -652,9 +652,11 @@ class CheckpointHook(BaseHook):
 
     def remove_preflight(self, job_id: str, path: str) -> None:
         """Delete one preflight copy made by :meth:`copy_generation`; nothing else can be removed here."""
-        preflight_dir = self._resolve(self._join(self._job_dir(job_id), PREFLIGHT_DIR), what="preflight dir")
+        # The preflight dir itself, not a link to the job's dir or its archive: a copy's name would then
+        # name a live generation or an archive
+        preflight_dir = self._resolve_child(self._job_dir(job_id), PREFLIGHT_DIR, what="preflight dir")
         resolved = self._resolve(path, what="preflight copy")
-        if self._dirname(resolved) != preflight_dir:
+        if self._dirname(resolved) != preflight_dir or self._area(resolved) != "other":
             raise ValueError(
                 f"refusing to remove {path!r}: only direct children of {self._external(preflight_dir)} "
                 "(preflight copies) are removed by remove_preflight()"

@@ -374,6 +374,19 @@ def test_preflight_copy_is_made_and_removed_inside_its_own_directory(hook, tree,
     assert not Path(preflight).exists() and (root / JOB / "gen-1" / "commits" / "2").exists()
 
 
+@pytest.mark.parametrize("linked_to", ["job", "archive"])
+def test_a_preflight_dir_that_is_a_link_removes_nothing_through_it(hook, tree, root, linked_to):
+    """A preflight dir that links to the job's dir (or its archive), inside the root, passed the check that a
+    copy is a child of it: removing ``preflight/gen-1`` removed the live generation, or an archive."""
+    target = root / JOB if linked_to == "job" else root / JOB / "archive"
+    (root / JOB / "archive" / "gen-1-20240501T120000Z").mkdir(parents=True)
+    (root / JOB / "preflight").symlink_to(target, target_is_directory=True)
+    name = "gen-1" if linked_to == "job" else "gen-1-20240501T120000Z"
+    with pytest.raises(ValueError, match="is a link to"):
+        hook.remove_preflight(JOB, f"{root}/{JOB}/preflight/{name}")
+    assert (target / name).is_dir()
+
+
 def test_copy_then_drop_latest_commit_on_the_copy(hook, tree, root):
     target = hook.copy_generation(JOB, 1, f"{root}/{JOB}/preflight/v2")
     assert snapshot(Path(target)) == snapshot(root / JOB / "gen-1")
