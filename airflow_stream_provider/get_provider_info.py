@@ -80,6 +80,11 @@ _CONNECTION_TYPES: list[dict[str, Any]] = [
                 "description": "Reach WebHDFS over https instead of http.",
                 "schema": {"type": ["boolean", "null"], "default": False},
             },
+            "timeout": {
+                "label": "Request timeout (seconds)",
+                "description": "How long a WebHDFS request may wait for an answer (default 120).",
+                "schema": {"type": ["number", "null"], "default": 120},
+            },
         },
     },
 ]

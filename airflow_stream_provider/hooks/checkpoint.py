@@ -48,6 +48,8 @@ _ARCHIVE_TIME = "%Y%m%dT%H%M%SZ"
 ARCHIVE_DIR = "archive"
 PREFLIGHT_DIR = "preflight"
 DEFAULT_WEBHDFS_PORT = 9870
+#: Seconds a WebHDFS request may wait for an answer (the connection's extra ``timeout``).
+DEFAULT_WEBHDFS_TIMEOUT_S = 120.0
 
 
 # -- results -------------------------------------------------------------------------------------------
@@ -405,7 +407,10 @@ class CheckpointHook(BaseHook):
         self.log.info(
             "Using WebHDFS at %s as user %s for %s", url, conn.login or "(current)", self._root_text
         )
-        return InsecureClient(url, user=conn.login or None)
+        # requests waits for ever by default: a half-open NameNode connection would hold a reset or an
+        # upgrade, and the job's lease, with no end
+        timeout = float(conn.extra_dejson.get("timeout", DEFAULT_WEBHDFS_TIMEOUT_S))
+        return InsecureClient(url, user=conn.login or None, timeout=(min(timeout, 10.0), timeout))
 
     def get_conn(self) -> InsecureClient:
         return self.webhdfs_client

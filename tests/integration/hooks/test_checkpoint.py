@@ -857,3 +857,22 @@ def test_an_unreadable_hdfs_offsets_file_leaves_the_listing_working(stand_in_web
                             {("OPEN", f"/ck/{JOB}/gen-1/offsets/0")})
     (found,) = hook.list_generations(JOB)
     assert (found.generation, found.latest_batch.batch_id, found.latest_batch.offsets) == (1, 0, None), found
+
+
+def test_a_webhdfs_endpoint_that_never_answers_fails_the_call_after_the_connections_timeout(monkeypatch):
+    """requests waits for ever by default: a half-open NameNode connection held a reset or an upgrade, and
+    the job's lease, with no end.  A listening socket that never answers stands in for it."""
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        monkeypatch.setenv(f"AIRFLOW_CONN_{HDFS_CONN.upper()}", json.dumps(
+            {"conn_type": "stream_checkpoint", "host": "127.0.0.1", "port": silent.getsockname()[1],
+             "extra": {"timeout": 1}}))
+        hook = CheckpointHook("hdfs://nn:8020/ck", HDFS_CONN)
+        began = time.monotonic()
+        with pytest.raises(Exception, match="(?i)timed? ?out"):
+            hook.has_checkpoint(hook.generation_path(JOB, 1))
+        assert time.monotonic() - began < 30
+    finally:
+        silent.close()
