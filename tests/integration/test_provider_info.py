@@ -239,8 +239,8 @@ def test_forms_load_without_fab_and_without_complaints(tmp_path):
         form = ui_field_behaviour(conn_type)
         assert seen["behaviours"][conn_type]["hidden_fields"] == form["hidden_fields"]
         assert seen["behaviours"][conn_type]["relabeling"] == form["relabeling"]
-    assert seen["widgets"] == ["extra__stream_checkpoint__use_ssl", "extra__stream_kafka__bootstrap_servers",
-                               "extra__stream_state__url"]
+    assert seen["widgets"] == ["extra__stream_checkpoint__timeout", "extra__stream_checkpoint__use_ssl",
+                               "extra__stream_kafka__bootstrap_servers", "extra__stream_state__url"]
     assert seen["testable"] == {"stream_state": True, "stream_kafka": True, "stream_checkpoint": False}
 
 
