@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -129,12 +129,12 @@ class StreamJobSpec:
     def checkpoint_is_local(self) -> bool:
         return urlsplit(self.checkpoint_root).scheme in ("", "file")
 
-    def session_conf(self) -> dict[str, str]:
-        """The driver's Spark SQL settings: the harness's defaults, then the job's own ``spark_conf``."""
+    def session_conf(self, submitted: Collection[str] = ()) -> dict[str, str]:
+        """The driver's Spark SQL settings: the harness's defaults, except those the deployment's spark-submit
+        conf sets (``submitted``: its keys), then the spec's ``min_batches_to_retain`` and ``spark_conf``."""
         defaults = {
             "spark.sql.session.timeZone": "UTC",
             "spark.sql.shuffle.partitions": "4",
-            "spark.sql.streaming.minBatchesToRetain": str(self.min_batches_to_retain),
             # The sink caches each batch for that batch only.  Compressing the cache gathers dictionary
             # and run-length statistics over every column value to save a few MB for one batch: draining
             # 100,000-record batches, read_parse took 0.79 of the time without it, same peak RSS.
@@ -142,7 +142,8 @@ class StreamJobSpec:
         }
         if self.checkpoint_is_local:
             defaults[CHECKPOINT_MANAGER_CONF] = LOCAL_CHECKPOINT_MANAGER
-        return {**defaults, **self.spark_conf}
+        kept = {key: value for key, value in defaults.items() if key not in submitted}
+        return {**kept, "spark.sql.streaming.minBatchesToRetain": str(self.min_batches_to_retain), **self.spark_conf}
 
     @property
     def trigger_seconds(self) -> float:

@@ -35,7 +35,6 @@ FAST_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 TEST_SPARK_CONF = {
     "spark.ui.enabled": "false",
     "spark.driver.memory": "768m",
-    "spark.sql.shuffle.partitions": "2",
     "spark.python.worker.reuse": "true",
     "spark.driver.extraJavaOptions": FAST_JVM,
     "spark.executor.extraJavaOptions": FAST_JVM,

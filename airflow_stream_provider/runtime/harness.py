@@ -371,7 +371,7 @@ class StreamHarness:
         defaults = {**LONG_RUNNING_DRIVER_CONF, f"spark.executorEnv.{ARROW_POOL_ENV}": os.environ[ARROW_POOL_ENV]}
         for key, value in unless_submitted(defaults, submitted).items():
             builder = builder.config(key, value)
-        for key, value in self.spec.session_conf().items():
+        for key, value in self.spec.session_conf({key for key, _ in submitted.getAll()}).items():
             builder = builder.config(key, value)
         self.spark = builder.getOrCreate()
         self.spark.sparkContext.setLogLevel(os.environ.get("STREAM_SPARK_LOG_LEVEL", "WARN"))

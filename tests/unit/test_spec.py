@@ -146,6 +146,19 @@ def test_the_jobs_own_spark_conf_wins_over_the_defaults():
     assert conf["spark.sql.streaming.checkpointFileManagerClass"] == "x.Mine"
 
 
+def test_the_deployments_spark_submit_conf_wins_over_the_defaults_and_the_spec_over_both():
+    """The harness applied its defaults over what spark-submit was given (the connection's or the operator's
+    conf): a deployment's shuffle partitions, pinned into a stateful job's checkpoint, were silently 4."""
+    from airflow_stream_provider.spec import CHECKPOINT_MANAGER_CONF
+
+    submitted = {"spark.sql.shuffle.partitions", CHECKPOINT_MANAGER_CONF, "spark.sql.streaming.minBatchesToRetain"}
+    conf = StreamJobSpec.from_dict(_with(spark_conf={"spark.sql.session.timeZone": "Europe/Oslo"})).session_conf(
+        submitted)
+    assert "spark.sql.shuffle.partitions" not in conf and CHECKPOINT_MANAGER_CONF not in conf
+    assert conf["spark.sql.streaming.minBatchesToRetain"] == "100", "a spec field: the spec says"
+    assert conf["spark.sql.session.timeZone"] == "Europe/Oslo"
+
+
 def test_a_spec_that_rendered_to_text_fails_naming_the_dag_setting():
     """Without native rendering a templated spec is text: it failed with "dictionary update sequence element
     #0 has length 1", and was retried."""
