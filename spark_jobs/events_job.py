@@ -37,9 +37,17 @@ FIELDS = (*TEXT_FIELDS, "amount", "ts")
 NUMBER_TYPES = ("TINYINT", "SMALLINT", "INT", "BIGINT", "FLOAT", "DOUBLE")
 
 
+def _max_value_bytes(setting: str) -> int:
+    """The size limit; anything but a positive number of bytes is refused (0 would dead-letter every record)."""
+    if not setting.strip().isdigit() or int(setting) < 1:
+        raise ValueError(f"{MAX_VALUE_BYTES_CONF}={setting!r} is not a positive number of bytes: give e.g. "
+                         f"{DEFAULT_MAX_VALUE_BYTES} in the job spec's spark_conf")
+    return int(setting)
+
+
 def parse(records: DataFrame) -> DataFrame:
     """Kafka records -> events; ``error`` says why a record is not a valid event (null when it is)."""
-    max_bytes = int(records.sparkSession.conf.get(MAX_VALUE_BYTES_CONF, str(DEFAULT_MAX_VALUE_BYTES)))
+    max_bytes = _max_value_bytes(records.sparkSession.conf.get(MAX_VALUE_BYTES_CONF, str(DEFAULT_MAX_VALUE_BYTES)))
     text = F.col("value").cast("string")
     # VARIANT keeps each field's JSON type, so a number where a string belongs is seen, not coerced.
     doc = F.when(F.octet_length("value") <= max_bytes, F.expr("try_parse_json(CAST(value AS STRING))"))

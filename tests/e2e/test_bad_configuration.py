@@ -96,3 +96,33 @@ def test_misspelt_policies_list_the_choices(stream, job, operator, argument, cho
     with pytest.raises(AirflowFailException, match=choices):
         operator(task_id="t", **job, **argument).execute(context={})
     _nothing_started(stream)
+
+
+def test_the_example_jobs_size_limit_must_be_a_positive_number_of_bytes(tmp_path):
+    """'64k' failed the query's start with a bare ValueError; 0 or a negative limit dead-lettered every record
+    while the stored offsets moved past them.  The job's code runs in the drivers' Python, which has Spark."""
+    import json
+    import subprocess
+
+    from stack.jobs import REPO, SPARK_BIN, spark_env
+
+    script = tmp_path / "limit.py"
+    script.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'spark_jobs')!r})\n"
+        "from events_job import _max_value_bytes\n"
+        "found = {}\n"
+        "for setting in ('64k', '0', '-1', ' 65536 '):\n"
+        "    try:\n"
+        "        found[setting] = _max_value_bytes(setting)\n"
+        "    except ValueError as err:\n"
+        "        found[setting] = str(err)\n"
+        "print('RESULT ' + json.dumps(found))\n")
+    done = subprocess.run([str(SPARK_BIN / "python"), str(script)], env=spark_env(), capture_output=True, text=True,
+                          timeout=120)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-2000:]
+    found = json.loads(lines[-1].removeprefix("RESULT "))
+    assert found[" 65536 "] == 65536
+    for refused in ("64k", "0", "-1"):
+        assert "is not a positive number of bytes: give e.g. 65536" in found[refused], found
