@@ -366,7 +366,11 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         new, successor = self.new_spec, ctx.pop("successor")
         reset = None
         if ctx["decision"]["action"] == Action.RESET:
-            reset = self.controller.before_reset(new, reason, allow_data_loss=self.accepts_data_loss)
+            try:
+                reset = self.controller.before_reset(new, reason, allow_data_loss=self.accepts_data_loss)
+            except Exception as err:  # the old run is stopped: roll back, as the cold path's reset does
+                self.controller.end_successor(successor, "the upgrade's reset failed")
+                return self._failed_after_stop(context, err, ctx)
             launch = self.controller.release_successor(successor, reset["generation"], reset["starting_offsets"])
         else:
             launch = self.controller.release_successor(successor, ctx["generation"], None)

@@ -278,3 +278,32 @@ def test_an_upgrade_stops_and_owes_the_run_live_at_its_stop_not_the_one_live_at_
         _operator(tmp_path, "2.0")._decide({}, ctx, Preflight(Verdict.SKIPPED, "no checkpoint yet"))
     assert UpgradeLog(state_store).get(ctx["upgrade_id"]).detail["live_run_id"] == took_over
     assert state_store.get_run(took_over).stop_requested_at is not None
+
+
+def test_a_prewarmed_upgrade_whose_reset_fails_rolls_back_and_ends_its_successor(state_store, tmp_path,
+                                                                                  monkeypatch):
+    """The cold path's reset hands a failure after the stop to the rollback; the prewarmed path's escaped it:
+    the task failed with the old run stopped and the record left in STARTING, and the warm successor, taken
+    out of the flow's state already, waited on for half an hour."""
+    import socket
+
+    from airflow_stream_provider.lifecycle.controller import StreamJobController, StreamJobError
+    from airflow_stream_provider.state.standbys import SUCCESSOR, StandbyLog, StandbyStatus
+
+    def unreachable(self, job, reason, allow_data_loss):
+        raise StreamJobError("Kafka at the job's brokers is unreachable: NoBrokersAvailable")
+
+    monkeypatch.setattr(StreamJobController, "before_reset", unreachable)
+    old = state_store.begin_run("job", 1, "1.0").run_id
+    state_store.finish_run(old, status="STOPPED", exit_code=0, message="stopped by the upgrade")
+    StandbyLog(state_store).register("successor-1", "job", "2.0", 1, host=socket.gethostname(), pid=4242,
+                                     log_path=None, role=SUCCESSOR)
+    ctx = {"task": OWNER, "live_run_id": old, "generation": 1, "previous": None, "outcome": {},
+           "successor": {"standby_id": "successor-1"},
+           "decision": {"action": "reset", "why": "incompatible", "reset_on_start_failure": False}}
+    ctx["upgrade_id"] = UpgradeLog(state_store).begin("job", "1.0", "2.0", ctx)
+
+    with pytest.raises(AirflowFailException, match="NoBrokersAvailable"):
+        _operator(tmp_path, "2.0")._old_stopped({}, {"run_id": old, "outcome": "stopped"}, ctx)
+    assert UpgradeLog(state_store).get(ctx["upgrade_id"]).phase == UpgradePhase.DONE
+    assert StandbyLog(state_store).get("successor-1").status == StandbyStatus.ENDED
