@@ -142,6 +142,10 @@ class Standby:
                 log.warning("standby %s: its warm-up query has not stopped %.0fs after it began (the job's "
                             "code does not return?): waiting without it", self.standby_id, time.monotonic() - began)
                 break
+            if self._needed_now():
+                log.warning("standby %s: the active run needs it before its warm-up ended: taking over without "
+                            "waiting for it", self.standby_id)
+                break
             self._rewarm.join(POLL_S)
         seconds = time.monotonic() - began
         self._query = query
@@ -160,6 +164,21 @@ class Standby:
         log.info("standby %s is warm after %.1fs: waiting for run of job %s to need it", self.standby_id, seconds,
                  self.spec.job_id)
         return seconds
+
+    def _needed_now(self) -> bool:
+        """While warming up: whether the active run already needs this standby (its driver gone, its heartbeat
+        silent), so that the takeover does not wait out the warm-up, while a recovery waits on this standby
+        for a minute only.  A successor takes nothing over by itself."""
+        if self.successor or self._outage_began is not None:  # the warm-up's heartbeat says when it answers
+            return False
+        try:
+            run = self.store.latest_run(self.spec.job_id)
+            generation = self.store.current_generation(self.spec.job_id)
+        except DATABASE_OUTAGE as err:
+            self._database_away(err)
+            return False
+        return decide(self.spec, run, generation, driver_alive=local_driver.run_alive(run),
+                      silent_since=self._silent_since).action == "take_over"
 
     def _keep_warm(self) -> None:
         """Start the warm-up query again in the background when it is due (the poll goes on meanwhile)."""

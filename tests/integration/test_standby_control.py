@@ -481,3 +481,26 @@ def test_a_standby_ended_while_it_warms_up_stays_ended(store, database_url):
     verdict = standby.warm_up(warm_up_query)
     assert isinstance(verdict, Verdict) and "asked to end (the job is being stopped)" in verdict.why, verdict
     assert log.get("s-warming").status == StandbyStatus.ENDED
+
+
+def test_a_standby_still_warming_up_takes_over_a_run_that_died_without_waiting_out_its_warm_up(store, database_url):
+    """It looked at the active run only once warm: with the job's code slow to warm up (up to two and a half
+    minutes), a run that died meanwhile waited that long, while a recovery waits a minute for a live standby
+    before it kills it and starts cold: the job was down longer than with no standby at all."""
+    import threading
+
+    from airflow_stream_provider.runtime.standby import Takeover
+
+    run = store.begin_run("orders", 1, "1.0")
+    store.mark_query_started(run.run_id)
+    store.mark_dead(run.run_id, "its driver process is gone")
+    standby = _standby(store, database_url, "s-needed")
+    slow = threading.Event()  # the job's code warming up: returns only when the test ends
+    try:
+        began = time.monotonic()
+        assert isinstance(standby.warm_up(lambda checkpoint: slow.wait()), float)
+        assert time.monotonic() - began < 5, "it went on while its warm-up still ran"
+        took = standby.wait(_polls(25))
+        assert isinstance(took, Takeover) and took.ticket.epoch > run.epoch, took
+    finally:
+        slow.set()
