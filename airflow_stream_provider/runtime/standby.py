@@ -201,9 +201,13 @@ class Standby:
         generation) is refused at once, recorded.  A successor is another version by design."""
         if self.successor:
             return None
-        run = self.store.latest_run(self.spec.job_id)
-        verdict = decide(self.spec, run, self.store.current_generation(self.spec.job_id),
-                         driver_alive=local_driver.run_alive(run))
+        try:
+            run = self.store.latest_run(self.spec.job_id)
+            generation = self.store.current_generation(self.spec.job_id)
+        except DATABASE_OUTAGE as err:  # the wait refuses as well, once the database answers
+            self._database_away(err)
+            return None
+        verdict = decide(self.spec, run, generation, driver_alive=local_driver.run_alive(run))
         return self._end(verdict) if verdict.action == "refuse" else None
 
     def wait(self, stop_signalled: Callable[[], bool] = lambda: False) -> Takeover | Verdict:

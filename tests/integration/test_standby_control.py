@@ -419,6 +419,15 @@ def test_a_standby_rides_out_an_outage_of_the_state_database(store, database_url
 
 
 
+def test_a_standby_whose_first_look_meets_an_outage_warms_up_all_the_same(store, database_url):
+    """Its one look before warming up (whether it could ever take over) raised: the standby exited
+    TRANSIENT.  The wait makes the same judgement at each poll, once the database answers."""
+    standby = _standby(store, database_url, "s-first-look")
+    standby.store.latest_run = _down_for(1, {"down": False}, standby.store.latest_run)
+    assert standby.refusal() is None
+    assert StandbyLog(store).get("s-first-look").status == StandbyStatus.WARMING
+
+
 def _after_the_first_poll(then, polls: int = 25):
     """A wait's ``stop_signalled`` that runs ``then`` after the wait's first poll (before its next
     heartbeat, 2 s later) and signals after ``polls`` polls."""
