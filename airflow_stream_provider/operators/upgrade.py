@@ -23,6 +23,7 @@ from airflow_stream_provider.operators.base import (
     LAUNCH_KEY,
     StreamJobOperator,
     _set_task_state,
+    _task_ended,
     _task_state,
     flag,
 )
@@ -166,7 +167,10 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         unfinished = self._unfinished(context)
         if unfinished is not None:
             return self._resume(context, unfinished)
-        # Another upgrade between two of its tries holds no lease, and its retry would roll this one back.
+        # Another upgrade between two of its tries holds no lease, and its retry would roll this one back;
+        # one whose task has ended for good is ended here (owing the job the restart it left), as a recovery
+        # ends it, rather than keep every upgrade away until it goes stale.
+        self._end_abandoned_upgrade(context)
         self.refuse_during_upgrade("new upgrade")
         new = self.new_spec
         job_id = new.job_id
@@ -190,6 +194,14 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         ctx["upgrade_id"] = self.upgrades.begin(job_id, before and before.version, new.version, ctx)
         _set_task_state(context, UPGRADE_KEY, ctx["upgrade_id"])
         return self._preflight(context, ctx)
+
+    def _end_abandoned_upgrade(self, context) -> None:
+        found = self.controller.latest_upgrade()
+        if (found is None or found.phase == UpgradePhase.DONE or not found.task
+                or not _task_ended(context, found.task, self.log)):
+            return
+        end_killed_upgrade(self.state.store, found.job_id, f"its task {found.task} has ended in Airflow "
+                           "without finishing it", self.log)
 
     # -- a retry of a killed upgrade task ----------------------------------------------------------------
     def _unfinished(self, context):

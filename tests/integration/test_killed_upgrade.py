@@ -200,6 +200,34 @@ def test_a_new_upgrade_is_refused_while_another_is_between_its_tries(state_store
     assert UpgradeLog(state_store).latest("job").upgrade_id == first, "nothing begun"
 
 
+class _AskedTaskInstance:
+    """This task's instance as an operator asks it about another task: Airflow's answer stands in (this tier
+    runs no Airflow)."""
+
+    dag_id, run_id, task_id, map_index = "stream_upgrade", "manual__2", "upgrade_b", -1
+
+    def __init__(self, state: str):
+        self.state = state
+
+    def get_task_states(self, *, dag_id, task_ids, run_ids, map_index):
+        return {run_id: {task_id: self.state for task_id in task_ids} for run_id in run_ids}
+
+
+def test_an_upgrade_whose_task_ended_for_good_is_ended_by_the_next_upgrade(state_store, tmp_path):
+    """Its task failed past the stop on its last try, through an error that escaped its flow: refused "until
+    the upgrade's task has ended", every new upgrade waited half an hour for the record to go stale."""
+    first, old = _upgrade(state_store, UpgradePhase.STARTING, old_stopped=True, leased=False)
+    with pytest.raises(AirflowFailException, match="is in phase STARTING"):  # its retry may come: refused
+        _operator(tmp_path).execute({"task_state_store": TaskStateStore(), "ti": _AskedTaskInstance("up_for_retry")})
+
+    with pytest.raises(Exception) as raised:  # past the refusal, on to its preflight and this tier's broker
+        _operator(tmp_path).execute({"task_state_store": TaskStateStore(), "ti": _AskedTaskInstance("failed")})
+    assert "is in phase STARTING" not in str(raised.value), raised.value
+    ended = UpgradeLog(state_store).get(first)
+    assert (ended.phase, ended.result) == (UpgradePhase.DONE, "killed"), ended
+    assert [r["failed_run_id"] for r in state_store.restarts_since("job", 0)] == [old], "owed the restart"
+
+
 def test_the_retry_of_an_upgrade_another_one_superseded_does_nothing(state_store, tmp_path):
     """Left stale (its record older than ``UPGRADE_STALE_S``), upgrade A no longer kept others away; B began."""
     from airflow_stream_provider.operators.upgrade import UPGRADE_KEY
