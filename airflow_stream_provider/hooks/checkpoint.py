@@ -409,7 +409,11 @@ class CheckpointHook(BaseHook):
         )
         # requests waits for ever by default: a half-open NameNode connection would hold a reset or an
         # upgrade, and the job's lease, with no end
-        timeout = float(conn.extra_dejson.get("timeout", DEFAULT_WEBHDFS_TIMEOUT_S))
+        given = conn.extra_dejson.get("timeout")
+        timeout = DEFAULT_WEBHDFS_TIMEOUT_S if given in (None, "") else float(given)
+        if timeout <= 0:
+            raise ValueError(f"connection {self.checkpoint_conn_id!r}: extra timeout={given!r} is not a positive "
+                             "number of seconds")
         return InsecureClient(url, user=conn.login or None, timeout=(min(timeout, 10.0), timeout))
 
     def get_conn(self) -> InsecureClient:

@@ -876,3 +876,16 @@ def test_a_webhdfs_endpoint_that_never_answers_fails_the_call_after_the_connecti
         assert time.monotonic() - began < 30
     finally:
         silent.close()
+
+
+@pytest.mark.parametrize(("given", "timeout"), [(None, 120.0), ("", 120.0), ("30", 30.0), (0, None)])
+def test_the_checkpoint_connections_timeout_field(monkeypatch, given, timeout):
+    """A cleared form field stores null: every HDFS call failed on float(None)."""
+    monkeypatch.setenv(f"AIRFLOW_CONN_{HDFS_CONN.upper()}", json.dumps(
+        {"conn_type": "stream_checkpoint", "host": "127.0.0.1", "port": 9870, "extra": {"timeout": given}}))
+    hook = CheckpointHook("hdfs://nn:8020/ck", HDFS_CONN)
+    if timeout is None:
+        with pytest.raises(ValueError, match="not a positive number of seconds"):
+            _ = hook.webhdfs_client
+    else:
+        assert hook.webhdfs_client._timeout == (min(timeout, 10.0), timeout)
