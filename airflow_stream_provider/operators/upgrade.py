@@ -33,8 +33,8 @@ from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 from airflow_stream_provider.upgrade import Action, Preflight, Verdict
 
 #: How a preflight's dry run ended: by itself, stopped as idle (caught up, nothing to run a batch on), or
-#: stopped at the timeout.
-DryRunEnd = Literal["ended", "idle", "timeout"]
+#: stopped at the timeout, or killed at the timeout before it registered.
+DryRunEnd = Literal["ended", "idle", "timeout", "unregistered"]
 #: How long a preflight waits for a live run to commit its second batch (it needs one to re-run).
 STATE_HISTORY_WAIT_S = 60.0
 #: The task-state key of this task's upgrade: a retry resumes it (or rolls it back) instead of starting over.
@@ -312,6 +312,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         run = self.controller.get_run(dry["run_id"])
         if run is None and ending == "timeout":  # its driver may still come up, on a copy about to be removed
             self.controller.abandon(dry, f"its run did not register within the preflight's {self.preflight_timeout}s")
+            return self._preflight_over(context, None, ctx, "unregistered")  # whatever registers meanwhile
         if ending == "ended" or run is None or not run.active:
             return self._preflight_over(context, None, ctx, "ended" if ending == "idle" else ending)
         if ending == "idle":
@@ -578,7 +579,7 @@ def _verdict(run: RunRecord | None, ending: DryRunEnd, log_path: str | None,
     if ending == "idle":
         return Preflight(Verdict.INCONCLUSIVE, "the stream is caught up: no record arrived for the dry run's "
                                                "batch, and the copy held no committed batch to re-run")
-    if run is None and ending == "timeout":  # a start that slow is no verdict on the code: not judged
+    if ending == "unregistered" or (run is None and ending == "timeout"):  # a start that slow judges no code
         return Preflight(Verdict.FAILED, f"the dry-run driver did not register its run within the preflight's "
                                          f"timeout: {_first_lines(log_tail(log_path, 5), 5)}",
                          failure_kind=FailureKind.TRANSIENT.value)

@@ -84,3 +84,6 @@ def test_a_dry_run_that_never_registered_is_no_verdict_on_the_code_and_stops_the
     assert "did not register its run within the preflight's timeout" in never.detail
     decision = decide(never, "auto")
     assert decision.action == Action.ABORT and "could not judge the new version" in decision.why
+    # registered between the wait's look and its kill: still the start that never came in time
+    late = _verdict(RunRecord("r", "j", 1, 1, RunStatus.STARTING), "unregistered", None, 1)
+    assert (late.verdict, late.failure_kind) == (Verdict.FAILED, "TRANSIENT"), late
