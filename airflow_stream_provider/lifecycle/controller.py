@@ -244,6 +244,7 @@ class StreamJobController:
         """Start a driver for ``spec`` on ``generation`` (default: the current one) and return the launch at
         once; :meth:`ready_wait` says what to wait for, :meth:`finish_launch` what came of it."""
         generation = generation or self.state.current_generation(spec.job_id)
+        self.check_before_start(spec)  # the brokers first: the resume point below asks them too
         if starting_offsets is None and generation > 1 and self.state.store.get_generation(spec.job_id,
                                                                                           generation) is None:
             # Every earlier generation is archived and this one never started: a reset (a person's, or an
@@ -253,7 +254,6 @@ class StreamJobController:
             resume, _ = self.resume_point(spec)
             starting_offsets = kafka_offsets.to_spark_json(resume) if resume else None
         spec = spec.with_generation(generation, starting_offsets)
-        self.check_before_start(spec)
         return {**self._submitted(application, spec, uuid.uuid4().hex), "generation": generation, "version": spec.version,
                 "application": application, "spec": spec.to_json(), "checkpoint_path": spec.checkpoint_path}
 
