@@ -477,7 +477,7 @@ SIGNATURES: tuple[Signature, ...] = (
             (
                 # psycopg 3 begins a refusal of the job's credentials with "connection failed" too: that is
                 # "database-refused-the-job", no outage
-                r"(?i)OperationalError\b(?!.*(?:FATAL:\s+(?:password authentication|role \"|database \"|no pg_hba)"
+                r"(?i)OperationalError\b(?!(?s:.*)(?:FATAL:\s+(?:password authentication|role \"|database \"|no pg_hba)"
                 r"|fe_sendauth))"
                 r".*(?:connection refused|could not connect|server closed the connection "
                 r"unexpectedly|connection failed|connection timed out|timeout expired)"

@@ -240,6 +240,12 @@ SAMPLES: dict[str, tuple[str, ...]] = {
             "failed: fe_sendauth: no password supplied"
         ),
         "sqlite3.OperationalError: unable to open database file",
+        (  # a connection string naming several hosts: one line per host tried
+            'psycopg.OperationalError: connection failed: connection to server at "10.0.0.1", port 5432 failed: '
+            "Connection refused\n"
+            'Multiple connection attempts failed. All failures were:\n- host: \'db2\', port: \'5432\', hostaddr: '
+            "'10.0.0.2': connection failed: FATAL:  password authentication failed for user \"stream\""
+        ),
     ),
     "database-unreachable": (
         (
