@@ -566,7 +566,9 @@ class StateStore:
         table, runs, offset = schema.restarts, schema.runs, self.clock.offset()
         up = func.coalesce(runs.c.ended_at, runs.c.heartbeat_at) - runs.c.query_started_at
         query = (select(table, runs.c.last_batch_id.is_not(None).label("new_run_committed"), up.label("new_run_up_s"),
-                        (runs.c.status == FAILED.value).label("new_run_failed"))
+                        # by itself: not fenced by another driver, nor failing a batch while asked to stop
+                        and_(runs.c.status == FAILED.value, runs.c.stop_requested_at.is_(None),
+                             func.coalesce(runs.c.failure_kind, "") != "CONCURRENT").label("new_run_failed"))
                  .select_from(table.outerjoin(runs, runs.c.run_id == table.c.new_run_id))
                  .where(table.c.job_id == job_id, table.c.at >= since + offset).order_by(table.c.at))
         with self.engine.connect() as conn:

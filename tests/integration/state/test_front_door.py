@@ -245,3 +245,11 @@ def test_restart_history_says_how_long_the_new_run_ran(store):
     assert history[None] == 0.0, "no run launched: nothing ran"
     failed = {r["new_run_id"]: r["new_run_failed"] for r in store.restarts_since("job", 0)}
     assert failed == {up: False, ended: True, None: False}, failed
+    fenced, stopping = (store.begin_run("job", 1, "1.0").run_id for _ in range(2))
+    store.record_restart("job", "restart", "died", ended, fenced)
+    store.record_restart("job", "restart", "died", fenced, stopping)
+    store.finish_run(fenced, status="FAILED", exit_code=5, failure_kind="CONCURRENT", error_class=None, message="x")
+    store.request_stop(stopping)
+    store.finish_run(stopping, status="FAILED", exit_code=1, failure_kind="USER_CODE", error_class=None, message="x")
+    failed = {r["new_run_id"]: r["new_run_failed"] for r in store.restarts_since("job", 0)}
+    assert (failed[fenced], failed[stopping]) == (False, False), "fenced, or failing as it stopped: not by itself"
