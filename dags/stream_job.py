@@ -50,7 +50,7 @@ JOB = {
 }
 #: What the health sensor needs: the job id and its topics, from the same spec.
 WATCH = {
-    "job_id": "{{ var.json.stream_job_spec.job_id }}",
+    "job_id": "{{ var.json.stream_job_spec.job_id | tojson }}",  # native: a bare "2024" would be a number
     "topics": "{{ var.json.stream_job_spec.kafka.topics }}",
 }
 #: A Jinja expression (not a template) so a DAG can combine it with its params.

@@ -248,3 +248,8 @@ def test_the_upgrades_version_label_renders_as_typed(monkeypatch):
     for label in ("1.10", "2", "1e3", "2.0-rc1"):
         context = {"params": {"version": label, "application": "/jobs/v2.py"}}
         assert upgrade.render_template(upgrade.version, context, dag.get_template_env()) == label
+    import stream_job  # the DAGs' shared settings: the watch's job id renders as typed too
+
+    for job_id in ("2024", "orders"):
+        context = {"var": {"json": {"stream_job_spec": {"job_id": job_id}}}}
+        assert upgrade.render_template(stream_job.WATCH["job_id"], context, dag.get_template_env()) == job_id
