@@ -255,7 +255,14 @@ class StreamHarness:
                     failures.EXIT_CONFIG,
                 )
             self.on_poison = on_poison
+            # A stop may come while the driver starts (the stop operator's SIGTERM): it ends the start
+            # with a clean stop, not the process at once with its run left STARTING.
+            signal.signal(signal.SIGTERM, self._on_sigterm)
             self._start_spark()
+            signal.signal(signal.SIGINT, self._on_sigterm)  # over PySpark's own, which raises KeyboardInterrupt
+            if self._stop_signalled:
+                return self._finish(state.STOPPED, failures.EXIT_STOPPED, None, None,
+                                    "asked to stop before its query started")
             self.startup.done("spark_session")
             if self.standby is not None:
                 ended = self._stand_by(transform, results)
@@ -552,7 +559,7 @@ class StreamHarness:
 
     # -- life --------------------------------------------------------------------------------------
     def _on_sigterm(self, signum, frame) -> None:
-        log.info("SIGTERM: stopping gracefully")
+        log.info("%s: stopping gracefully", signal.Signals(signum).name)
         self._stop_signalled = True
 
     def _watch(self, query: StreamingQuery) -> int:

@@ -115,6 +115,16 @@ def test_graceful_stop_and_restart(broker, topic, runner, figures):
     # progress is visible to standard Kafka lag tooling through the job's consumer group
     group = runner.spec.kafka.consumer_group(runner.spec.job_id)
     assert broker.group_offsets(group) == _end(producer)
+
+    # a stop that comes while the driver starts (SIGTERM as soon as its run is registered) ends the start
+    # cleanly; the process used to die of the signal, its run left STARTING until found DEAD
+    driver = runner.start()
+    registered = wait_until(lambda: runner.run_row(driver), 120, "the run to register",
+                            on_timeout=lambda: runner.log_tail(driver))
+    os.kill(registered.pid, signal.SIGTERM)
+    assert driver.wait(120) == failures.EXIT_STOPPED, runner.log_tail(driver)
+    assert runner.run_row(driver).status == "STOPPED"
+    assert check_exactly_once(runner.store, runner.spec.job_id, producer.produced)["read"] == 4700
     figures.record(f"graceful stop [{runner.store.dialect}]", stop_seconds=round(stop_s, 1), **counts)
 
 
