@@ -172,13 +172,10 @@ class Standby:
         if self.successor or self._outage_began is not None:  # the warm-up's heartbeat says when it answers
             return False
         try:
-            run = self.store.latest_run(self.spec.job_id)
-            generation = self.store.current_generation(self.spec.job_id)
+            return self._look().action == "take_over"
         except DATABASE_OUTAGE as err:
             self._database_away(err)
             return False
-        return decide(self.spec, run, generation, driver_alive=local_driver.run_alive(run),
-                      silent_since=self._silent_since).action == "take_over"
 
     def _keep_warm(self) -> None:
         """Start the warm-up query again in the background when it is due (the poll goes on meanwhile)."""
@@ -202,12 +199,10 @@ class Standby:
         if self.successor:
             return None
         try:
-            run = self.store.latest_run(self.spec.job_id)
-            generation = self.store.current_generation(self.spec.job_id)
+            verdict = self._look()
         except DATABASE_OUTAGE as err:  # the wait refuses as well, once the database answers
             self._database_away(err)
             return None
-        verdict = decide(self.spec, run, generation, driver_alive=local_driver.run_alive(run))
         return self._end(verdict) if verdict.action == "refuse" else None
 
     def wait(self, stop_signalled: Callable[[], bool] = lambda: False) -> Takeover | Verdict:
@@ -242,15 +237,19 @@ class Standby:
             took = self._released() or (self._unheld() if beat else None)
             self._database_answered()
             return took
-        spec = self.spec
-        run = self.store.latest_run(spec.job_id)
-        generation = self.store.current_generation(spec.job_id)
-        self._database_answered()
-        verdict = decide(spec, run, generation, driver_alive=local_driver.run_alive(run),
-                         silent_since=self._silent_since)
+        verdict = self._look()
         if verdict.action == "take_over":
             return self._take_over(verdict)  # None: another standby (or a launch) took the epoch first
         return None if verdict.action == "wait" else self._end(verdict)
+
+    def _look(self) -> Verdict:
+        """The takeover rule's verdict on the job as the state database has it now (``DATABASE_OUTAGE`` when
+        it does not answer)."""
+        run = self.store.latest_run(self.spec.job_id)
+        generation = self.store.current_generation(self.spec.job_id)
+        self._database_answered()
+        return decide(self.spec, run, generation, driver_alive=local_driver.run_alive(run),
+                      silent_since=self._silent_since)
 
     def _database_away(self, err: Exception) -> None:
         """A poll met a state database that does not answer: said once per outage; the poll is tried again."""
