@@ -365,6 +365,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         self._phase(ctx, UpgradePhase.STARTING)
         new = self.new_spec
         reason = f"upgrade to version {new.version}: {ctx['decision']['why']}"
+        ctx["start_at"] = time.time()  # a run older than this is not the new version's: ``_start_refused``
         if ctx.get("successor"):
             return self._release_successor(context, ctx, reason)
         if ctx["decision"]["action"] == Action.RESET:
@@ -415,11 +416,12 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         return self._start_refused(context, error, ctx)
 
     def _start_refused(self, context, error, ctx) -> dict[str, Any]:
-        """Spark refused the checkpoint on start: reset when the decision allows, else roll back."""
+        """Spark refused the checkpoint on start: reset when the decision allows, else roll back.  Only the
+        new version's own run says so: refused before its submit (the brokers away), the latest run is an
+        older one, maybe one that found the checkpoint incompatible before this upgrade began."""
         new = self.new_spec
-        failed = self.state.latest_run(new.job_id)
-        refused = failed and failed.failure_kind == FailureKind.CHECKPOINT_INCOMPATIBLE.value
-        if not (refused and ctx["decision"]["reset_on_start_failure"]):
+        failed = self._own_refusal(ctx.get("start_at", 0.0))
+        if not (failed and ctx["decision"]["reset_on_start_failure"]):
             return self._failed_after_stop(context, error, ctx)
         self.log.warning("Version %s refused the checkpoint on start (%s): resetting", new.version,
                          failed.error_class)
@@ -507,14 +509,20 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         checkpoint incompatible.  Refused before its submit (the brokers away), or gone before its run
         registered, the latest run is still the new version's, whose incompatibility says nothing of the
         old code's: resetting then would throw away a checkpoint the old code reads, state and all."""
-        failed = self.state.latest_run(self.job.job_id)
-        own = failed is not None and (failed.started_at or 0.0) >= ctx.get("rollback_at", 0.0)
-        if not (own and failed.failure_kind == FailureKind.CHECKPOINT_INCOMPATIBLE.value):
+        failed = self._own_refusal(ctx.get("rollback_at", 0.0))
+        if failed is None:
             return self._rollback_failed(context, error, ctx)
         previous = ctx["previous"]
         return self.reset_then(context, f"{ctx['rollback_reason']}; refused on start: {failed.error_class}",
                                "_rollback_started", {"ctx": ctx}, spec_json=previous["spec_json"],
                                application=previous["application"], on_fail="_rollback_failed")
+
+    def _own_refusal(self, since: float) -> RunRecord | None:
+        """The job's latest run if it began at or after ``since`` (a start of this flow's) and found the
+        checkpoint incompatible; else None."""
+        run = self.state.latest_run(self.job.job_id)
+        own = run is not None and (run.started_at or 0.0) >= since
+        return run if own and run.failure_kind == FailureKind.CHECKPOINT_INCOMPATIBLE.value else None
 
     def _rollback_started(self, context, started, ctx) -> dict[str, Any]:
         started = {"action": "restart", **started}  # on the kept generation; a reset names itself "reset"

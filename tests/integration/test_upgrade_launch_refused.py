@@ -115,3 +115,26 @@ def test_a_new_generation_that_cannot_resume_from_the_stored_offsets_rolls_back(
     assert "The rollback to version 1.0 (/jobs/v1.py) failed too" in message, message
     assert UpgradeLog(state_store).latest("job").phase == UpgradePhase.DONE
     assert state_store.current_generation("job") == 1
+
+
+def test_a_new_version_refused_before_its_submit_does_not_reset_for_an_older_runs_incompatibility(
+        state_store, monkeypatch, tmp_path, topic):
+    """The job was down: its latest run had found the checkpoint incompatible before this upgrade began.  The
+    new version is refused before its submit (the brokers away), so that run is still the latest; the
+    decision allows a reset on a start refusal, but the new code never saw the checkpoint, and a reset would
+    archive it, state and all."""
+    monkeypatch.setattr(StreamJobController, "check_before_start", _unreachable)
+    operator, ctx, _ = _past_its_stop(state_store, tmp_path, topic, "reuse")
+    ctx["decision"]["reset_on_start_failure"] = True
+    earlier = state_store.begin_run("job", 1, "1.5").run_id
+    state_store.finish_run(earlier, status="FAILED", exit_code=3, failure_kind="CHECKPOINT_INCOMPATIBLE",
+                           error_class="STREAMING_STATEFUL_OPERATOR_NOT_MATCH_IN_STATE_METADATA",
+                           message="an earlier version could not use the checkpoint")
+    kept = Path(operator.controller.checkpoints.generation_path("job", 1))
+    (kept / "offsets").mkdir(parents=True)
+    (kept / "offsets" / "0").write_text("v1\n")
+    time.sleep(0.01)  # the upgrade's start comes after that run's, as on any clock
+    message = _fails_past_its_stop(state_store, operator, ctx, earlier)
+    assert "Kafka at the job's brokers is unreachable" in message, message
+    assert state_store.current_generation("job") == 1, "the checkpoint was archived for another run's refusal"
+    assert (kept / "offsets" / "0").exists()
