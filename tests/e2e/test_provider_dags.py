@@ -34,6 +34,10 @@ from tests.dagtest.dagruns import FIXTURE_JOBS, caught_up, run_dag
 
 
 # -- scenarios -------------------------------------------------------------------------------------------
+# In ``make soak``: ``real_airflow/test_lifecycle.py`` proves kill -9 detected by the deferred watcher and
+# repaired, four times, exactly once, on Airflow's own terms (one kill lands right after a recovery's first
+# batch); a stop of a job that is not running is in ``tests/integration/test_stop_closes_restarts.py``.
+@pytest.mark.soak
 def test_kill9_is_detected_by_a_deferred_sensor_and_recovered(stream, broker, figures):
     state, job_id, params = stream["state"], stream["job_id"], stream["params"]
     producer = EventProducer(broker, stream["topic"])
@@ -89,6 +93,10 @@ def test_kill9_is_detected_by_a_deferred_sensor_and_recovered(stream, broker, fi
                    kill_to_recovered_query_seconds=round(recovered_at - killed_at[0], 1), **counts)
 
 
+# In ``make soak``: ``real_airflow/test_lost_reset.py`` runs the same scenario (2.0 adds a stateful operator
+# over 1.0's checkpoint, Spark refuses it, ``stream_health`` archives generation 1 and starts generation 2
+# from the stored offsets, exactly once) on a real Airflow, with the reset's task lost once on top.
+@pytest.mark.soak
 def test_incompatible_checkpoint_is_reset_from_stored_offsets(stream, broker, figures):
     state, job_id, params = stream["state"], stream["job_id"], stream["params"]
     producer = EventProducer(broker, stream["topic"])
