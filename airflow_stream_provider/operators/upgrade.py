@@ -365,7 +365,9 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         self._phase(ctx, UpgradePhase.STARTING)
         new = self.new_spec
         reason = f"upgrade to version {new.version}: {ctx['decision']['why']}"
-        ctx["start_at"] = time.time()  # a run older than this is not the new version's: ``_start_refused``
+        # a run that began before this is not the new version's (``_start_refused``); by the database's
+        # clock, which every stored time is by
+        ctx["start_at"] = self.controller.clock.now()
         if ctx.get("successor"):
             return self._release_successor(context, ctx, reason)
         if ctx["decision"]["action"] == Action.RESET:
@@ -496,7 +498,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         previous = ctx["previous"]
         old = StreamJobSpec.from_dict(json.loads(previous["spec_json"]))
         ctx["rollback_reason"] = f"rollback to version {old.version}: {_first_lines(ctx['error'], 1)}"
-        ctx["rollback_at"] = time.time()
+        ctx["rollback_at"] = self.controller.clock.now()  # as ``start_at``
         if self.state.current_generation(self.job.job_id) == ctx["generation"]:
             return self.launch_then(context, "_rollback_started", {"ctx": ctx}, application=previous["application"],
                                     spec_json=previous["spec_json"], on_fail="_rollback_refused")
