@@ -62,6 +62,9 @@ WARM_UP_STOP_S = 30.0
 #: longer would fork and import them all again at takeover.  About a second of work each time.  (The
 #: tests shorten it, so that takeovers meet a re-warm in flight.)
 REWARM_S = float(os.environ.get("STREAM_STANDBY_REWARM_S", "45"))
+#: How long a standby that ends tries to record its end in a state database that does not answer: a SIGTERM
+#: asks it to go soon.
+END_RECORD_S = 10.0
 #: What a state database that does not answer raises (a restart, a failover, a locked SQLite file), as
 #: ``lifecycle.waits.DATABASE_OUTAGE`` on the Airflow side: a standby rides it out, as the active driver does.
 DATABASE_OUTAGE = (OperationalError, InterfaceError)
@@ -348,8 +351,23 @@ class Standby:
         return self._end(Verdict("end", why))
 
     def _end(self, verdict: Verdict) -> Verdict:
+        """Record the end and return it.  A state database that does not answer is tried again for up to
+        ``END_RECORD_S`` (a SIGTERM during an outage): then the standby ends unrecorded, and its row is
+        found by its silent heartbeat, instead of the driver failing on the error it met."""
         status = StandbyStatus.REFUSED if verdict.action == "refuse" else StandbyStatus.ENDED
-        self.log.end(self.standby_id, status, verdict.why)
+        deadline = time.monotonic() + END_RECORD_S
+        while True:
+            try:
+                self.log.end(self.standby_id, status, verdict.why)
+                break
+            except DATABASE_OUTAGE as err:
+                self._database_away(err)
+                if time.monotonic() >= deadline:
+                    log.warning("standby %s ends (%s) without recording it: the state database has not answered "
+                                "for %.0fs; its row is found by its silent heartbeat", self.standby_id,
+                                verdict.why, END_RECORD_S)
+                    return verdict
+                time.sleep(POLL_S)
         (log.error if verdict.action == "refuse" else log.info)("standby %s %s: %s", self.standby_id,
                                                                  status.value.lower(), verdict.why)
         return verdict

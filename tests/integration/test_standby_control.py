@@ -513,3 +513,26 @@ def test_a_standby_still_warming_up_takes_over_a_run_that_died_without_waiting_o
         assert isinstance(took, Takeover) and took.ticket.epoch > run.epoch, took
     finally:
         slow.set()
+
+
+def test_a_standby_asked_to_end_during_an_outage_records_its_end_once_the_database_answers(
+        store, database_url, monkeypatch):
+    """SIGTERM while the state database does not answer: recording the end raised, the driver failed on it
+    and left its row WAITING, found dead later.  The end is now tried again while the outage lasts a short
+    while, and given up, with the driver still ending cleanly, when it does not."""
+    from airflow_stream_provider.runtime import standby as standby_module
+
+    run = store.begin_run("orders", 1, "1.0")
+    store.mark_query_started(run.run_id)
+    short = _standby(store, database_url, "s-end-short")
+    assert isinstance(short.warm_up(lambda checkpoint: None), float)
+    short.log.end = _down_for(5, {"down": False}, short.log.end)  # 1 s of polls
+    assert short.wait(lambda: True).why == "SIGTERM"
+    assert StandbyLog(store).get("s-end-short").status == StandbyStatus.ENDED
+
+    monkeypatch.setattr(standby_module, "END_RECORD_S", 0.5)
+    long = _standby(store, database_url, "s-end-long")
+    assert isinstance(long.warm_up(lambda checkpoint: None), float)
+    long.log.end = _down_for(1000, {"down": False}, long.log.end)
+    assert long.wait(lambda: True).why == "SIGTERM", "the standby ends, unrecorded"
+    assert StandbyLog(store).get("s-end-long").status == StandbyStatus.WAITING
