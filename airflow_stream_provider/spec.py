@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -129,9 +129,9 @@ class StreamJobSpec:
     def checkpoint_is_local(self) -> bool:
         return urlsplit(self.checkpoint_root).scheme in ("", "file")
 
-    def session_conf(self, submitted: Collection[str] = ()) -> dict[str, str]:
-        """The driver's Spark SQL settings: the harness's defaults, except those the deployment's spark-submit
-        conf sets (``submitted``: its keys), then the spec's ``min_batches_to_retain`` and ``spark_conf``."""
+    def session_defaults(self) -> dict[str, str]:
+        """The driver's Spark SQL defaults for this job: what the deployment's spark-submit conf sets wins
+        over them (``runtime.harness.unless_submitted``), and :meth:`session_conf` over both."""
         defaults = {
             "spark.sql.session.timeZone": "UTC",
             "spark.sql.shuffle.partitions": "4",
@@ -142,8 +142,12 @@ class StreamJobSpec:
         }
         if self.checkpoint_is_local:
             defaults[CHECKPOINT_MANAGER_CONF] = LOCAL_CHECKPOINT_MANAGER
-        kept = {key: value for key, value in defaults.items() if key not in submitted}
-        return {**kept, "spark.sql.streaming.minBatchesToRetain": str(self.min_batches_to_retain), **self.spark_conf}
+        return defaults
+
+    def session_conf(self) -> dict[str, str]:
+        """The driver's Spark SQL settings the spec itself gives, over any default or spark-submit conf: its
+        ``min_batches_to_retain`` and ``spark_conf``."""
+        return {"spark.sql.streaming.minBatchesToRetain": str(self.min_batches_to_retain), **self.spark_conf}
 
     @property
     def trigger_seconds(self) -> float:

@@ -375,10 +375,9 @@ class StreamHarness:
         # Arrow's default allocator (jemalloc) keeps the buffers a batch freed: 40 MB in this process and
         # 10 MB in each read worker at a 100,000-record batch.  The system allocator hands them back.
         os.environ.setdefault(ARROW_POOL_ENV, "system")
-        defaults = {**LONG_RUNNING_DRIVER_CONF, f"spark.executorEnv.{ARROW_POOL_ENV}": os.environ[ARROW_POOL_ENV]}
-        for key, value in unless_submitted(defaults, submitted).items():
-            builder = builder.config(key, value)
-        for key, value in self.spec.session_conf({key for key, _ in submitted.getAll()}).items():
+        defaults = {**LONG_RUNNING_DRIVER_CONF, f"spark.executorEnv.{ARROW_POOL_ENV}": os.environ[ARROW_POOL_ENV],
+                    **self.spec.session_defaults()}
+        for key, value in {**unless_submitted(defaults, submitted), **self.spec.session_conf()}.items():
             builder = builder.config(key, value)
         self.spark = builder.getOrCreate()
         self.spark.sparkContext.setLogLevel(os.environ.get("STREAM_SPARK_LOG_LEVEL", "WARN"))

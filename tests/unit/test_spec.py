@@ -132,31 +132,20 @@ def test_a_read_stalls_for_the_request_timeout_the_spec_sets_in_either_reader():
 def test_local_checkpoints_get_the_forkless_checkpoint_manager(root, local):
     from airflow_stream_provider.spec import CHECKPOINT_MANAGER_CONF, LOCAL_CHECKPOINT_MANAGER
 
-    conf = StreamJobSpec.from_dict(_with(checkpoint_root=root)).session_conf()
-    assert (conf.get(CHECKPOINT_MANAGER_CONF) == LOCAL_CHECKPOINT_MANAGER) is local
-    assert conf["spark.sql.session.timeZone"] == "UTC"
-    assert conf["spark.sql.streaming.minBatchesToRetain"] == "100"
-    assert conf["spark.sql.inMemoryColumnarStorage.compressed"] == "false"  # a batch's cache lives one batch
+    spec = StreamJobSpec.from_dict(_with(checkpoint_root=root))
+    defaults = spec.session_defaults()
+    assert (defaults.get(CHECKPOINT_MANAGER_CONF) == LOCAL_CHECKPOINT_MANAGER) is local
+    assert defaults["spark.sql.session.timeZone"] == "UTC"
+    assert defaults["spark.sql.inMemoryColumnarStorage.compressed"] == "false"  # a batch's cache lives one batch
+    assert spec.session_conf()["spark.sql.streaming.minBatchesToRetain"] == "100"
 
 
 def test_the_jobs_own_spark_conf_wins_over_the_defaults():
     own = {"spark.sql.shuffle.partitions": "64", "spark.sql.streaming.checkpointFileManagerClass": "x.Mine"}
-    conf = StreamJobSpec.from_dict(_with(spark_conf=own)).session_conf()
+    spec = StreamJobSpec.from_dict(_with(spark_conf=own))
+    conf = {**spec.session_defaults(), **spec.session_conf()}  # as the harness merges them
     assert conf["spark.sql.shuffle.partitions"] == "64"
     assert conf["spark.sql.streaming.checkpointFileManagerClass"] == "x.Mine"
-
-
-def test_the_deployments_spark_submit_conf_wins_over_the_defaults_and_the_spec_over_both():
-    """The harness applied its defaults over what spark-submit was given (the connection's or the operator's
-    conf): a deployment's shuffle partitions, pinned into a stateful job's checkpoint, were silently 4."""
-    from airflow_stream_provider.spec import CHECKPOINT_MANAGER_CONF
-
-    submitted = {"spark.sql.shuffle.partitions", CHECKPOINT_MANAGER_CONF, "spark.sql.streaming.minBatchesToRetain"}
-    conf = StreamJobSpec.from_dict(_with(spark_conf={"spark.sql.session.timeZone": "Europe/Oslo"})).session_conf(
-        submitted)
-    assert "spark.sql.shuffle.partitions" not in conf and CHECKPOINT_MANAGER_CONF not in conf
-    assert conf["spark.sql.streaming.minBatchesToRetain"] == "100", "a spec field: the spec says"
-    assert conf["spark.sql.session.timeZone"] == "Europe/Oslo"
 
 
 def test_a_spec_that_rendered_to_text_fails_naming_the_dag_setting():
