@@ -365,9 +365,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         self._phase(ctx, UpgradePhase.STARTING)
         new = self.new_spec
         reason = f"upgrade to version {new.version}: {ctx['decision']['why']}"
-        # a run that began before this is not the new version's (``_start_refused``); by the database's
-        # clock, which every stored time is by
-        ctx["start_at"] = self.controller.clock.now()
+        ctx["start_epoch"] = self._epoch()  # a run that holds no later epoch is not the new version's
         if ctx.get("successor"):
             return self._release_successor(context, ctx, reason)
         if ctx["decision"]["action"] == Action.RESET:
@@ -422,7 +420,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         new version's own run says so: refused before its submit (the brokers away), the latest run is an
         older one, maybe one that found the checkpoint incompatible before this upgrade began."""
         new = self.new_spec
-        failed = self._own_refusal(ctx.get("start_at", 0.0))
+        failed = self._own_refusal(ctx.get("start_epoch", 0))
         if not (failed and ctx["decision"]["reset_on_start_failure"]):
             return self._failed_after_stop(context, error, ctx)
         self.log.warning("Version %s refused the checkpoint on start (%s): resetting", new.version,
@@ -498,7 +496,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         previous = ctx["previous"]
         old = StreamJobSpec.from_dict(json.loads(previous["spec_json"]))
         ctx["rollback_reason"] = f"rollback to version {old.version}: {_first_lines(ctx['error'], 1)}"
-        ctx["rollback_at"] = self.controller.clock.now()  # as ``start_at``
+        ctx["rollback_epoch"] = self._epoch()  # as ``start_epoch``
         if self.state.current_generation(self.job.job_id) == ctx["generation"]:
             return self.launch_then(context, "_rollback_started", {"ctx": ctx}, application=previous["application"],
                                     spec_json=previous["spec_json"], on_fail="_rollback_refused")
@@ -511,7 +509,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         checkpoint incompatible.  Refused before its submit (the brokers away), or gone before its run
         registered, the latest run is still the new version's, whose incompatibility says nothing of the
         old code's: resetting then would throw away a checkpoint the old code reads, state and all."""
-        failed = self._own_refusal(ctx.get("rollback_at", 0.0))
+        failed = self._own_refusal(ctx.get("rollback_epoch", 0))
         if failed is None:
             return self._rollback_failed(context, error, ctx)
         previous = ctx["previous"]
@@ -519,11 +517,15 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
                                "_rollback_started", {"ctx": ctx}, spec_json=previous["spec_json"],
                                application=previous["application"], on_fail="_rollback_failed")
 
-    def _own_refusal(self, since: float) -> RunRecord | None:
-        """The job's latest run if it began at or after ``since`` (a start of this flow's) and found the
-        checkpoint incompatible; else None."""
+    def _epoch(self) -> int:
+        return self.state.store.current_epoch(self.job.job_id) or 0
+
+    def _own_refusal(self, since_epoch: int) -> RunRecord | None:
+        """The job's latest run if a start of this flow's registered it (it took an epoch past
+        ``since_epoch``, the job's when that start began: no clock to compare) and it found the checkpoint
+        incompatible; else None."""
         run = self.state.latest_run(self.job.job_id)
-        own = run is not None and (run.started_at or 0.0) >= since
+        own = run is not None and not run.dry_run and run.epoch > since_epoch
         return run if own and run.failure_kind == FailureKind.CHECKPOINT_INCOMPATIBLE.value else None
 
     def _rollback_started(self, context, started, ctx) -> dict[str, Any]:

@@ -133,8 +133,24 @@ def test_a_new_version_refused_before_its_submit_does_not_reset_for_an_older_run
     kept = Path(operator.controller.checkpoints.generation_path("job", 1))
     (kept / "offsets").mkdir(parents=True)
     (kept / "offsets" / "0").write_text("v1\n")
-    time.sleep(0.01)  # the upgrade's start comes after that run's, as on any clock
     message = _fails_past_its_stop(state_store, operator, ctx, earlier)
     assert "Kafka at the job's brokers is unreachable" in message, message
     assert state_store.current_generation("job") == 1, "the checkpoint was archived for another run's refusal"
     assert (kept / "offsets" / "0").exists()
+
+
+def test_only_a_run_a_start_of_the_flow_registered_is_its_own_refusal(state_store, tmp_path, topic):
+    """A run is the flow's own when it took an epoch past the job's at the flow's start: no clock is compared
+    (a run's start is by the database's clock, read back in the worker's terms).  A preflight's dry run takes
+    no epoch."""
+    operator, _, _ = _past_its_stop(state_store, tmp_path, topic, "reuse")
+    incompatible = {"status": "FAILED", "exit_code": 3, "failure_kind": "CHECKPOINT_INCOMPATIBLE",
+                    "error_class": "STREAMING_STATEFUL_OPERATOR_MISSING_STATE_DIRECTORY", "message": "refused"}
+    older = state_store.begin_run("job", 1, "1.5").run_id
+    state_store.finish_run(older, **incompatible)
+    since = operator._epoch()
+    assert operator._own_refusal(since) is None, "a run older than the start"
+    own = state_store.begin_run("job", 1, "2.0").run_id
+    state_store.finish_run(own, **incompatible)
+    assert operator._own_refusal(since).run_id == own
+    assert operator._own_refusal(operator._epoch()) is None, "a later start's own is another run"
