@@ -170,8 +170,8 @@ class RealAirflow:
 
     def _set_variables(self, variables: dict[str, str | dict]) -> None:
         """The variables the DAG files read at their first parse, before any component starts.  In the
-        default SQLite database, fresh from ``_migrate``, they are written as rows (as ``variables import``
-        writes them: unencrypted, dicts as JSON); an ``airflow`` CLI run for it costs a deployment 2-4 s and
+        default SQLite database, fresh from ``_migrate``, they are written as rows, unencrypted and dicts as
+        JSON, which Airflow reads back as it reads what ``variables import`` writes; an ``airflow`` CLI run for it costs a deployment 2-4 s and
         3 CPU s of imports.  In a database of the caller's, that CLI run."""
         rows = [(key, value if isinstance(value, str) else json.dumps(value)) for key, value in variables.items()]
         if self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] == _sqlite_url(self._database):

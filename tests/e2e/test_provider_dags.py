@@ -34,9 +34,11 @@ from tests.dagtest.dagruns import FIXTURE_JOBS, caught_up, run_dag
 
 
 # -- scenarios -------------------------------------------------------------------------------------------
-# In ``make soak``: ``real_airflow/test_lifecycle.py`` proves kill -9 detected by the deferred watcher and
-# repaired, four times, exactly once, on Airflow's own terms (one kill lands right after a recovery's first
-# batch); a stop of a job that is not running is in ``tests/integration/test_stop_closes_restarts.py``.
+# In ``make soak``: ``real_airflow/test_lifecycle.py`` proves kill -9 detected by the watcher and repaired,
+# four times, exactly once, on Airflow's own terms (one kill lands right after a recovery's first batch).
+# The deferred sensor's trigger is in ``tests/integration/test_health_trigger.py``, no backoff after a
+# restart whose run committed in ``tests/unit/test_recovery.py``, a stop of a job that is not running in
+# ``tests/integration/test_stop_closes_restarts.py``.
 @pytest.mark.soak
 def test_kill9_is_detected_by_a_deferred_sensor_and_recovered(stream, broker, figures):
     state, job_id, params = stream["state"], stream["job_id"], stream["params"]
