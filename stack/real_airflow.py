@@ -152,12 +152,16 @@ class RealAirflow:
     def _database(self) -> Path:
         return self.home / "airflow.db"
 
+    @property
+    def _own_sqlite(self) -> bool:
+        """The deployment runs on its default SQLite database, not on one its caller configured."""
+        return self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] == _sqlite_url(self._database)
+
     def _migrate(self) -> None:
         """``airflow db migrate``; on the default SQLite database, once per process, whose result later
         deployments copy: the same empty schema, from the same Airflow."""
         global _migrated
-        url = self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
-        if url != _sqlite_url(self._database):  # a database of the caller's: migrated in place
+        if not self._own_sqlite:  # a database of the caller's: migrated in place
             self._cli("db", "migrate")
             return
         if _migrated is None:
@@ -171,10 +175,10 @@ class RealAirflow:
     def _set_variables(self, variables: dict[str, str | dict]) -> None:
         """The variables the DAG files read at their first parse, before any component starts.  In the
         default SQLite database, fresh from ``_migrate``, they are written as rows, unencrypted and dicts as
-        JSON, which Airflow reads back as it reads what ``variables import`` writes; an ``airflow`` CLI run for it costs a deployment 2-4 s and
-        3 CPU s of imports.  In a database of the caller's, that CLI run."""
-        rows = [(key, value if isinstance(value, str) else json.dumps(value)) for key, value in variables.items()]
-        if self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] == _sqlite_url(self._database):
+        JSON, which Airflow reads back as it reads what ``variables import`` writes: an ``airflow`` CLI run
+        for it costs a deployment 2-4 s and 3 CPU s of imports.  In a database of the caller's, that CLI run."""
+        if self._own_sqlite:
+            rows = [(key, value if isinstance(value, str) else json.dumps(value)) for key, value in variables.items()]
             with closing(sqlite3.connect(self._database)) as db, db:
                 db.executemany("INSERT INTO variable (key, val, is_encrypted) VALUES (?, ?, 0) "
                                "ON CONFLICT (key) DO UPDATE SET val = excluded.val, is_encrypted = 0", rows)

@@ -352,8 +352,9 @@ class Standby:
 
     def _end(self, verdict: Verdict) -> Verdict:
         """Record the end and return it.  A state database that does not answer is tried again for up to
-        ``END_RECORD_S`` (a SIGTERM during an outage; a try the database holds up lasts its own timeout): then the standby ends unrecorded, and its row is
-        found by its silent heartbeat, instead of the driver failing on the error it met."""
+        ``END_RECORD_S`` (a SIGTERM during an outage; a try the database holds up lasts its own timeout):
+        then the standby ends unrecorded, and its row is found by its silent heartbeat, instead of the
+        driver failing on the error it met."""
         status = StandbyStatus.REFUSED if verdict.action == "refuse" else StandbyStatus.ENDED
         deadline = time.monotonic() + END_RECORD_S
         while True:
