@@ -1,4 +1,5 @@
-"""Deferrable operators on a real Airflow: a submit that waits for its driver holds no worker slot."""
+"""Deferrable operators on a real Airflow: a submit that waits for its driver holds no worker slot, and a
+health sensor waits in the triggerer until the driver dies."""
 
 from __future__ import annotations
 
@@ -6,21 +7,23 @@ from datetime import datetime
 
 import pytest
 
-from stack.deployment import StreamDeployment
-from stack.jobs import REPO
+from stack.deployment import StreamDeployment, kill_driver
+from stack.jobs import REPO, wait_until
 
 #: A submit and a probe in a pool of one slot.  The probe returns once the submit's driver registered its
 #: run, so it cannot end before the submit began; it ends before the submit does only if it got the slot
-#: while the submit waited for its query to start, i.e. the deferred submit gave the slot back.
+#: while the submit waited for its query to start, i.e. the deferred submit gave the slot back.  The
+#: health sensor (deferrable, the default, outside the pool) then waits for the driver's death.
 POOLED_DAG = '''
 import time
 
 from airflow.providers.standard.operators.python import PythonOperator
 from airflow.sdk import DAG, Variable
-from stream_job import DAG_ARGS, JOB
+from stream_job import DAG_ARGS, JOB, WATCH
 
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.operators.submit import SubmitStreamingJobOperator
+from airflow_stream_provider.sensors.health import StreamHealthSensor
 
 
 def launched():
@@ -34,7 +37,8 @@ def launched():
 
 
 with DAG("stream_pooled", schedule=None, **DAG_ARGS):
-    SubmitStreamingJobOperator(task_id="submit", pool="one_slot", priority_weight=10, **JOB)
+    submit = SubmitStreamingJobOperator(task_id="submit", pool="one_slot", priority_weight=10, **JOB)
+    submit >> StreamHealthSensor(task_id="health", fire_on=["DEAD"], poke_interval=1, **WATCH)
     PythonOperator(task_id="probe", pool="one_slot", priority_weight=1, python_callable=launched)
 '''
 
@@ -60,9 +64,19 @@ def _at(text: str) -> datetime:
 def test_a_deferred_submit_leaves_its_pool_slot_to_another_task(pooled):
     pooled.airflow._request("POST", "/pools", ok=(200, 201, 409),  # 409: an earlier attempt made it
                             json={"name": "one_slot", "slots": 1, "include_deferred": False})
-    tasks = pooled.trigger("stream_pooled")
-    state, run_id = tasks["_run"]
-    assert state == "success", pooled.explain("stream_pooled", run_id)
+    run_id = pooled.airflow.trigger_dag("stream_pooled")
+
+    def states() -> dict[str, str]:
+        return {ti["task_id"]: ti["state"] for ti in pooled.airflow.task_instances("stream_pooled", run_id)}
+
+    # The health sensor found the job healthy and handed its wait to the triggerer; then the driver dies.
+    wait_until(lambda: states().get("health") == "deferred", 300, "the health sensor to defer",
+               interval=0.5, on_timeout=lambda: f"{states()}\n{pooled.explain('stream_pooled', run_id)}")
+    victim = pooled.latest_run()
+    kill_driver(victim.pid)
+    run = pooled.airflow.wait_dag_run("stream_pooled", run_id, 120)
+    assert run["state"] == "success", pooled.explain("stream_pooled", run_id)
+    tasks = pooled.tasks("stream_pooled", run_id)
     found = {ti["task_id"]: ti for ti in pooled.airflow.task_instances("stream_pooled", run_id)}
     submit, probe = found["submit"], found["probe"]
     assert tasks["submit"][1]["action"] == "submitted" and tasks["probe"][1] == "ran", tasks
@@ -71,3 +85,7 @@ def test_a_deferred_submit_leaves_its_pool_slot_to_another_task(pooled):
     # While it waited in the triggerer, the driver's log went into the submit's task log.
     log = pooled.airflow.task_log("stream_pooled", run_id, "submit")
     assert "driver | $ spark-submit" in log, log[-3000:]
+    # The trigger saw the death and the sensor's return names it, for a recovery downstream.
+    diagnosis = tasks["health"][1]
+    assert diagnosis["health"] == "DEAD" and diagnosis["run_id"] == victim.run_id, diagnosis
+    assert pooled.latest_run().status == "DEAD", pooled.latest_run()
