@@ -36,7 +36,8 @@ from tests.dagtest.dagruns import FIXTURE_JOBS, caught_up, run_dag
 # -- scenarios -------------------------------------------------------------------------------------------
 # In ``make soak``: ``real_airflow/test_lifecycle.py`` proves kill -9 detected by the watcher and repaired,
 # four times, exactly once, on Airflow's own terms (one kill lands right after a recovery's first batch).
-# The deferred sensor's trigger is in ``tests/integration/test_health_trigger.py``, no backoff after a
+# The deferred sensor finds a kill on a real Airflow in ``real_airflow/test_deferral.py``, its trigger's
+# conditions are in ``tests/integration/test_health_trigger.py``, no backoff after a
 # restart whose run committed in ``tests/unit/test_recovery.py``, a stop of a job that is not running in
 # ``tests/integration/test_stop_closes_restarts.py``.
 @pytest.mark.soak

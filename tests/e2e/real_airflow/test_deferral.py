@@ -88,4 +88,5 @@ def test_a_deferred_submit_leaves_its_pool_slot_to_another_task(pooled):
     # The trigger saw the death and the sensor's return names it, for a recovery downstream.
     diagnosis = tasks["health"][1]
     assert diagnosis["health"] == "DEAD" and diagnosis["run_id"] == victim.run_id, diagnosis
-    assert pooled.latest_run().status == "DEAD", pooled.latest_run()
+    # (by then the watcher may have had stream_health restart the job: the killed run is looked up by its id)
+    assert pooled.store.get_run(victim.run_id).status == "DEAD", pooled.store.get_run(victim.run_id)
