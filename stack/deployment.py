@@ -222,3 +222,15 @@ def task_lost_once(tmp_path, point: str) -> dict[str, str]:
     """The ``airflow_env`` that kills the first Airflow task process reaching the task fault ``point``
     (``faults.TASK_POINTS``), as a lost worker or an OOM kill would, and no later one."""
     return {"STREAM_FAULT": point, "STREAM_FAULT_ONCE": str(tmp_path / f"{point}-fired")}
+
+
+def dags_with(tmp_path: Path, **extra: str) -> Path:
+    """A DAGs folder of the example DAGs (linked, as ``dags/`` holds them) and the test's own DAG files,
+    ``extra`` as {module name: source}; the example DAGs' ``stream_job`` module is importable from both."""
+    dags = tmp_path / "dags"
+    dags.mkdir()
+    for source in (REPO / "dags").glob("*.py"):
+        (dags / source.name).symlink_to(source)
+    for name, text in extra.items():
+        (dags / f"{name}.py").write_text(text)
+    return dags

@@ -7,8 +7,8 @@ from datetime import datetime
 
 import pytest
 
-from stack.deployment import StreamDeployment, kill_driver
-from stack.jobs import REPO, wait_until
+from stack.deployment import StreamDeployment, dags_with, kill_driver
+from stack.jobs import wait_until
 
 #: A submit and a probe in a pool of one slot.  The probe returns once the submit's driver registered its
 #: run, so it cannot end before the submit began; it ends before the submit does only if it got the slot
@@ -45,11 +45,7 @@ with DAG("stream_pooled", schedule=None, **DAG_ARGS):
 
 @pytest.fixture
 def pooled(broker, topic, job_id, tmp_path):
-    dags = tmp_path / "dags"
-    dags.mkdir()
-    for source in (REPO / "dags").glob("*.py"):
-        (dags / source.name).symlink_to(source)
-    (dags / "stream_pooled.py").write_text(POOLED_DAG)
+    dags = dags_with(tmp_path, stream_pooled=POOLED_DAG)
     instance = StreamDeployment(tmp_path, broker, job_id, topic, dags_folder=dags, dag_ids=("stream_pooled",))
     try:
         yield instance.start()

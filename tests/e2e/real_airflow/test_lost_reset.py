@@ -9,6 +9,9 @@ then down with nothing left to report: the failure persists, and the watcher rep
 ``stream_health``'s tasks had retries, it stayed down until the hourly sweep (turned off here); now the
 task's retry, holding the same lease, starts generation 2 from the offsets stored with the results,
 without archiving anything again.
+
+A ``CheckpointIncompatibilitySensor``, deferred in the triggerer from before the new version's deploy,
+ends with the refused run's diagnosis and Spark's error class.
 """
 
 from __future__ import annotations
@@ -18,20 +21,33 @@ from pathlib import Path
 
 import pytest
 
-from stack.deployment import task_lost_once
+from stack.deployment import DAG_IDS, dags_with, task_lost_once
 from stack.events import EventProducer
-from stack.jobs import check_exactly_once
+from stack.jobs import check_exactly_once, wait_until
 from tests.dagtest.dagruns import FIXTURE_JOBS
 
 #: Seconds for the job to process again after the lost reset: the retry's 10 s delay, the scheduler, a
 #: driver's cold start on 2 shared cores.  Generous.
 REPAIR_TIMEOUT = 240
 
+#: A DAG beside the example ones: a person (or a release pipeline) watching the upgrade for Spark's verdict.
+WATCH_DAG = '''
+from airflow.sdk import DAG
+from stream_job import DAG_ARGS, WATCH
+
+from airflow_stream_provider.sensors.health import CheckpointIncompatibilitySensor
+
+with DAG("stream_checkpoint_watch", schedule=None, **DAG_ARGS):
+    CheckpointIncompatibilitySensor(task_id="incompatible", poke_interval=1, **WATCH)
+'''
+
 
 @pytest.fixture
 def deployment_options(tmp_path) -> dict:
     return {"variables": {"stream_reset_policy": "auto"},
-            "airflow_env": task_lost_once(tmp_path, "reset_after_archive")}
+            "airflow_env": task_lost_once(tmp_path, "reset_after_archive"),
+            "dags_folder": dags_with(tmp_path, stream_checkpoint_watch=WATCH_DAG),
+            "dag_ids": (*DAG_IDS, "stream_checkpoint_watch")}
 
 
 def test_a_reset_whose_task_is_lost_after_its_archive_is_finished_by_its_retry(deployment, broker, topic):
@@ -41,6 +57,9 @@ def test_a_reset_whose_task_is_lost_after_its_archive_is_finished_by_its_retry(d
     first = deployment.latest_run()
 
     airflow = deployment.airflow
+    watching = airflow.trigger_dag("stream_checkpoint_watch")
+    wait_until(lambda: [ti["state"] for ti in airflow.task_instances("stream_checkpoint_watch", watching)]
+               == ["deferred"], 120, "the checkpoint sensor to wait in the triggerer", interval=0.5)
     airflow.set_variable("stream_job_application", str(FIXTURE_JOBS / "dedup_by_position.py"))
     airflow.set_variable("stream_job_spec", {**deployment.spec, "version": "2.0"})
     assert deployment.trigger("stream_deploy", if_running="replace")["submit"][0] == "success"
@@ -52,6 +71,10 @@ def test_a_reset_whose_task_is_lost_after_its_archive_is_finished_by_its_retry(d
     refused = next(r for r in runs if r.version == "2.0" and r.generation == 1)
     assert (refused.status, refused.failure_kind) == ("FAILED", "CHECKPOINT_INCOMPATIBLE"), refused
     assert (finished["version"], finished["generation"]) == ("2.0", 2), finished
+    assert airflow.wait_dag_run("stream_checkpoint_watch", watching, 60)["state"] == "success"
+    verdict = airflow.xcom("stream_checkpoint_watch", watching, "incompatible")
+    assert (verdict["run_id"], verdict["failure_kind"], verdict["error_class"]) == (
+        refused.run_id, "CHECKPOINT_INCOMPATIBLE", "STREAMING_STATEFUL_OPERATOR_MISSING_STATE_DIRECTORY"), verdict
 
     (health,) = [r for r in deployment.health_runs()
                  if deployment.tasks("stream_health", r["dag_run_id"]).get("reset", (None,))[0] == "success"]
