@@ -9,7 +9,7 @@ DEMO_ARGS ?=
 BENCH_ARGS ?=
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 
-.PHONY: install browser test-prerequisites test lint demo soak bench clean
+.PHONY: install browser test lint demo soak bench clean
 
 # The provider is installed editable, so pip compiles none of it.  Where bytecode is not written
 # (PYTHONDONTWRITEBYTECODE: the test deployments of Airflow set it, and so may the machine), every DAG
@@ -21,9 +21,11 @@ endef
 
 # The two environments are built side by side: each waits on downloads and unpacking more than on a core.
 # Every target that needs them depends on `install`, never on the files: a parallel make would build one
-# environment twice at once.
+# environment twice at once.  For `make test` the same sub-make installs chromium beside them (about 25 s
+# of apt on a fresh machine, mostly downloads and dpkg).
 install:
-	@$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(SPARK_VENV)/.installed
+	@$(MAKE) --no-print-directory -j3 $(VENV)/.installed $(SPARK_VENV)/.installed \
+	  $(if $(filter test,$(MAKECMDGOALS)),browser)
 
 # uv resolves and installs Airflow's ~160 packages, compiled, in a fraction of pip's minute (the same
 # versions: pip freeze of both environments matches), in every CI run and every first demo.  Compiled,
@@ -57,15 +59,10 @@ $(SPARK_VENV)/.installed: pyproject.toml
 # no faster: 39:35 against 39:56 for the whole run on one machine (2026-12-01), as the drivers' starts
 # then wait for the cores instead.  Variants marked `soak` (a scenario's second database, the demo, see
 # README "Tests") wait for `make soak`: the run stays within 35 minutes on 2 cores.
-test: test-prerequisites
+test: install
 	$(VENV)/bin/python -m pytest -m "not soak" -n 2 --dist worksteal --durations=15 $(PYTEST_ARGS)
 
 # The status page's browser test drives Debian's chromium (Playwright's own download cannot work here).
-# A fresh machine's test run installs Debian's chromium beside the two environments (about 25 s of apt,
-# mostly waiting on downloads and dpkg), not after them.
-test-prerequisites:
-	@$(MAKE) --no-print-directory -j3 $(VENV)/.installed $(SPARK_VENV)/.installed browser
-
 browser:
 	@command -v chromium >/dev/null 2>&1 || { echo ">> installing Debian's chromium for the browser test"; \
 	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -qq && \

@@ -224,13 +224,15 @@ def task_lost_once(tmp_path, point: str) -> dict[str, str]:
     return {"STREAM_FAULT": point, "STREAM_FAULT_ONCE": str(tmp_path / f"{point}-fired")}
 
 
-def dags_with(tmp_path: Path, **extra: str) -> Path:
-    """A DAGs folder of the example DAGs (linked, as ``dags/`` holds them) and the test's own DAG files,
-    ``extra`` as {module name: source}; the example DAGs' ``stream_job`` module is importable from both."""
+def dags_with(tmp_path: Path, examples: tuple[str, ...] | None = None, **extra: str) -> Path:
+    """A DAGs folder of the example DAG files (linked; ``examples`` names some of them, e.g. only
+    ``stream_job.py``, the module the others import) and the test's own DAG files, ``extra`` as
+    {module name: source}."""
     dags = tmp_path / "dags"
     dags.mkdir()
     for source in (REPO / "dags").glob("*.py"):
-        (dags / source.name).symlink_to(source)
+        if examples is None or source.name in examples:
+            (dags / source.name).symlink_to(source)
     for name, text in extra.items():
         (dags / f"{name}.py").write_text(text)
     return dags

@@ -98,7 +98,8 @@ def test_kill9_is_detected_by_a_deferred_sensor_and_recovered(stream, broker, fi
 
 # In ``make soak``: ``real_airflow/test_lost_reset.py`` runs the same scenario (2.0 adds a stateful operator
 # over 1.0's checkpoint, Spark refuses it, ``stream_health`` archives generation 1 and starts generation 2
-# from the stored offsets, exactly once) on a real Airflow, with the reset's task lost once on top.
+# from the stored offsets, exactly once) on a real Airflow, with the reset's task lost once on top, and a
+# deferred ``CheckpointIncompatibilitySensor`` that returns the refused run's verdict.
 @pytest.mark.soak
 def test_incompatible_checkpoint_is_reset_from_stored_offsets(stream, broker, figures):
     state, job_id, params = stream["state"], stream["job_id"], stream["params"]

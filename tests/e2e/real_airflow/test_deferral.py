@@ -3,6 +3,7 @@ health sensor waits in the triggerer until the driver dies."""
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 
 import pytest
@@ -45,7 +46,9 @@ with DAG("stream_pooled", schedule=None, **DAG_ARGS):
 
 @pytest.fixture
 def pooled(broker, topic, job_id, tmp_path):
-    dags = dags_with(tmp_path, stream_pooled=POOLED_DAG)
+    # Without the example DAGs: their watcher would have stream_health restart the killed job, and the
+    # sensor, which judges the job's latest run, could find the restarted one before the dead one.
+    dags = dags_with(tmp_path, ("stream_job.py",), stream_pooled=POOLED_DAG)
     instance = StreamDeployment(tmp_path, broker, job_id, topic, dags_folder=dags, dag_ids=("stream_pooled",))
     try:
         yield instance.start()
@@ -69,6 +72,9 @@ def test_a_deferred_submit_leaves_its_pool_slot_to_another_task(pooled):
     wait_until(lambda: states().get("health") == "deferred", 300, "the health sensor to defer",
                interval=0.5, on_timeout=lambda: f"{states()}\n{pooled.explain('stream_pooled', run_id)}")
     victim = pooled.latest_run()
+    # "deferred" is recorded before the sensor's task process has exited; a trigger firing before the task
+    # supervisor's next heartbeat (1 s here) has the resumed task failed (apache/airflow#66374, #72716).
+    time.sleep(2)
     kill_driver(victim.pid)
     run = pooled.airflow.wait_dag_run("stream_pooled", run_id, 120)
     assert run["state"] == "success", pooled.explain("stream_pooled", run_id)
@@ -84,5 +90,3 @@ def test_a_deferred_submit_leaves_its_pool_slot_to_another_task(pooled):
     # The trigger saw the death and the sensor's return names it, for a recovery downstream.
     diagnosis = tasks["health"][1]
     assert diagnosis["health"] == "DEAD" and diagnosis["run_id"] == victim.run_id, diagnosis
-    # (by then the watcher may have had stream_health restart the job: the killed run is looked up by its id)
-    assert pooled.store.get_run(victim.run_id).status == "DEAD", pooled.store.get_run(victim.run_id)

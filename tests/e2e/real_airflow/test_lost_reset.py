@@ -38,7 +38,7 @@ from stream_job import DAG_ARGS, WATCH
 from airflow_stream_provider.sensors.health import CheckpointIncompatibilitySensor
 
 with DAG("stream_checkpoint_watch", schedule=None, **DAG_ARGS):
-    CheckpointIncompatibilitySensor(task_id="incompatible", poke_interval=1, **WATCH)
+    CheckpointIncompatibilitySensor(task_id="incompatible", poke_interval=2, **WATCH)
 '''
 
 
@@ -58,8 +58,12 @@ def test_a_reset_whose_task_is_lost_after_its_archive_is_finished_by_its_retry(d
 
     airflow = deployment.airflow
     watching = airflow.trigger_dag("stream_checkpoint_watch")
-    wait_until(lambda: [ti["state"] for ti in airflow.task_instances("stream_checkpoint_watch", watching)]
-               == ["deferred"], 120, "the checkpoint sensor to wait in the triggerer", interval=0.5)
+
+    def sensor() -> list[str]:
+        return [ti["state"] for ti in airflow.task_instances("stream_checkpoint_watch", watching)]
+
+    wait_until(lambda: sensor() == ["deferred"], 120, "the checkpoint sensor to wait in the triggerer",
+               interval=0.5, on_timeout=lambda: f"{sensor()}\n{deployment.explain('stream_checkpoint_watch', watching)}")
     airflow.set_variable("stream_job_application", str(FIXTURE_JOBS / "dedup_by_position.py"))
     airflow.set_variable("stream_job_spec", {**deployment.spec, "version": "2.0"})
     assert deployment.trigger("stream_deploy", if_running="replace")["submit"][0] == "success"
