@@ -52,12 +52,11 @@ def deployment_options(tmp_path) -> dict:
 
 def test_a_reset_whose_task_is_lost_after_its_archive_is_finished_by_its_retry(deployment, broker, topic):
     producer = EventProducer(broker, topic, seed=23)
+    airflow = deployment.airflow
+    watching = airflow.trigger_dag("stream_checkpoint_watch")  # its task starts and defers beside the deploy
     producer.send(600)
     deployment.deploy(producer.produced)
     first = deployment.latest_run()
-
-    airflow = deployment.airflow
-    watching = airflow.trigger_dag("stream_checkpoint_watch")
 
     def sensor() -> list[str]:
         return [ti["state"] for ti in airflow.task_instances("stream_checkpoint_watch", watching)]
