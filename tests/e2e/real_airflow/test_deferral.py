@@ -64,13 +64,10 @@ def test_a_deferred_submit_leaves_its_pool_slot_to_another_task(pooled):
     pooled.airflow._request("POST", "/pools", ok=(200, 201, 409),  # 409: an earlier attempt made it
                             json={"name": "one_slot", "slots": 1, "include_deferred": False})
     run_id = pooled.airflow.trigger_dag("stream_pooled")
-
-    def states() -> dict[str, str]:
-        return {ti["task_id"]: ti["state"] for ti in pooled.airflow.task_instances("stream_pooled", run_id)}
-
     # The health sensor found the job healthy and handed its wait to the triggerer; then the driver dies.
-    wait_until(lambda: states().get("health") == "deferred", 300, "the health sensor to defer",
-               interval=0.5, on_timeout=lambda: f"{states()}\n{pooled.explain('stream_pooled', run_id)}")
+    wait_until(lambda: pooled.tasks("stream_pooled", run_id).get("health", (None,))[0] == "deferred", 300,
+               "the health sensor to defer", interval=0.5,
+               on_timeout=lambda: f"{pooled.tasks('stream_pooled', run_id)}\n{pooled.explain('stream_pooled', run_id)}")
     victim = pooled.latest_run()
     # "deferred" is recorded before the sensor's task process has exited; a trigger firing before the task
     # supervisor's next heartbeat (1 s here) has the resumed task failed (apache/airflow#66374, #72716).

@@ -57,12 +57,9 @@ def test_a_reset_whose_task_is_lost_after_its_archive_is_finished_by_its_retry(d
     producer.send(600)
     deployment.deploy(producer.produced)
     first = deployment.latest_run()
-
-    def sensor() -> list[str]:
-        return [ti["state"] for ti in airflow.task_instances("stream_checkpoint_watch", watching)]
-
-    wait_until(lambda: sensor() == ["deferred"], 120, "the checkpoint sensor to wait in the triggerer",
-               interval=0.5, on_timeout=lambda: f"{sensor()}\n{deployment.explain('stream_checkpoint_watch', watching)}")
+    wait_until(lambda: deployment.tasks("stream_checkpoint_watch", watching) == {"incompatible": ("deferred", None)},
+               120, "the checkpoint sensor to wait in the triggerer", interval=0.5,
+               on_timeout=lambda: deployment.explain("stream_checkpoint_watch", watching))
     airflow.set_variable("stream_job_application", str(FIXTURE_JOBS / "dedup_by_position.py"))
     airflow.set_variable("stream_job_spec", {**deployment.spec, "version": "2.0"})
     assert deployment.trigger("stream_deploy", if_running="replace")["submit"][0] == "success"
