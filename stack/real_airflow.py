@@ -341,12 +341,19 @@ class RealAirflow:
 
     def _request(self, method: str, path: str, ok: tuple[int, ...] = (200,), **kwargs: Any) -> httpx.Response:
         """One API call. Every write the stack makes is idempotent (a DAG run's id is chosen by the caller),
-        so a 500 "Database error" - SQLite's one lock held past the busy timeout - is tried again."""
+        so a 500 "Database error" - SQLite's one lock held past the busy timeout - is tried again, and so is
+        a request the api-server did not answer within the client's timeout (the same lock, on a busy host)."""
         headers = kwargs.pop("headers", {})
         relogged, retries = False, 0
         while True:
-            response = self._http.request(method, f"/api/v2{path}", **kwargs,
-                                          headers={"Authorization": f"Bearer {self.token()}", **headers})
+            try:
+                response = self._http.request(method, f"/api/v2{path}", **kwargs,
+                                              headers={"Authorization": f"Bearer {self.token()}", **headers})
+            except httpx.TimeoutException:
+                if retries >= 3:
+                    raise
+                retries += 1
+                continue
             if response.status_code in (401, 403) and not relogged:
                 self._token = None  # expired or invalid ("403 Invalid JWT token"): log in again once
                 relogged = True
