@@ -132,6 +132,7 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
         # where the JVM spends its CPU: a new driver's whole life (the median drain) against a running job's
         samples["scaling"]["jvm_thread_cpu_s"] = {
             "backlog": profile["backlog"], "new_driver": median_eos["jvm_thread_cpu_s"],
+            "new_driver_window_per_100k": median_eos["steady_jvm_thread_cpu_s"],
             "running_per_100k": drained["warm_jvm_thread_cpu_s"]}
         samples["raw_consume_msgs_s"] = []
         raw_cpu: dict[str, float] = {}
@@ -142,6 +143,7 @@ def run(stack: Stack, profile: dict, sections: list[str], minutes: dict[str, flo
         if drained["warm_cpu_s"]:  # where the 2 cores go, per record, in the running job and in raw
             samples["scaling"]["cpu_per_100k"] = {"cores": len(os.sched_getaffinity(0)),
                                                   "eos/postgresql, warm": drained["warm_cpu_s"],
+                                                  "eos/postgresql, new driver": median_eos["steady_cpu_s"],
                                                   "raw kafka-python": raw_cpu}
     if section("running", f"a running job: {profile['running_warm_up']:,} events drained, then "
                           f"{profile['running_bursts']} bursts of {profile['running_burst']:,}, against raw kafka-python"):

@@ -269,21 +269,29 @@ CPU_KINDS = ("jvm", "python_driver", "python_workers", "postgresql", "consumer",
 
 
 def _cpu_lines(r: dict[str, Any], found: dict[str, Any]) -> list[str]:
-    """CPU seconds per 100,000 records, the running job's against raw kafka-python's, and the rate the
-    running job's CPU per record allows on this machine's cores."""
-    eos, raw = found.get("eos/postgresql, warm"), found.get("raw kafka-python")
+    """CPU seconds per 100,000 records, the running job's (and, where measured, a new driver's over the window
+    its drain's rate is timed in) against raw kafka-python's, and the rate that CPU per record allows on this
+    machine's cores."""
+    eos, new, raw = (found.get(k) for k in ("eos/postgresql, warm", "eos/postgresql, new driver", "raw kafka-python"))
     if not eos or not raw:
         return []
     cores = found["cores"]
+    columns = [("eos", eos), *([("new", new)] if new else []), ("raw", raw)]
     lines = ["", "## Where the cores go (CPU seconds per 100,000 records)", "",
-             "| who | exactly-once, a running job (PostgreSQL) | raw kafka-python |", "|---|---:|---:|"]
+             "| who | exactly-once, a running job (PostgreSQL) | "
+             + ("exactly-once, a new driver's drain (PostgreSQL) | " if new else "") + "raw kafka-python |",
+             "|---|" + "---:|" * len(columns)]
+
+    def row(label: str, cells: list[str]) -> str:
+        return f"| {label} | " + " | ".join(cells) + " |"
+
     for kind in CPU_KINDS:
-        if kind in eos or kind in raw:
-            lines.append(f"| {kind} | {_fmt(eos.get(kind))} | {_fmt(raw.get(kind))} |")
-    spent = {name: sum(v for k, v in d.items() if k != "wall") for name, d in (("eos", eos), ("raw", raw))}
-    lines += [f"| **all** | {_fmt(spent['eos'])} | {_fmt(spent['raw'])} |",
-              f"| wall seconds | {_fmt(eos['wall'])} | {_fmt(raw['wall'])} |",
-              f"| cores busy | {_fmt(spent['eos'] / eos['wall'])} | {_fmt(spent['raw'] / raw['wall'])} |"]
+        if any(kind in d for _, d in columns):
+            lines.append(row(kind, [_fmt(d.get(kind)) for _, d in columns]))
+    spent = {name: sum(v for k, v in d.items() if k != "wall") for name, d in columns}
+    lines += [row("**all**", [_fmt(spent[name]) for name, _ in columns]),
+              row("wall seconds", [_fmt(d["wall"]) for _, d in columns]),
+              row("cores busy", [_fmt(spent[name] / d["wall"]) for name, d in columns])]
     raw_rate = r.get("raw_consume_msgs_s")
     ceiling = cores * 100_000 / spent["eos"]
     lines += ["", f"Over the running job's warm batches (the rate above) and one raw read. At this CPU per record "
@@ -292,6 +300,12 @@ def _cpu_lines(r: dict[str, Any], found: dict[str, Any]) -> list[str]:
                  f"{_fmt(cores * 100_000 / (0.5 * raw_rate))} CPU s per 100,000 records" if raw_rate else "")
               + ". The raw consumer decodes in one Python thread and the broker serves it; the job reads, "
               "parses, aggregates and commits, and its database and broker share the same cores."]
+    if new:
+        new_ceiling = cores * 100_000 / spent["new"]
+        lines += ["", "A new driver's drain: the median drain of the throughput section, over the window its rate "
+                  "(`eos_vs_raw`) is timed in, from its first batch's commit to its last (the JVM's compilers "
+                  f"included). Its CPU per record allows at most {_fmt(new_ceiling)} msgs/s on {cores} cores"
+                  + (f", {_fmt(new_ceiling / raw_rate)} of raw kafka-python" if raw_rate else "") + "."]
     return lines
 
 
@@ -300,23 +314,28 @@ JVM_THREAD_ROWS = (*(kind for kind, _ in JVM_THREAD_KINDS), "other")
 
 
 def _jvm_thread_lines(found: dict[str, Any]) -> list[str]:
-    """The JVM's CPU by kind of thread: a new driver over its whole life, and a running job per 100,000
-    records; how much of a new driver's drain is the JIT's warm-up."""
-    new, running = found.get("new_driver"), found.get("running_per_100k")
+    """The JVM's CPU by kind of thread: a new driver over its whole life (and, where measured, over the window
+    its drain's rate is timed in), and a running job per 100,000 records; how much of a new driver's drain
+    is the JIT's warm-up."""
+    new, window, running = (found.get(k) for k in ("new_driver", "new_driver_window_per_100k", "running_per_100k"))
     if not new or not running:
         return []
     backlog = found["backlog"]
     per_100k = {kind: seconds * 100_000 / backlog for kind, seconds in new.items()}
+    columns = [new, per_100k, *([window] if window else []), running]
     lines = ["", "## Where the JVM spends its CPU (seconds)", "",
              f"| thread | a new driver, its start and a {backlog:,}-event drain | the same per 100,000 records | "
-             "a running job, per 100,000 records |", "|---|---:|---:|---:|"]
+             + ("a new driver, over its rate's window, per 100,000 records | " if window else "")
+             + "a running job, per 100,000 records |", "|---|" + "---:|" * len(columns)]
     for kind in JVM_THREAD_ROWS:
-        lines.append(f"| {kind} | {_fmt(new.get(kind))} | {_fmt(per_100k.get(kind))} | {_fmt(running.get(kind))} |")
-    total = {name: sum(v for k, v in d.items() if k != "wall") for name, d in (("new", new), ("running", running))}
-    lines += [f"| **all** | {_fmt(total['new'])} | {_fmt(total['new'] * 100_000 / backlog)} | "
-              f"{_fmt(total['running'])} |",
+        lines.append(f"| {kind} | " + " | ".join(_fmt(d.get(kind)) for d in columns) + " |")
+    totals = [sum(v for k, v in d.items() if k != "wall") for d in columns]
+    lines += ["| **all** | " + " | ".join(_fmt(t) for t in totals) + " |",
               "", "Exactly-once on PostgreSQL: the throughput section's median new driver from its spawn to its "
-              "graceful stop, and the longer drain's batches after its warm-up (the running job's rate above). "
+              "graceful stop"
+              + (" and over the window its rate is timed in (from its first batch's commit to its last)"
+                 if window else "")
+              + ", and the longer drain's batches after its warm-up (the running job's rate above). "
               "`jit`: HotSpot's C1 and C2 compiler threads; `tasks`: Spark's task threads (reading, parsing, "
               "caching, aggregating); `python_calls`: py4j's threads, which run the Python driver's calls "
               "(collects, plans); `stream`: the query's micro-batch loop; `gc`: the serial collector; `other`: the "

@@ -201,7 +201,10 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
         runner.wait_running(driver)
         time.sleep(max(0.0, spawned + burst_after - time.monotonic()))
         _send_paused(driver, producer, backlog)
-    with PeakRss(driver.pid, stack.broker.process.pid if warm else None) as memory:
+    # the CPU by process and JVM thread: for the warm window, and over the window a new driver's exactly-once
+    # rate on PostgreSQL is timed in (what `eos_vs_raw` is judged on); a sample a second of ~300 threads' /proc
+    sample_cpu = warm or (exactly_once and database == "postgresql" and burst_after is None)
+    with PeakRss(driver.pid, stack.broker.process.pid if sample_cpu else None) as memory:
         _wait_applied(job, driver, runner, produced.total, f"{kind}/{database}", exactly_once)
     jvm_cpu = jvm_thread_cpu(driver_processes(driver.pid))  # over the driver's life: its start, then the drain
     stop_driver(runner, driver, f"{kind}/{database}")
@@ -223,11 +226,15 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
               "warm_jvm_thread_cpu_s": cpu_per_records(memory.jvm_threads, batches) if warm_msgs_s else None,
               "peak_rss_jvm_mb": memory.peak_parts["jvm"] / 2**20,
               "peak_rss_python_mb": memory.peak_parts["python"] / 2**20, "peak_pss_mb": memory.peak_pss / 2**20,
-              "jvm_thread_cpu_s": jvm_cpu, "topic": job.topic}
+              "jvm_thread_cpu_s": jvm_cpu, "topic": job.topic,
+              "steady_cpu_s": cpu_per_records(memory.cpu, batches, skip=0) if sample_cpu else None,
+              "steady_jvm_thread_cpu_s": cpu_per_records(memory.jvm_threads, batches, skip=0) if sample_cpu else None}
     if warm_msgs_s:
         say(f"  {kind} on {database}: {warm_msgs_s:.0f} msgs/s over the batches after the first {WARM_UP_BATCHES}")
     if result["warm_cpu_s"]:
         say_cpu(f"{kind} on {database}, warm", result["warm_cpu_s"])
+    elif result["steady_cpu_s"]:
+        say_cpu(f"{kind} on {database}, over the rate's window", result["steady_cpu_s"])
     say(f"  {kind} on {database}: the JVM's CPU seconds over the driver's life by thread, "
         + ", ".join(f"{k} {v:.1f}" for k, v in jvm_cpu.items()))
     say(f"  {kind} on {database}: {backlog} events in {len(batches)} batches, {result['msgs_s']:.0f} msgs/s, "

@@ -133,6 +133,20 @@ def test_the_cpu_table_sets_the_running_job_beside_raw_and_gives_the_ceiling_it_
     assert "cannot pass 28,571 msgs/s on 2 cores" in text and "0.63 of raw" in text and "at most 8.89 CPU s" in text
 
 
+def test_the_cpu_table_sets_a_new_drivers_drain_between_the_running_job_and_raw():
+    cpu = {"cores": 2, "eos/postgresql, warm": {"jvm": 4.0, "python_workers": 2.0, "postgresql": 1.0, "wall": 4.0},
+           "eos/postgresql, new driver": {"jvm": 8.0, "python_workers": 1.5, "postgresql": 0.5, "wall": 5.0},
+           "raw kafka-python": {"consumer": 1.8, "broker": 0.4, "wall": 2.0}}
+    samples = {**SAMPLES, "scaling": {**SAMPLES["scaling"], "cpu_per_100k": cpu}}
+    text = report.markdown({**report.summarise(samples, {}), "meta": {}})
+    assert "| who | exactly-once, a running job (PostgreSQL) | exactly-once, a new driver's drain (PostgreSQL) " \
+           "| raw kafka-python |" in text
+    assert "| jvm | 4.00 | 8.00 | – |" in text and "| **all** | 7.00 | 10.00 | 2.20 |" in text
+    assert "| cores busy | 1.75 | 2.00 | 1.10 |" in text
+    # 2 cores / 10 CPU s per 100,000 records: 20,000 msgs/s at most, 0.44 of raw's median 45,000
+    assert "allows at most 20,000 msgs/s on 2 cores, 0.44 of raw" in text
+
+
 def test_a_process_the_jvm_is_starting_is_not_counted_twice():
     # pid -> (parent, runs java): the JVM (1) under the bench, a child it has not exec'd yet (2), the
     # Python driver (3) and a worker (4); a java process whose parent is not a JVM is a JVM itself (5)
@@ -164,6 +178,19 @@ def test_the_jvm_thread_table_sets_a_new_drivers_life_beside_a_running_jobs_reco
     # a drain without the running job's window says nothing about the warm-up
     samples["scaling"]["jvm_thread_cpu_s"] = {**found, "running_per_100k": None}
     assert "Where the JVM spends" not in report.markdown({**report.summarise(samples, {}), "meta": {}})
+
+
+def test_the_jvm_thread_table_adds_a_new_drivers_rate_window_where_measured():
+    found = {"backlog": 300_000,
+             "new_driver": {"jit": 9.0, "tasks": 4.5, "python_calls": 2.0, "stream": 1.5, "gc": 1.0, "other": 3.0},
+             "new_driver_window_per_100k": {"jit": 2.5, "tasks": 2.0, "python_calls": 0.5, "stream": 0.2,
+                                            "gc": 0.3, "other": 0.5, "wall": 3.0},
+             "running_per_100k": {"jit": 0.1, "tasks": 0.6, "python_calls": 0.05, "stream": 0.1, "gc": 0.1,
+                                  "other": 0.05, "wall": 2.0}}
+    samples = {**SAMPLES, "scaling": {**SAMPLES["scaling"], "jvm_thread_cpu_s": found}}
+    text = report.markdown({**report.summarise(samples, {}), "meta": {}})
+    assert "| the same per 100,000 records | a new driver, over its rate's window, per 100,000 records |" in text
+    assert "| jit | 9.00 | 3.00 | 2.50 | 0.10 |" in text and "| **all** | 21.00 | 7.00 | 6.00 | 1.00 |" in text
 
 
 def test_rss_table_splits_jvm_and_python_when_measured():
