@@ -10,6 +10,7 @@ offsets).  ``prune`` applies a retention policy to a job's archived generations 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 
@@ -80,8 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prune = commands.add_parser("prune", help="remove archived generations outside a retention policy")
     prune.add_argument("--checkpoint-root", required=True)
     prune.add_argument("--job-id", required=True)
-    prune.add_argument("--keep", type=int, help="keep the newest N archives")
-    prune.add_argument("--max-age-days", type=float, help="keep archives younger than this")
+    prune.add_argument("--keep", type=_count, help="keep the newest N archives")
+    prune.add_argument("--max-age-days", type=_days, help="keep archives younger than this")
     prune.add_argument("--checkpoint-conn-id", help="Airflow connection for WebHDFS (hdfs:// roots)")
     args = parser.parse_args(argv)
     if args.command == "prune":
@@ -98,6 +99,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.checkpoint_root:
         print("\ncheckpoints:\n" + checkpoint_history(args.checkpoint_root, args.job_id, args.checkpoint_conn_id))
     return 0
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: give how many archives to keep") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative: give how many archives to keep (0 or more)")
+    return value
+
+
+def _days(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of days") from None
+    if not math.isfinite(value) or value < 0:  # NaN would match no archive as young enough: all would go
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of days >= 0")
+    return value
 
 
 def _prune(args: argparse.Namespace) -> int:

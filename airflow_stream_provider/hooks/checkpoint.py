@@ -17,6 +17,7 @@ logic is written once.  No pyspark here: the files are read in Spark's on-disk f
 from __future__ import annotations
 
 import calendar
+import math
 import os
 import posixpath
 import re
@@ -776,9 +777,10 @@ def _check_policy(max_count: int | None, max_age_s: float | None) -> None:
     ):
         raise ValueError(f"max_count {max_count!r} must be an integer >= 0 or None (no count rule)")
     if max_age_s is not None and (
-        isinstance(max_age_s, bool) or not isinstance(max_age_s, int | float) or max_age_s < 0
-    ):
-        raise ValueError(f"max_age_s {max_age_s!r} must be a number of seconds >= 0 or None (no age rule)")
+        isinstance(max_age_s, bool) or not isinstance(max_age_s, int | float) or not math.isfinite(max_age_s)
+        or max_age_s < 0
+    ):  # NaN compares false both ways: "younger than NaN" would keep nothing
+        raise ValueError(f"max_age_s {max_age_s!r} must be a finite number of seconds >= 0 or None (no age rule)")
 
 
 def _batch_ids(entries: list[_Entry]) -> set[int]:

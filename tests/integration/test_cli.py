@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from airflow_stream_provider.__main__ import main
 from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.store import StateStore
@@ -127,6 +129,11 @@ def test_status_with_checkpoints_then_prune_by_retention(tmp_path, capsys):
     assert '{"orders":{"0":20}}' in out[5] and "no (replayed on start)" in out[5]
 
     assert main(["prune", "--checkpoint-root", str(tmp_path / "ckpt"), "--job-id", "orders"]) == 2
+    for flag, value in [("--max-age-days", "nan"), ("--max-age-days", "-1"), ("--keep", "-2"), ("--keep", "all")]:
+        with pytest.raises(SystemExit) as refused:  # argparse's usage error, before anything is listed
+            main(["prune", "--checkpoint-root", str(tmp_path / "ckpt"), "--job-id", "orders", flag, value])
+        assert refused.value.code == 2 and flag in capsys.readouterr().err
+    assert len(list((job / "archive").iterdir())) == 2
     assert main(["prune", "--checkpoint-root", str(tmp_path / "ckpt"), "--job-id", "orders", "--keep", "1"]) == 0
     assert "removed" in capsys.readouterr().out
     assert sorted(p.name for p in (job / "archive").iterdir()) == ["gen-2-20261101T000000Z"]

@@ -486,7 +486,9 @@ def test_prune_never_touches_active_generations_or_foreign_entries(hook, tree, r
 
 @pytest.mark.parametrize(
     "policy",
-    [{"max_count": -1}, {"max_count": 1.5}, {"max_count": True}, {"max_age_s": -1.0}, {"max_age_s": "1d"}],
+    [{"max_count": -1}, {"max_count": 1.5}, {"max_count": True}, {"max_age_s": -1.0}, {"max_age_s": "1d"},
+     # no archive is "younger than" NaN: it would remove all of them
+     {"max_age_s": float("nan")}, {"max_age_s": float("inf")}],
 )
 def test_prune_rejects_a_malformed_policy(hook, tree, policy):
     with pytest.raises(ValueError, match=next(iter(policy))):
