@@ -95,11 +95,21 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         self.backoff_max = backoff_max
         self.healthy_reset = healthy_reset
         self.on_incompatible = on_incompatible
+        if not any(isinstance(v, str) for v in (max_restarts, restart_window, backoff_base)):  # none templated
+            _ = self.budget  # a wrong budget fails the DAG's parse, not the first recovery
 
     @property
     def budget(self) -> RestartBudget:
-        return RestartBudget(int(self.max_restarts), float(self.restart_window), float(self.backoff_base),
-                             float(self.backoff_max), float(self.healthy_reset))
+        try:
+            return RestartBudget(int(self.max_restarts), float(self.restart_window), float(self.backoff_base),
+                                 float(self.backoff_max), float(self.healthy_reset))
+        except (TypeError, ValueError) as err:
+            raise AirflowFailException(
+                f"{type(self).__name__} {self.task_id}: its restart budget cannot be used ({err}). Set max_restarts "
+                f"(>= 1, now {self.max_restarts!r}), restart_window (> 0 s, now {self.restart_window!r}), "
+                f"backoff_base (>= 0 s, now {self.backoff_base!r}), backoff_max (>= backoff_base, now "
+                f"{self.backoff_max!r}) and healthy_reset (> 0 s, now {self.healthy_reset!r})."
+            ) from None
 
     def lease_held(self, context, held) -> Any:
         """Another task acts on the job (a submit, a stop, an upgrade's preflight): a recovery beside it could
@@ -142,13 +152,14 @@ class RecoverStreamingJobOperator(StreamJobOperator):
             recovery.check_on_incompatible(self.on_incompatible)
         except ValueError as err:
             raise AirflowFailException(str(err)) from None
+        budget = self.budget  # a templated budget is checked here, before anything is looked at or done
         found = self.diagnose()
         self.log.info("Diagnosis: %s", found.summary())
         if (found.interrupted_restart or {}).get("upgrade_id"):
             self._end_abandoned_upgrade(found)
         now = time.time()
-        history = self.state.restarts_since(self.job.job_id, recovery.history_since(self.budget, now))
-        decision = recovery.decide_recovery(found, on_incompatible=self.on_incompatible, budget=self.budget,
+        history = self.state.restarts_since(self.job.job_id, recovery.history_since(budget, now))
+        decision = recovery.decide_recovery(found, on_incompatible=self.on_incompatible, budget=budget,
                                             history=history, now=now,
                                             upgrade=self.controller.latest_upgrade())
         outcome = {"diagnosis": found.to_dict()}

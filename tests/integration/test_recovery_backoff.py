@@ -9,7 +9,7 @@ record: the attempt counts once."""
 from __future__ import annotations
 
 import pytest
-from airflow.sdk.exceptions import TaskDeferred
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from airflow_stream_provider.diagnosis import diagnose
 from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
@@ -68,3 +68,18 @@ def test_the_restart_begun_before_the_backoff_is_completed_by_its_launch(state_s
     restarts = state_store.restarts_since("job", 0)
     assert [(r["failed_run_id"], r["new_run_id"]) for r in restarts][-1] == (dead, "r-new"), restarts
     assert len(restarts) == 3, "the restart begun before the wait is the one the launch completed"
+
+
+def test_a_budget_that_would_not_bound_restarts_is_refused_before_anything_is_looked_at(tmp_path, state_store):
+    """A ``healthy_reset`` of 0 counted no restart as consecutive: no budget, no backoff, a storm."""
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    with pytest.raises(AirflowFailException, match=r"healthy_reset \(> 0 s, now 0\)"):  # at the DAG's parse
+        RecoverStreamingJobOperator(task_id="recover", spec=spec, healthy_reset=0, application="/jobs/job.py")
+    # a templated budget is checked when the task runs, before the diagnosis
+    templated = RecoverStreamingJobOperator(task_id="recover", spec=spec, max_restarts="{{ params.n }}",
+                                            application="/jobs/job.py")
+    templated.max_restarts = "0"  # as rendered
+    dead, _ = _dead_after_two_failed_restarts(state_store)
+    with pytest.raises(AirflowFailException, match=r"max_restarts \(>= 1, now '0'\)"):
+        templated.execute({})
+    assert state_store.latest_run("job").run_id == dead and len(state_store.restarts_since("job", 0)) == 2

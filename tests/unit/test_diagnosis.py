@@ -150,9 +150,15 @@ def test_backoff_doubles_and_resets_after_a_healthy_period():
     assert budget.backoff([NOW - i * 10 for i in range(1, 12)], NOW) == 60  # capped
 
 
-def test_budget_rejects_nonsense():
-    with pytest.raises(ValueError, match="max_restarts"):
-        RestartBudget(max_restarts=0)
+@pytest.mark.parametrize("field, value", [
+    ("max_restarts", 0), ("max_restarts", 1.5), ("window_s", 0.0), ("window_s", float("inf")),
+    ("backoff_base_s", -1.0), ("backoff_max_s", 1.0),  # below the base of 5 s
+    # 0 or NaN: no two restarts would be consecutive, and the budget and the backoff would count none
+    ("healthy_reset_s", 0.0), ("healthy_reset_s", -600.0), ("healthy_reset_s", float("nan")),
+])
+def test_budget_rejects_nonsense(field, value):
+    with pytest.raises(ValueError, match=f"restart budget: {field}={value!r}"):
+        RestartBudget(**{field: value})
 
 
 def test_a_starting_driver_is_bounded_by_the_start_timeout_not_the_heartbeat():
