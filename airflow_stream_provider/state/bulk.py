@@ -69,16 +69,23 @@ def write_rows(conn: Connection, table: Table, key: Sequence[str], increments: S
     no rows, nothing to do.  The temporary table of a COPY is dropped at the end of the transaction, committed or rolled back."""
     if not count(rows):
         return
-    rows = one_per_key_table(rows, key, increments) if is_table(rows) else one_per_key(rows, key, increments)
+    rows = one_per_key_table(rows, key, increments, table.name) if is_table(rows) \
+        else one_per_key(rows, key, increments)
     dialect = conn.dialect
     if dialect.name == "postgresql" and dialect.driver == "psycopg" and count(rows) >= COPY_FROM_ROWS:
         _copy_upsert(conn, table, key, increments, rows)
-    elif dialect.name == "sqlite" and is_table(rows) and _sqlite_ready(rows.schema):
-        for chunk in rows.to_batches(max_chunksize=SQLITE_CHUNK_ROWS):
-            columns = dict(zip(rows.column_names, _sqlite_columns(table, chunk), strict=True))
-            _sqlite_executemany(conn, table, key, increments, columns)
-    else:
-        conn.execute(upsert(dialect.name, table, key, increments), _pylist(table, rows) if is_table(rows) else rows)
+        return
+    try:
+        if dialect.name == "sqlite" and is_table(rows) and _sqlite_ready(rows.schema):
+            for chunk in rows.to_batches(max_chunksize=SQLITE_CHUNK_ROWS):
+                columns = dict(zip(rows.column_names, _sqlite_columns(table, chunk), strict=True))
+                _sqlite_executemany(conn, table, key, increments, columns)
+        else:
+            conn.execute(upsert(dialect.name, table, key, increments),
+                         _pylist(table, rows) if is_table(rows) else rows)
+    except OverflowError as err:  # sqlite3 binding an integer past 64 bits: a value the database cannot take
+        raise DataError(f"a value of table {table.name!r} is out of the database's integer range: {err}", None,
+                        err) from err
 
 
 def one_per_key(rows: Rows, key: Sequence[str], increments: Sequence[str]) -> list[Mapping[str, Any]]:
@@ -101,7 +108,8 @@ def _summed(a, b):
     return b if a is None else a if b is None else a + b
 
 
-def one_per_key_table(rows: pa.Table, key: Sequence[str], increments: Sequence[str]) -> pa.Table:
+def one_per_key_table(rows: pa.Table, key: Sequence[str], increments: Sequence[str],
+                      table_name: str = "?") -> pa.Table:
     """``one_per_key`` for an Arrow table, in Arrow: unchanged when every key is unique (the usual case).
     Otherwise each key's last row, taken whole by its index (the last row's value, even a null one), with
     its increments replaced by their sums; the columns and their types are the input's.  Arrow's
@@ -115,28 +123,42 @@ def one_per_key_table(rows: pa.Table, key: Sequence[str], increments: Sequence[s
     keys = [f"key{i}" for i in range(len(key))]
     index = pa.array(range(rows.num_rows), pa.int64())
     # Own names: Arrow names an aggregate "<column>_<function>", which could be another column's name.
-    work = pa.Table.from_arrays([*(rows[k] for k in key), index, *(rows[c] for c in sums)],
+    # Integers are summed as decimals: Arrow's integer sum wraps around silently past 64 bits.
+    work = pa.Table.from_arrays([*(rows[k] for k in key), index, *(_summable(rows[c]) for c in sums)],
                                 names=[*keys, "row", *(f"sum{i}" for i in range(len(sums)))])
     merged = work.group_by(keys, use_threads=False).aggregate(
         [("row", "max"), *((f"sum{i}", "sum") for i in range(len(sums)))]  # a sum skips nulls; all null: null
     )
     last = rows.take(merged["row_max"])
     for i, column in enumerate(sums):
-        summed = _as_type(merged[f"sum{i}_sum"], rows.schema.field(column).type)
+        summed = _as_type(merged[f"sum{i}_sum"], rows.schema.field(column).type, table_name, column)
         at = last.schema.get_field_index(column)
         last = last.set_column(at, last.schema.field(at).with_type(summed.type), summed)
     return last
 
 
-def _as_type(summed: pa.ChunkedArray, type_: pa.DataType) -> pa.ChunkedArray:
-    """Sums in their column's own type (Arrow sums into a wider one); a sum the type cannot hold keeps the
-    wider type, for the database to store or refuse as the value it is."""
+def _summable(values: pa.ChunkedArray) -> pa.ChunkedArray:
     import pyarrow as pa
 
+    return values.cast(pa.decimal128(38, 0)) if pa.types.is_integer(values.type) else values
+
+
+def _as_type(summed: pa.ChunkedArray, type_: pa.DataType, table_name: str, column: str) -> pa.ChunkedArray:
+    """Sums in their column's own type.  A float's stays a double (the table's column is one, and a float32
+    sum could overflow to infinity); a decimal's that its precision cannot hold keeps the wider one, for the
+    database to store or refuse as the value it is.  An integer sum past its type is refused here, as the
+    database refuses it when the upsert adds it to a stored value: a DataError, which the sink isolates."""
+    import pyarrow as pa
+
+    if pa.types.is_floating(type_):
+        return summed
     try:
         return summed.cast(type_)
-    except pa.ArrowInvalid:
-        return summed
+    except pa.ArrowInvalid as err:
+        if not pa.types.is_integer(type_):
+            return summed
+        raise DataError(f"the increments of column {column!r} of table {table_name!r} for one key in this batch "
+                        f"add up to more than its type ({type_}) holds", None, err) from err
 
 
 def _copy_upsert(conn: Connection, table: Table, key: Sequence[str], increments: Sequence[str],

@@ -209,6 +209,31 @@ def test_one_row_per_key_in_arrow_takes_the_last_row_of_any_column_type():
     ]
 
 
+@pytest.mark.parametrize("arrow", [True, False])
+@pytest.mark.parametrize("padding", [0, bulk.COPY_FROM_ROWS])  # PostgreSQL: INSERT, then COPY
+def test_increments_of_one_key_past_64_bits_are_refused_not_wrapped(store, arrow, padding):
+    """Arrow's integer sum wraps around past 64 bits: three increments of 2**62 were stored as -2**62."""
+    table = _table(store, f"overflowing_{int(arrow)}_{padding}")
+    rows = [{**row, "k": "big", "minute": dt.datetime(2026, 11, 22), "n": 2**62} for row in _rows(3, seed=8)]
+    rows += [{**row, "k": f"pad-{i}"} for i, row in enumerate(_rows(padding, seed=9))]
+    with pytest.raises(Exception) as caught:  # the sink isolates a DataError: the batch does not fail for ever
+        _write(store, table, pa.Table.from_pylist(rows, ARROW_SCHEMA) if arrow else rows)
+    assert is_data_error(caught.value), repr(caught.value)
+    assert _stored(store, table) == {}
+
+
+def test_float_increments_of_one_key_are_summed_as_doubles(store):
+    """A float32 column's sum in float32 overflowed to infinity; the table's column is a double."""
+    table = Table("float_sums", MetaData(), Column("k", Text, primary_key=True), Column("x", Float(53)))
+    table.create(store.engine)
+    rows = pa.table({"k": ["a", "a"], "x": pa.array([3e38, 3e38], pa.float32())})
+    with store.engine.begin() as conn:
+        bulk.write_rows(conn, table, ("k",), ("x",), rows)
+    with store.engine.connect() as conn:
+        (stored,) = conn.execute(select(table.c.x)).scalars()
+    assert stored == pytest.approx(6e38, rel=1e-6)
+
+
 @pytest.mark.parametrize("padding", [0, bulk.COPY_FROM_ROWS])  # PostgreSQL: INSERT, then COPY
 def test_a_decimal_column_with_a_key_twice_in_a_batch_is_stored(store, padding):
     """The commit of such a batch failed on every restart: Arrow could not merge the decimal column."""
