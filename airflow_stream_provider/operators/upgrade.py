@@ -314,7 +314,10 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
             self.controller.abandon(dry, f"its run did not register within the preflight's {self.preflight_timeout}s")
             return self._preflight_over(context, None, ctx, "unregistered")  # whatever registers meanwhile
         if ending == "ended" or run is None or not run.active:
-            return self._preflight_over(context, None, ctx, "ended" if ending == "idle" else ending)
+            # a run that recorded its end is judged by it, though the wait timed out while its driver exited:
+            # "timeout" would read a refused checkpoint as inconclusive, and the upgrade would go on
+            ended = ending == "idle" or (run is not None and not run.active)
+            return self._preflight_over(context, None, ctx, "ended" if ended else ending)
         if ending == "idle":
             self.log.info("Preflight run %s: the stream is caught up, no record for a batch to run on: "
                           "stopping it", dry["run_id"])

@@ -73,3 +73,25 @@ def test_a_dry_run_that_never_registered_is_killed_and_the_upgrade_stops_before_
     finally:
         starting.kill()
     assert UpgradeLog(state_store).get(ctx["upgrade_id"]).phase == UpgradePhase.DONE, "nothing was stopped"
+
+
+def test_a_dry_run_that_recorded_its_failure_as_the_wait_timed_out_is_judged_by_it(state_store, tmp_path,
+                                                                                     monkeypatch):
+    """The dry run recorded a refused checkpoint just before the preflight's deadline and its JVM was still
+    exiting when the wait timed out: the preflight read "timeout" as INCONCLUSIVE, and the upgrade stopped
+    the old run for a version whose checkpoint Spark had refused."""
+    from airflow_stream_provider.operators import upgrade
+
+    spec = {"job_id": "job", "version": "2.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    operator = UpgradeStreamingJobOperator(task_id="upgrade", spec=spec, application="/jobs/v2.py")
+    dry = state_store.begin_run("job", 1, "2.0", dry_run=True).run_id
+    state_store.finish_run(dry, status="FAILED", exit_code=3, failure_kind="CHECKPOINT_INCOMPATIBLE",
+                           error_class="STREAMING_STATEFUL_OPERATOR_MISSING_STATE_DIRECTORY", message="refused")
+    ctx = {"preflight": {"run_id": dry, "job_id": "job", "log_path": None, "reads_old_state": 1}}
+    judged = []
+    monkeypatch.setattr(UpgradeStreamingJobOperator, "_preflight_over",
+                        lambda self, context, stopped, ctx, ending: judged.append(ending))
+    operator._dry_run_waited({}, {"outcome": "timeout"}, ctx)
+    assert judged == ["ended"]
+    verdict = upgrade._verdict(state_store.get_run(dry), judged[0], None, 1)
+    assert verdict.verdict == Verdict.INCOMPATIBLE, verdict
