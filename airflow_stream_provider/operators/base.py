@@ -224,8 +224,12 @@ class StreamJobOperator(BaseOperator):
         except LeaseLost:  # another task holds the lease: nothing of this task's to let go of
             self._drop_launch(self._launch_in_flight())
             raise
-        except BaseException:
-            self.controller.release_lease(self._lease_owner)
+        except BaseException as failure:
+            try:
+                self.controller.release_lease(self._lease_owner)
+            except Exception as err:  # the task's own failure is what it reports: a retry must not hide a final one
+                self.log.warning("The lease on job %s could not be released after %r (%s); it runs out by itself "
+                                 "within %.0fs", self.job.job_id, failure, err, LEASE_STEP_S)
             raise
         self.controller.release_lease(self._lease_owner)
         return result

@@ -83,3 +83,21 @@ def test_a_budget_that_would_not_bound_restarts_is_refused_before_anything_is_lo
     with pytest.raises(AirflowFailException, match=r"max_restarts \(>= 1, now '0'\)"):
         templated.execute({})
     assert state_store.latest_run("job").run_id == dead and len(state_store.restarts_since("job", 0)) == 2
+
+
+def test_a_final_failure_stays_final_when_the_lease_cannot_be_released(tmp_path, state_store, monkeypatch):
+    """The database away as the lease is let go: its error replaced the task's AirflowFailException, and a
+    failure no retry can fix was retried."""
+    from sqlalchemy.exc import OperationalError
+
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    recover = RecoverStreamingJobOperator(task_id="recover", spec=spec, max_restarts="{{ params.n }}",
+                                          application="/jobs/job.py")
+    recover.max_restarts = "0"
+
+    def away(controller, owner):
+        raise OperationalError("UPDATE leases", None, Exception("database is away"))
+
+    monkeypatch.setattr(type(recover.controller), "release_lease", away)
+    with pytest.raises(AirflowFailException, match="restart budget"):
+        recover.execute({})
