@@ -144,8 +144,27 @@ class StreamJobOperator(BaseOperator):
                 f"spec is a {type(self.spec).__name__}, not a mapping: a templated spec renders to text unless "
                 "its DAG sets render_template_as_native_obj=True (as dags/stream_job.py does)")
         data = dict(self.spec)
+        if data.get("dry_run"):
+            raise AirflowFailException("spec sets dry_run: a DAG's job runs for real; only an upgrade's preflight "
+                                       "starts a dry run (on a copy of the checkpoint). Leave dry_run out")
+        kafka = data.get("kafka", {})
+        if not isinstance(kafka, Mapping):
+            raise AirflowFailException(f"spec's kafka is a {type(kafka).__name__}, not a mapping: give it as "
+                                       "{'topics': [...], ...}")
         try:
-            data["kafka"] = {**data.get("kafka", {}), "bootstrap_servers": self.kafka.bootstrap_servers}
+            # what the connections say: a different value in the DAG's spec would be dropped without a word
+            given = [("kafka.bootstrap_servers", kafka.get("bootstrap_servers"), self.kafka.bootstrap_servers,
+                      "kafka_conn_id", self.kafka_conn_id),
+                     ("database_url", data.get("database_url"), self.state.database_url, "state_conn_id",
+                      self.state_conn_id)]
+            for name, value, connection_value, parameter, conn_id in given:
+                if value is not None and value != connection_value:
+                    shown = f" to {value!r}" if name != "database_url" else ""  # a URL may hold a password
+                    raise AirflowFailException(
+                        f"spec sets {name}{shown}, but it comes from the connection {conn_id!r}, which says "
+                        f"otherwise: remove {name} from the spec, or change the connection (or name another with "
+                        f"{parameter})")
+            data["kafka"] = {**kafka, "bootstrap_servers": self.kafka.bootstrap_servers}
             data["database_url"] = self.state.database_url
         except AirflowNotFoundException as err:
             raise AirflowFailException(

@@ -6,6 +6,8 @@ no run recorded in any of these cases.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -51,6 +53,26 @@ def test_invalid_spec_fields_are_named_with_the_fix(stream, job, change, field, 
     with pytest.raises(AirflowFailException, match=f"'{field}'") as raised:
         _submit(job, **change)
     assert fix in str(raised.value)
+    _nothing_started(stream)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        # set by the connections: a different value in the spec was dropped without a word
+        (lambda spec: {"kafka": {**spec["kafka"], "bootstrap_servers": "elsewhere:9092"}},
+         "spec sets kafka.bootstrap_servers to 'elsewhere:9092', but it comes from the connection "
+         "'stream_kafka_default'"),
+        (lambda spec: {"database_url": "sqlite:////tmp/another.db"},
+         "spec sets database_url, but it comes from the connection 'stream_state_default'"),
+        # a first submit ran as a dry run on the job's real checkpoint
+        (lambda spec: {"dry_run": True}, "spec sets dry_run"),
+        (lambda spec: {"kafka": None}, "spec's kafka is a NoneType, not a mapping"),
+    ],
+)
+def test_what_the_spec_must_not_set_is_refused(stream, job, change, message):
+    with pytest.raises(AirflowFailException, match=re.escape(message)):
+        _submit(job, **change(job["spec"]))
     _nothing_started(stream)
 
 
