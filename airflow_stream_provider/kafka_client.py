@@ -70,8 +70,14 @@ def python_options(properties: Mapping[str, object]) -> dict[str, object]:
     """kafka-python keyword arguments from Kafka client properties, in Kafka's own dotted names
     (``request.timeout.ms``, as a job spec's ``kafka.client_options`` and Spark's connector take them) or
     kafka-python's (``request_timeout_ms``).  A spec travels as JSON text, so numbers and booleans given
-    as text become numbers and booleans: kafka-python compares them."""
-    return {_keyword(name): _value(value) for name, value in properties.items()}
+    as text become numbers and booleans where kafka-python's setting is one (a user name, a password or a
+    client id of digits stays text).  kafka is imported only when there are properties."""
+    if not properties:
+        return {}
+    from kafka import KafkaConsumer
+
+    return {_keyword(name): _value(value, KafkaConsumer.DEFAULT_CONFIG.get(_keyword(name)), _keyword(name))
+            for name, value in properties.items()}
 
 
 def unknown_options(properties: Mapping[str, object]) -> list[str]:
@@ -94,7 +100,8 @@ def mistyped_options(properties: Mapping[str, object]) -> list[str]:
 
     wrong = []
     for name, value in properties.items():
-        default, given = KafkaConsumer.DEFAULT_CONFIG.get(_keyword(name)), _value(value)
+        default = KafkaConsumer.DEFAULT_CONFIG.get(_keyword(name))
+        given = _value(value, default, _keyword(name))
         if isinstance(default, bool):
             fits = isinstance(given, bool)
         elif isinstance(default, int | float):
@@ -122,12 +129,19 @@ def _keyword(name: str) -> str:
     return name.replace(".", "_")
 
 
-def _value(value: object) -> object:
+#: kafka-python's numeric settings whose default is None (the operating system's)
+NUMBERS_WITHOUT_DEFAULT = frozenset({"receive_buffer_bytes", "send_buffer_bytes"})
+
+
+def _value(value: object, default: object, keyword: str) -> object:
+    """Text as the kind of value kafka-python's setting takes: the kind of its default."""
     if not isinstance(value, str):
         return value
-    if value.isdigit():
+    if isinstance(default, bool):
+        return {"true": True, "false": False}.get(value.lower(), value)
+    if (isinstance(default, int | float) or keyword in NUMBERS_WITHOUT_DEFAULT) and value.isdigit():
         return int(value)
-    return {"true": True, "false": False}.get(value.lower(), value)
+    return value
 
 
 def stall_timeout_s(options: Mapping[str, object] | None) -> float:

@@ -108,6 +108,17 @@ def test_client_options_in_either_spelling_reach_kafka_python_as_its_keywords():
                                          "ssl_check_hostname": False, "retry_backoff_ms": 200}
 
 
+def test_text_settings_of_digits_stay_text():
+    """A password, a user name or a client id of digits became a number: kafka-python's SASL then failed
+    joining them as text, in the driver, after its launch (and "007" lost its zeros)."""
+    options = {"sasl.plain.username": "007", "sasl.plain.password": "0123456", "client.id": "42",
+               "security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "PLAIN", "receive.buffer.bytes": "65536"}
+    spec = StreamJobSpec.from_dict(_with(kafka_client_options=options))
+    assert spec.kafka.python_options == {"sasl_plain_username": "007", "sasl_plain_password": "0123456",
+                                         "client_id": "42", "security_protocol": "SASL_PLAINTEXT",
+                                         "sasl_mechanism": "PLAIN", "receive_buffer_bytes": 65536}
+
+
 def test_a_consumer_refuses_settings_the_provider_makes_before_it_connects():
     """A Kafka connection's extra reaches the Airflow side's consumers without a spec: a setting the provider
     makes itself is named there too, instead of kafka-python's "multiple values for keyword argument"."""
