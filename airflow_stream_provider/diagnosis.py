@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -55,6 +56,33 @@ def check_conditions(fire_on, allowed=CONDITIONS, who: str = "a sensor waits for
     unknown = sorted(set(fire_on) - set(allowed))
     if unknown:
         raise ValueError(f"fire_on {unknown} are not conditions {who}; choose from {list(allowed)}")
+
+
+def check_failure_kinds(failure_kinds, fire_on) -> None:
+    """Fail where ``failure_kinds`` names no kind of failure, or where ``fire_on`` leaves out FAILED: the wait
+    would end on nothing."""
+    if failure_kinds is None:
+        return
+    if isinstance(failure_kinds, str):
+        raise ValueError(f"failure_kinds={failure_kinds!r} must be a list of failure kinds, e.g. [{failure_kinds!r}]")
+    known = list(failures.FailureKind.__members__)
+    unknown = sorted(set(failure_kinds) - set(known))
+    if unknown:
+        raise ValueError(f"failure_kinds {unknown} are not kinds of failure; choose from {known}")
+    if "FAILED" not in fire_on:
+        raise ValueError(f"failure_kinds {list(failure_kinds)} name failed runs, but fire_on {list(fire_on)} leaves "
+                         "out FAILED: add it, or leave failure_kinds out")
+
+
+def check_seconds(**named: Any) -> None:
+    """Fail, naming each, where a threshold given as a number is not a finite number of seconds above 0 (a
+    templated one, text at parse time, is checked when it is used).  A stuck_after of 0 makes every query
+    with records waiting STUCK; a poll interval of 0 polls the state database without pause."""
+    wrong = [f"{name}={value!r}" for name, value in named.items()
+             if not isinstance(value, str) and not (isinstance(value, int | float) and not isinstance(value, bool)
+                                                    and math.isfinite(value) and value > 0)]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)}: give a number of seconds above 0")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
 
-from airflow_stream_provider.diagnosis import Thresholds, check_conditions
+from airflow_stream_provider.diagnosis import Thresholds, check_conditions, check_failure_kinds, check_seconds
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle.health import HealthProbe
@@ -51,7 +51,12 @@ class StreamHealthSensor(BaseSensorOperator):
                  heartbeat_timeout: float = 30.0, stuck_after: float = 300.0, deferrable: bool = True,
                  **kwargs):
         super().__init__(**kwargs)
-        check_conditions(fire_on)  # at parse time: a misspelt condition would wait for ever
+        # at parse time: a misspelt condition or kind would wait for ever
+        check_conditions(fire_on)
+        check_failure_kinds(failure_kinds, fire_on)
+        check_seconds(heartbeat_timeout=heartbeat_timeout, stuck_after=stuck_after)
+        if isinstance(topics, str) and "{{" not in topics:  # a list of its letters: no lag, never STUCK
+            raise ValueError(f"topics={topics!r} must be a list of topics, e.g. [{topics!r}]")
         self.job_id = job_id
         self.topics = topics
         self.state_conn_id = state_conn_id

@@ -46,6 +46,7 @@ from airflow_stream_provider.diagnosis import (
     Health,
     Thresholds,
     check_conditions,
+    check_seconds,
 )
 from airflow_stream_provider.hooks.driver import StreamDriverHook
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
@@ -211,6 +212,7 @@ class StreamJobWatchTrigger(BaseEventTrigger):
                  heartbeat_timeout: float = 30.0, stuck_after: float = 300.0, poll_interval: float = 1.0):
         super().__init__()
         check_conditions(fire_on, FIRE_ON, "the watcher reports")
+        check_seconds(heartbeat_timeout=heartbeat_timeout, stuck_after=stuck_after, poll_interval=poll_interval)
         self.job_id = job_id
         self.state_conn_id = state_conn_id
         self.kafka_conn_id = kafka_conn_id

@@ -186,6 +186,24 @@ def test_a_misspelt_condition_fails_when_the_dag_is_parsed():
     assert CheckpointIncompatibilitySensor(task_id="checkpoint", job_id="job", topics=["events"]).fire_on == ("FAILED",)
 
 
+@pytest.mark.parametrize(("arguments", "message"), [
+    ({"fire_on": ["FAILED"], "failure_kinds": ["POISN"]}, r"failure_kinds \['POISN'\] are not kinds of failure.*'POISON'"),
+    ({"fire_on": ["DEAD"], "failure_kinds": ["POISON"]}, "leaves out FAILED"),
+    ({"stuck_after": 0}, r"stuck_after=0: give a number of seconds above 0"),
+    ({"heartbeat_timeout": float("nan")}, "heartbeat_timeout=nan"),
+    ({"topics": "events"}, r"topics='events' must be a list of topics"),
+])
+def test_a_sensor_that_would_wait_on_nothing_fails_when_the_dag_is_parsed(arguments, message):
+    """Each of these waited for ever, or fired on every healthy run: a kind no run has, a kind of failure
+    without FAILED, a threshold of 0, or the topics as one string (its letters: no lag)."""
+    from airflow_stream_provider.sensors.health import StreamHealthSensor
+
+    with pytest.raises(ValueError, match=message):
+        StreamHealthSensor(task_id="health", job_id="job", **{"topics": ["events"], **arguments})
+    StreamHealthSensor(task_id="templated", job_id="job", topics="{{ var.json.spec.kafka.topics }}",
+                       stuck_after="{{ params.stuck_after }}")  # checked once rendered, when used
+
+
 def test_a_failing_check_is_tried_again_until_it_has_failed_too_long(state_store, monkeypatch):
     """A blip of the state database (what a run's wait rides out, ``waits.DATABASE_OUTAGE``) must not end a
     sensor's watch: the check is tried again; only one that keeps failing ends it, saying for how long and

@@ -538,3 +538,11 @@ def test_a_run_an_upgrade_stopped_and_its_ended_task_left_down_is_reported_once(
 
     upgrades.move(upgrade_id, UpgradePhase.DONE, detail, result="killed")  # a recovery ended it
     assert asyncio.run(_events(_trigger(), 3)) == []
+
+
+@pytest.mark.parametrize("thresholds", [{"poll_interval": 0}, {"poll_interval": -1}, {"stuck_after": -5}])
+def test_a_watcher_that_would_poll_without_pause_or_report_every_run_fails_when_the_dag_is_parsed(thresholds):
+    from airflow_stream_provider.assets.stream import stream_job_asset
+
+    with pytest.raises(ValueError, match=f"{next(iter(thresholds))}=.*give a number of seconds above 0"):
+        stream_job_asset("orders", **thresholds)
