@@ -297,8 +297,30 @@ class StreamJobOperator(BaseOperator):
                             f"{held.describe(time.time())} took it; that task acts on the job now, so this one "
                             "stops here. Look at what it did before running this again")
 
+    #: the arguments that are seconds (rendered: a templated one is text until the task runs); ``None``, where
+    #: allowed, takes a default
+    seconds_fields: tuple[str, ...] = ("ready_timeout", "heartbeat_timeout", "stuck_after", "stop_timeout")
+
+    def check_seconds(self) -> None:
+        """Fail, naming each, where a timeout is not a finite number of seconds above 0 (``kill_grace``: 0 or
+        more): before anything is looked at or done.  Found later, a ready_timeout of "5m" failed after its
+        driver was submitted, and one of 0 killed every new driver at once."""
+        wrong = []
+        for name in (*self.seconds_fields, "kill_grace"):
+            value = getattr(self, name)
+            try:
+                seconds = float(value) if value is not None else 1.0
+            except (TypeError, ValueError):
+                seconds = math.nan
+            if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0 or (
+                    seconds == 0 and name != "kill_grace"):
+                wrong.append(f"{name}={value!r}")
+        if wrong:
+            raise AirflowFailException(f"{', '.join(wrong)}: give a number of seconds above 0 (kill_grace: 0 or more)")
+
     # -- execute: pick up a launch an earlier try left running, else start ------------------------------
     def execute(self, context) -> Any:
+        self.check_seconds()
         return self._leased(context, self._execute, context)
 
     def _execute(self, context) -> Any:

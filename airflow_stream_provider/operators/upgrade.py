@@ -75,6 +75,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
     """
 
     lease_action = "upgrade"
+    seconds_fields = (*StreamJobOperator.seconds_fields, "preflight_timeout", "verify_timeout")
 
     template_fields = (*StreamJobOperator.template_fields, "version", "reset_policy", "previous_application",
                        "preflight_timeout", "verify_timeout", "prewarm", "allow_data_loss")
@@ -158,12 +159,6 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         except ValueError as err:
             raise AirflowFailException(str(err)) from None
         _ = self.accepts_data_loss  # bad input fails before anything is done, not after the old run's stop
-        for name in ("preflight_timeout", "ready_timeout", "verify_timeout"):
-            value = getattr(self, name)
-            try:
-                float(value if value is not None else 0.0)
-            except (TypeError, ValueError):
-                raise AirflowFailException(f"{name}={value!r}: expected a number of seconds") from None
         unfinished = self._unfinished(context)
         if unfinished is not None:
             return self._resume(context, unfinished)

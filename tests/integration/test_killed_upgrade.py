@@ -279,11 +279,13 @@ def test_the_upgrades_allow_data_loss_is_a_templated_flag(state_store, tmp_path)
 def test_an_upgrades_timeouts_are_checked_before_it_begins(state_store, tmp_path):
     """A verify timeout that is no number failed the task after the old run's stop, its record left in
     VERIFYING, keeping every recovery away for half an hour."""
-    operator = _operator(tmp_path)
-    operator.verify_timeout = "soon"
-    with pytest.raises(AirflowFailException, match="verify_timeout='soon': expected a number of seconds"):
-        operator.execute({"task_state_store": TaskStateStore()})
-    assert UpgradeLog(state_store).latest("job") is None, "nothing begun"
+    for name, value in [("verify_timeout", "soon"), ("preflight_timeout", 0), ("ready_timeout", "5m"),
+                        ("stop_timeout", -5), ("kill_grace", float("nan"))]:
+        operator = _operator(tmp_path)
+        setattr(operator, name, value)
+        with pytest.raises(AirflowFailException, match=f"{name}={value!r}: give a number of seconds above 0"):
+            operator.execute({"task_state_store": TaskStateStore()})
+        assert UpgradeLog(state_store).latest("job") is None, "nothing begun"
 
 
 def test_an_upgrade_stops_and_owes_the_run_live_at_its_stop_not_the_one_live_at_its_start(state_store, tmp_path):
