@@ -326,6 +326,13 @@ def _validate_database_url(url: str) -> None:
         raise SpecError(
             "database_url", f"scheme {scheme!r} is not supported", "Use sqlite:// or postgresql+psycopg://"
         )
+    if scheme.startswith("sqlite"):
+        database = urlsplit(url.split("?", 1)[0]).path[1:]  # SQLAlchemy's form: sqlite:///<path>
+        if not database.startswith("/"):
+            # each process (the driver, a task, the triggerer, the api-server) would open its own file, or its
+            # own memory: the driver's heartbeats would go where Airflow never looks
+            raise SpecError("database_url", f"{url!r} names no absolute SQLite file ({database or 'in memory'!r})",
+                            "Give an absolute path, with four slashes: sqlite:////var/lib/stream/state.db")
     parts = urlsplit(url)
     if parts.password or "password" in {k.lower() for k in parse_qs(parts.query)}:
         raise SpecError(

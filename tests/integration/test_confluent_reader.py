@@ -158,7 +158,7 @@ def test_one_set_of_client_options_serves_the_planning_and_the_fast_reader():
                "ssl.check.hostname": "false", "fetch.max.wait.ms": "100", "bootstrap.timeout.ms": "5000",
                "request.timeout.ms": "12000"}
     spec = StreamJobSpec.from_dict({"job_id": "secured", "version": "1", "checkpoint_root": "/tmp/c",
-                                    "database_url": "sqlite:///x.db", "kafka": {
+                                    "database_url": "sqlite:////tmp/x.db", "kafka": {
                                         "bootstrap_servers": "127.0.0.1:9", "topics": ["t"], "client_options": options}})
     config = confluent_reader.client_config("127.0.0.1:9", {f"kafka.{k}": str(v)  # as the harness hands them
                                                             for k, v in spec.kafka.client_options.items()})

@@ -28,7 +28,7 @@ def test_the_deployments_spark_submit_conf_wins_over_the_jobs_defaults_and_the_s
     from airflow_stream_provider.spec import CHECKPOINT_MANAGER_CONF, StreamJobSpec
 
     spec = StreamJobSpec.from_dict({"job_id": "j", "version": "1", "checkpoint_root": "/data/ckpt",
-                                    "database_url": "sqlite:///x.db",
+                                    "database_url": "sqlite:////tmp/x.db",
                                     "kafka": {"bootstrap_servers": "b:9092", "topics": ["t"]},
                                     "spark_conf": {"spark.sql.session.timeZone": "Europe/Oslo"}})
     submitted = SparkConf(loadDefaults=False).setAll([

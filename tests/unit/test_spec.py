@@ -36,6 +36,9 @@ def test_good_spec_round_trips():
     ({"job_id": "a/b"}, "job_id", "no '/'"),
     ({"database_url": "postgresql+psycopg://stream:s3cret@db/results"}, "database_url", "STREAM_DATABASE_PASSWORD"),
     ({"database_url": "mysql://db/x"}, "database_url", "sqlite://"),
+    # relative or in memory: the driver and each Airflow process would each open their own
+    ({"database_url": "sqlite:///state.db"}, "database_url", "sqlite:////var/lib/stream/state.db"),
+    ({"database_url": "sqlite://"}, "database_url", "four slashes"),
     ({"database_url": "postgresql+psycopg://stream@db/results?password=s3cret"}, "database_url",
      "STREAM_DATABASE_PASSWORD"),  # psycopg takes it from the query too, and the URL is on the command line
     ({"kafka_starting_offsets": '{"orders": {"0": "ten"}}'}, "kafka.starting_offsets", "earliest"),

@@ -12,7 +12,7 @@ from airflow_stream_provider.takeover import decide
 
 NOW = 1_000_000.0
 SPEC = StreamJobSpec.from_dict({
-    "job_id": "orders", "version": "1.0", "checkpoint_root": "/ckpt", "database_url": "sqlite:///s.db",
+    "job_id": "orders", "version": "1.0", "checkpoint_root": "/ckpt", "database_url": "sqlite:////tmp/s.db",
     "kafka": {"bootstrap_servers": "k:9092", "topics": ["orders"]}, "standby": True,
     "heartbeat_timeout_seconds": 30.0})
 

@@ -21,7 +21,7 @@ def hook(monkeypatch, tmp_path):
 
 
 def _command(hook, tmp_path) -> str:
-    spec = make_spec("orders", "127.0.0.1:9092", "orders", "sqlite:///x.db", tmp_path / "ckpt")
+    spec = make_spec("orders", "127.0.0.1:9092", "orders", "sqlite:////tmp/x.db", tmp_path / "ckpt")
     return " ".join(hook.submit_command("job.py", spec, "r1", str(tmp_path / "r1.log"), env=spark_env()))
 
 

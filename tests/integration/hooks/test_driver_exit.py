@@ -30,7 +30,7 @@ def hook(monkeypatch, tmp_path):
 def _run(hook, tmp_path) -> int | None:
     """The exit code of spark-submit 8 s after its Python driver exited (it takes about 1 s); None while it
     still runs."""
-    spec = make_spec("orders", "127.0.0.1:9092", "orders", "sqlite:///x.db", tmp_path / "ckpt")
+    spec = make_spec("orders", "127.0.0.1:9092", "orders", "sqlite:////tmp/x.db", tmp_path / "ckpt")
     log_path = tmp_path / "driver.log"
     cmd = hook.submit_command(str(APP), spec, "r1", str(log_path), env=spark_env())
     popen = local_driver.start_detached(cmd, str(log_path), env=spark_env(), cwd=str(REPO))
