@@ -343,9 +343,15 @@ def _validate_database_url(url: str) -> None:
         )
 
 
+def _host_port(server: str) -> bool:
+    """host:port, as kafka-python and Spark's connector take a broker (no scheme, a numeric port)."""
+    host, _, port = server.strip().rpartition(":")
+    return bool(host) and "/" not in host and port.isdigit()
+
+
 def _validate_kafka(kafka: KafkaSpec) -> None:
     if not isinstance(kafka.bootstrap_servers, str) or not kafka.bootstrap_servers or not all(
-        ":" in s for s in kafka.bootstrap_servers.split(",")
+        _host_port(s) for s in kafka.bootstrap_servers.split(",")
     ):
         raise SpecError(
             "kafka.bootstrap_servers",

@@ -33,13 +33,28 @@ class KafkaOffsetsHook(BaseHook):
 
     @cached_property
     def _settings(self) -> tuple[str, dict[str, Any]]:
+        """The brokers, and the client settings in extra as kafka-python's keywords (in Kafka's dotted names
+        or kafka-python's, text converted as a job spec's ``client_options`` are), checked as those are."""
         conn = self.get_connection(self.kafka_conn_id)
         extra = dict(conn.extra_dejson)
-        bootstrap = extra.pop("bootstrap_servers", None) or (f"{conn.host}:{conn.port or 9092}" if conn.host else None)
+        bootstrap = extra.pop("bootstrap_servers", None)
+        if not bootstrap and conn.host:  # a host may list brokers itself; the port is for those without one
+            bootstrap = ",".join(h if ":" in h else f"{h}:{conn.port or 9092}"
+                                 for h in (h.strip() for h in conn.host.split(",")) if h)
         if not bootstrap:
             raise ValueError(f"connection {self.kafka_conn_id!r} names no broker: set host/port or "
                              f"extra.bootstrap_servers")
-        return bootstrap, extra
+        if not isinstance(bootstrap, str):
+            raise ValueError(f"connection {self.kafka_conn_id!r}: extra.bootstrap_servers {bootstrap!r} is not "
+                             "text: give host:port[,host:port]")
+        wrong = [f"{name!r} (kafka-python has no such setting)" for name in kafka_client.unknown_options(extra)]
+        wrong += [f"{name}={extra[name]!r} (not the kind of value it takes)"
+                  for name in kafka_client.mistyped_options(extra)]
+        if wrong:
+            raise ValueError(f"connection {self.kafka_conn_id!r}: client settings in its extra cannot be used: "
+                             f"{', '.join(wrong)}. Use kafka-python's settings, in its spelling or Kafka's dotted "
+                             "one (request_timeout_ms or request.timeout.ms)")
+        return bootstrap, kafka_client.python_options(extra)
 
     @property
     def bootstrap_servers(self) -> str:

@@ -171,6 +171,8 @@ class StreamJobOperator(BaseOperator):
                 f"{err}. Create it: {self.state_conn_id!r} (type stream_state: extra.url, or PostgreSQL "
                 f"host/schema/login/password) and {self.kafka_conn_id!r} (type stream_kafka: host/port or "
                 "extra.bootstrap_servers); or pass state_conn_id / kafka_conn_id") from None
+        except ValueError as err:  # a connection that cannot be used as it is: no retry fixes it
+            raise AirflowFailException(str(err)) from None
         try:
             return StreamJobSpec.from_dict(data)
         except SpecError as err:

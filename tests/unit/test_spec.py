@@ -36,6 +36,8 @@ def test_good_spec_round_trips():
     ({"job_id": "a/b"}, "job_id", "no '/'"),
     ({"database_url": "postgresql+psycopg://stream:s3cret@db/results"}, "database_url", "STREAM_DATABASE_PASSWORD"),
     ({"database_url": "mysql://db/x"}, "database_url", "sqlite://"),
+    ({"kafka_bootstrap_servers": "PLAINTEXT://k1:9092"}, "kafka.bootstrap_servers", ""),
+    ({"kafka_bootstrap_servers": "k1:abc"}, "kafka.bootstrap_servers", ""),
     # relative or in memory: the driver and each Airflow process would each open their own
     ({"database_url": "sqlite:///state.db"}, "database_url", "sqlite:////var/lib/stream/state.db"),
     ({"database_url": "sqlite://"}, "database_url", "four slashes"),

@@ -138,3 +138,21 @@ def test_kafka_without_a_broker(monkeypatch):
     ok, message = KafkaOffsetsHook("kafka_empty").test_connection()
     assert not ok
     assert "kafka_empty" in message and "names no broker" in message
+
+
+def test_a_kafka_connection_is_read_as_the_spec_reads_its_settings(monkeypatch):
+    """A host listing brokers had the port appended to its last one ('b2:9092:9092'); settings in extra
+    reached kafka-python as written: Kafka's dotted names refused as unknown, numbers as text compared with
+    numbers, both failing as if the brokers were down."""
+    _set_connection(monkeypatch, "kafka_listed", conn_type="stream_kafka", host="b1:9092, b2:9093,b3",
+                    extra={"security.protocol": "PLAINTEXT", "request_timeout_ms": "15000"})
+    hook = KafkaOffsetsHook("kafka_listed")
+    assert hook.bootstrap_servers == "b1:9092,b2:9093,b3:9092"
+    assert hook.client_options == {"security_protocol": "PLAINTEXT", "request_timeout_ms": 15000}
+
+    _set_connection(monkeypatch, "kafka_wrong", conn_type="stream_kafka", host="b1", port=9092,
+                    extra={"sasl.jaas.config": "x", "request.timeout.ms": "soon"})
+    with pytest.raises(ValueError, match=r"connection 'kafka_wrong': client settings in its extra cannot be used: "
+                                         r"'sasl.jaas.config' \(kafka-python has no such setting\), "
+                                         r"request.timeout.ms='soon'"):
+        _ = KafkaOffsetsHook("kafka_wrong").bootstrap_servers
