@@ -19,6 +19,7 @@ import json
 import math
 import time
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from functools import cached_property
 from typing import Any
 
@@ -50,6 +51,9 @@ STOP_OUTCOMES = ("stopped", "terminated", "killed")
 LEASE_STEP_S = 300.0
 #: How long it holds past a wait's deadline: the task's resume on a worker once its trigger fired
 LEASE_GRACE_S = 120.0
+#: How long past a deferred wait's own end the task may stay deferred before Airflow fails it (a trigger's
+#: poll that never returns); the trigger rides out a database outage up to the wait's end itself.
+DEFER_MARGIN_S = 600.0
 
 
 class StreamJobOperator(BaseOperator):
@@ -380,7 +384,11 @@ class StreamJobOperator(BaseOperator):
                                    pause_s=pause_s,
                                    resume={"method": method, "state": state, "held_since": self._held_since},
                                    killed=self.killed_task().to_dict())
-        self.defer(trigger=trigger, method_name="execute_complete")
+        # A bound past the wait's own end: a trigger whose poll hangs (a state database that stopped
+        # answering mid-read) fails the task, to be retried, instead of leaving it deferred for good.
+        within = pause_s if wait is None else max(0.0, wait.deadline - self.controller.clock.now()) + wait.settle_s
+        self.defer(trigger=trigger, method_name="execute_complete",
+                   timeout=timedelta(seconds=within + DEFER_MARGIN_S))
 
     def killed_task(self) -> KilledTask:
         """What ``on_kill`` would undo, for the trigger to undo when the task is killed while deferred."""

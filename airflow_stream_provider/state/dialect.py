@@ -32,14 +32,24 @@ SUPPORTED = ("sqlite", "postgresql")
 IDLE_IN_TRANSACTION_TIMEOUT_S = 30
 
 
+#: libpq's connection settings for the state database: give up connecting after 15 s; probe an idle
+#: connection after 30 s, every 10 s, and drop it after 3 unanswered probes
+POSTGRES_CONNECTION_BOUNDS = {"connect_timeout": 15, "keepalives": 1, "keepalives_idle": 30,
+                              "keepalives_interval": 10, "keepalives_count": 3}
+
+
 def engine_for(url: URL) -> Engine:
     """An engine for ``url`` (password already set), with the dialect's settings."""
     if url.get_backend_name() == "sqlite":
         engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
         _sqlite_immediate_transactions(engine)
         return engine
+    # A connection attempt, and a read from a peer that vanished (a half-open connection), bounded: a
+    # trigger's or the driver's call would otherwise wait on the operating system's TCP retries, about 15 min.
+    # A URL's own settings win.
+    bounds = {name: value for name, value in POSTGRES_CONNECTION_BOUNDS.items() if name not in url.query}
     return create_engine(url, pool_pre_ping=True, pool_size=2, max_overflow=2,
-                         connect_args={"options": _postgres_options(url.query.get("options"))})
+                         connect_args={"options": _postgres_options(url.query.get("options")), **bounds})
 
 
 def _postgres_options(given: str | tuple[str, ...] | None) -> str:

@@ -12,6 +12,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from airflow_stream_provider.diagnosis import diagnose
+from airflow_stream_provider.operators.base import DEFER_MARGIN_S
 from airflow_stream_provider.operators.recover import RecoverStreamingJobOperator
 from airflow_stream_provider.recovery import with_interrupted_restart
 
@@ -42,6 +43,9 @@ def test_a_recovery_that_backs_off_begins_its_restart_before_the_wait(state_stor
     resume = deferred.value.trigger.resume
     assert (resume["method"], resume["state"]["action"]) == ("_act", "restart"), resume
     assert resume["state"]["outcome"]["backoff_s"] >= 60, resume["state"]["outcome"]
+    # bounded past the wait's own end: a trigger whose poll hangs fails the task instead of keeping it for good
+    backoff_s = resume["state"]["outcome"]["backoff_s"]
+    assert deferred.value.timeout.total_seconds() == pytest.approx(backoff_s + DEFER_MARGIN_S, abs=1)
     begun = state_store.latest_restart("job")
     assert (begun["action"], begun["failed_run_id"], begun["new_run_id"]) == ("restart", dead, None), begun
     assert begun["task"] == recover._lease_owner, "it names the task that waits, for Airflow to be asked about"

@@ -44,3 +44,23 @@ def test_a_launch_wait_rides_out_a_database_restart_until_its_deadline(server):
             late.poll_through_outages()
     finally:
         store.dispose()
+
+
+def test_a_postgresql_connection_is_bounded_unless_its_url_says_otherwise(postgres_url):
+    """Without them a read from a peer that vanished waits on the operating system's TCP retries (about 15
+    minutes): a deferred task's trigger, or a driver's commit, hung that long."""
+    from sqlalchemy.engine import make_url
+
+    from airflow_stream_provider.state.dialect import POSTGRES_CONNECTION_BOUNDS, engine_for
+
+    for url, connect_timeout in [(make_url(postgres_url), "15"),
+                                 (make_url(postgres_url).update_query_dict({"connect_timeout": "3"}), "3")]:
+        engine = engine_for(url)
+        try:
+            with engine.connect() as conn:
+                parameters = conn.connection.dbapi_connection.info.get_parameters()
+        finally:
+            engine.dispose()
+        assert parameters["connect_timeout"] == connect_timeout, parameters
+        assert {k: parameters[k] for k in POSTGRES_CONNECTION_BOUNDS if k != "connect_timeout"} == {
+            k: str(v) for k, v in POSTGRES_CONNECTION_BOUNDS.items() if k != "connect_timeout"}
