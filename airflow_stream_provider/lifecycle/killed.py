@@ -32,7 +32,8 @@ class KilledTask:
     job_id: str
     #: the task's hold on the job's lease (``operators.base``: dag / run / task / map index)
     lease_owner: str | None = None
-    #: the driver it started and is waiting on: run_id, pid, host, submitted_at
+    #: the driver it started and is waiting on: run_id, pid, host, submitted_at; a cluster-mode one's
+    #: submission_id and spark_conn_id too
     launch: dict[str, Any] | None = None
     #: an upgrade: its prewarmed successor, until released, waits on it
     upgrade: bool = False
@@ -96,7 +97,8 @@ def end_stopped_upgrade(store: StateStore, job_id: str, why: str, log: logging.L
 def undo(store: StateStore, killed: KilledTask, why: str, log: logging.Logger, *, running_too: bool = True) -> None:
     """Undo what ``killed`` leaves behind; each step on its own, so that one failing leaves the rest done.
     ``running_too=False``: leave its launch alone once its query runs."""
-    steps = [partial(_end_launch, store, killed.launch, running_too)] if killed.launch else []
+    steps = [partial(_end_launch, store, {"job_id": killed.job_id, **killed.launch}, running_too)] \
+        if killed.launch else []
     if killed.upgrade:
         steps.append(partial(_end_successor, store, killed.job_id))
         steps.append(partial(end_killed_upgrade, store, killed.job_id))
@@ -121,18 +123,39 @@ def undo_ended(store: StateStore, held: Lease, log: logging.Logger) -> None:
 
 def _end_launch(store: StateStore, launch: dict[str, Any], running_too: bool, why: str,
                 log: logging.Logger) -> None:
-    """As ``StreamJobController.abandon``, but for a registered run on another host or a cluster: asked to
-    stop through its row, which its heartbeat reads (the trigger has no Spark connection to kill it by)."""
+    """As ``StreamJobController.abandon``, for a task that can no longer do it: a registered run on another
+    host or a cluster is asked to stop through its row, which its heartbeat reads; an unregistered one is
+    killed by its pid on its own host, or through its cluster manager (the launch names the connection)."""
     run = store.get_run(launch["run_id"])
     if run is not None and run.running_query and not running_too:
         return
-    if run is None:
+    if run is None and launch.get("submission_id"):
+        _kill_submission(launch, why, log)
+    elif run is None:
         local_driver.kill_unregistered(launch, why, log)
     elif run.active and local_driver.run_alive(run):
         log.warning("Killing run %s: %s (%s)", run.run_id, why, StreamDriverHook().kill(run))
         store.mark_dead(run.run_id, f"abandoned: {why}")
     elif run.active and store.request_stop(run.run_id):
         log.warning("Asked run %s on %s to stop: %s", run.run_id, run.host, why)
+
+
+def _kill_submission(launch: dict[str, Any], why: str, log: logging.Logger) -> None:
+    """A cluster-mode driver not registered yet (queued by YARN, a pod pending): through its cluster manager,
+    by the handle its submission returned, as ``StreamJobController.abandon`` does; left to start, it would
+    take a newer epoch than the run the next task starts."""
+    handle = launch["submission_id"]
+    try:
+        killed = StreamDriverHook(launch.get("spark_conn_id") or StreamDriverHook.default_conn_name) \
+            .kill_submission(launch["job_id"], handle)
+    except Exception as err:  # the connection or the cluster manager's client: say what to do instead
+        killed = f"{type(err).__name__}: {err}"
+    if getattr(killed, "done", False):
+        log.warning("Killed run %s before it registered (submission %s): %s (%s)", launch["run_id"], handle, why,
+                    killed)
+    else:
+        log.error("Run %s (submission %s) could not be killed before it registered (%s): %s. If it still starts, "
+                  "kill it through its cluster manager", launch["run_id"], handle, why, killed)
 
 
 def _end_successor(store: StateStore, job_id: str, why: str, log: logging.Logger) -> None:

@@ -396,7 +396,12 @@ class StreamJobOperator(BaseOperator):
 
     def _launch_in_flight(self) -> dict[str, Any] | None:
         """The driver this task started and waits on, as whoever undoes the task needs it."""
-        return self._in_flight and {k: self._in_flight.get(k) for k in ("run_id", "pid", "host", "submitted_at")}
+        if not self._in_flight:
+            return None
+        launch = {k: self._in_flight.get(k) for k in ("run_id", "pid", "host", "submitted_at", "submission_id")}
+        if launch["submission_id"]:  # a cluster-mode driver (no pid here): its cluster manager, by this connection
+            launch["spark_conn_id"] = self.spark_conn_id
+        return launch
 
     def execute_complete(self, context, event: dict[str, Any]) -> Any:
         """Where every deferral comes back: the event names the method the flow continues in."""

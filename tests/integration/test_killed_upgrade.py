@@ -337,3 +337,28 @@ def test_a_prewarmed_upgrade_whose_reset_fails_rolls_back_and_ends_its_successor
         _operator(tmp_path, "2.0")._old_stopped({}, {"run_id": old, "outcome": "stopped"}, ctx)
     assert UpgradeLog(state_store).get(ctx["upgrade_id"]).phase == UpgradePhase.DONE
     assert StandbyLog(state_store).get("successor-1").status == StandbyStatus.ENDED
+
+
+def test_a_killed_tasks_cluster_mode_driver_not_registered_yet_is_killed_through_its_cluster_manager(
+        state_store, monkeypatch, caplog):
+    """A cluster-mode launch has no pid here: its kill did nothing and said nothing, and a driver queued by
+    YARN registered later, with a newer epoch than the run the next task started.  The cluster manager's
+    client stands in (no YARN or Kubernetes runs here): what is checked is that the handle, and the Spark
+    connection the task used, reach it; ``kill_submission``'s own commands are ``test_cluster_launch.py``'s."""
+    from airflow_stream_provider.hooks.driver import Kill, StreamDriverHook
+
+    asked = []
+    monkeypatch.setattr(StreamDriverHook, "kill_submission", lambda hook, job_id, handle: (
+        asked.append((hook.spark_conn_id, job_id, handle)) or Kill(True, f"killed {handle}")))
+    launch = {"run_id": "queued-run", "pid": None, "host": None, "submitted_at": time.time(),
+              "submission_id": "application_1700000000000_0042", "spark_conn_id": "spark_yarn"}
+    with caplog.at_level(logging.WARNING):
+        undo(state_store, KilledTask("job", lease_owner=OWNER, launch=launch), "marked failed while deferred", log)
+    assert asked == [("spark_yarn", "job", "application_1700000000000_0042")]
+    assert "Killed run queued-run before it registered (submission application_1700000000000_0042)" in caplog.text
+
+    monkeypatch.setattr(StreamDriverHook, "kill_submission", lambda hook, job_id, handle: Kill(False, "refused"))
+    caplog.clear()
+    undo(state_store, KilledTask("job", lease_owner=OWNER, launch=launch), "marked failed while deferred", log)
+    assert "could not be killed before it registered" in caplog.text and "kill it through its cluster manager" \
+        in caplog.text
