@@ -23,7 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException
 
 from airflow_stream_provider import diagnosis, faults, kafka_offsets, local_driver
 from airflow_stream_provider.diagnosis import Diagnosis, Health, Thresholds
@@ -229,7 +229,9 @@ class StreamJobController:
                 f"job spec field 'kafka.topics': topics {missing} do not exist on {spec.kafka.bootstrap_servers}. "
                 "Create them (the job does not create topics) or fix the spec; nothing was started")
         root = spec.checkpoint_root.removeprefix("file://")
-        if "://" not in root:
+        if root.startswith("hdfs://"):
+            self._check_webhdfs(spec)
+        elif "://" not in root:
             existing = Path(root)
             while not existing.exists() and existing != existing.parent:
                 existing = existing.parent
@@ -238,6 +240,24 @@ class StreamJobController:
                     f"job spec field 'checkpoint_root': {spec.checkpoint_root} is not writable here ({existing} "
                     "is not a writable directory). Give the Airflow and Spark users write access, or choose another "
                     "root; nothing was started")
+
+    def _check_webhdfs(self, spec: StreamJobSpec) -> None:
+        """An HDFS root's resets, upgrades and archives go through WebHDFS: a connection missing or wrong is
+        found now, not at the job's first reset, in an incident maybe."""
+        conn_id = self.checkpoints.checkpoint_conn_id
+        try:
+            self.checkpoints.list_generations(spec.job_id)
+        except (AirflowNotFoundException, ValueError) as err:
+            raise AirflowFailException(
+                f"job spec field 'checkpoint_root': {spec.checkpoint_root} is on HDFS, which the provider reaches "
+                f"through WebHDFS for resets, upgrades and archives, but {err}. Create the connection "
+                f"{conn_id!r} (type stream_checkpoint: the NameNode's WebHDFS host and port) or pass "
+                "checkpoint_conn_id; nothing was started") from None
+        except Exception as err:
+            raise StreamJobError(
+                f"job {spec.job_id}: cannot list {spec.checkpoint_root} through WebHDFS (connection {conn_id!r}): "
+                f"{err!r}. Check the connection's host and port and that the NameNode is up; nothing was "
+                "started") from None
 
     def submit(self, application: str, spec: StreamJobSpec, *, generation: int | None = None,
                starting_offsets: str | None = None) -> dict[str, Any]:
