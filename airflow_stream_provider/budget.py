@@ -37,8 +37,8 @@ class RestartBudget:
             ("window_s", self.window_s, _finite(self.window_s) and self.window_s > 0, "seconds > 0"),
             ("backoff_base_s", self.backoff_base_s, _finite(self.backoff_base_s) and self.backoff_base_s >= 0,
              "seconds >= 0"),
-            ("backoff_max_s", self.backoff_max_s, _finite(self.backoff_max_s) and _finite(self.backoff_base_s)
-             and self.backoff_max_s >= self.backoff_base_s, "seconds >= backoff_base_s"),
+            ("backoff_max_s", self.backoff_max_s, _finite(self.backoff_max_s) and self.backoff_max_s >= 0,
+             "seconds >= 0"),
             ("healthy_reset_s", self.healthy_reset_s, _finite(self.healthy_reset_s) and self.healthy_reset_s > 0,
              "seconds > 0"),
         ) if not ok]

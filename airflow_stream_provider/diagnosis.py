@@ -61,10 +61,10 @@ def check_conditions(fire_on, allowed=CONDITIONS, who: str = "a sensor waits for
 def check_failure_kinds(failure_kinds, fire_on) -> None:
     """Fail where ``failure_kinds`` names no kind of failure, or where ``fire_on`` leaves out FAILED: the wait
     would end on nothing."""
-    if failure_kinds is None:
-        return
     if isinstance(failure_kinds, str):
         raise ValueError(f"failure_kinds={failure_kinds!r} must be a list of failure kinds, e.g. [{failure_kinds!r}]")
+    if not failure_kinds:  # none given: every condition in fire_on
+        return
     known = list(failures.FailureKind.__members__)
     unknown = sorted(set(failure_kinds) - set(known))
     if unknown:

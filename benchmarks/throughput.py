@@ -203,7 +203,8 @@ def drain(stack: Stack, *, exactly_once: bool, database: str, backlog: int, max_
         _send_paused(driver, producer, backlog)
     # the CPU by process and JVM thread: for the warm window, and over the window a new driver's exactly-once
     # rate on PostgreSQL is timed in (what `eos_vs_raw` is judged on); a sample a second of ~300 threads' /proc
-    sample_cpu = warm or (exactly_once and database == "postgresql" and burst_after is None)
+    sample_cpu = warm or (exactly_once and database == "postgresql" and burst_after is None
+                          and reader == "kafka-python" and application is None)
     with PeakRss(driver.pid, stack.broker.process.pid if sample_cpu else None) as memory:
         _wait_applied(job, driver, runner, produced.total, f"{kind}/{database}", exactly_once)
     jvm_cpu = jvm_thread_cpu(driver_processes(driver.pid))  # over the driver's life: its start, then the drain

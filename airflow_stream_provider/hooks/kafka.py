@@ -38,8 +38,10 @@ class KafkaOffsetsHook(BaseHook):
         conn = self.get_connection(self.kafka_conn_id)
         extra = dict(conn.extra_dejson)
         bootstrap = extra.pop("bootstrap_servers", None)
+        if isinstance(bootstrap, list | tuple):  # kafka-python's own form
+            bootstrap = ",".join(map(str, bootstrap))
         if not bootstrap and conn.host:  # a host may list brokers itself; the port is for those without one
-            bootstrap = ",".join(h if ":" in h else f"{h}:{conn.port or 9092}"
+            bootstrap = ",".join(h if _has_port(h) else f"{h}:{conn.port or 9092}"
                                  for h in (h.strip() for h in conn.host.split(",")) if h)
         if not bootstrap:
             raise ValueError(f"connection {self.kafka_conn_id!r} names no broker: set host/port or "
@@ -115,3 +117,8 @@ def _redact(message: str, options: dict[str, Any]) -> str:
         if "password" in key.lower() and isinstance(value, str) and value:
             message = message.replace(value, "***")
     return message
+
+
+def _has_port(host: str) -> bool:
+    """``host:port`` or ``[v6 address]:port``; a bare ``[v6 address]`` has none."""
+    return host.rsplit("]", 1)[-1].count(":") == 1 if host.startswith("[") else ":" in host

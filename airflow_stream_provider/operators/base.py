@@ -253,8 +253,8 @@ class StreamJobOperator(BaseOperator):
             try:
                 self.controller.release_lease(self._lease_owner)
             except Exception as err:  # the task's own failure is what it reports: a retry must not hide a final one
-                self.log.warning("The lease on job %s could not be released after %r (%s); it runs out by itself "
-                                 "within %.0fs", self.job.job_id, failure, err, LEASE_STEP_S)
+                self.log.warning("The lease on job %s could not be released after %r (%s); it runs out by "
+                                 "itself", self.job.job_id, failure, err)
             raise
         self.controller.release_lease(self._lease_owner)
         return result

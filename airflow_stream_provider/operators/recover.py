@@ -107,7 +107,7 @@ class RecoverStreamingJobOperator(StreamJobOperator):
             raise AirflowFailException(
                 f"{type(self).__name__} {self.task_id}: its restart budget cannot be used ({err}). Set max_restarts "
                 f"(>= 1, now {self.max_restarts!r}), restart_window (> 0 s, now {self.restart_window!r}), "
-                f"backoff_base (>= 0 s, now {self.backoff_base!r}), backoff_max (>= backoff_base, now "
+                f"backoff_base (>= 0 s, now {self.backoff_base!r}), backoff_max (>= 0 s, now "
                 f"{self.backoff_max!r}) and healthy_reset (> 0 s, now {self.healthy_reset!r})."
             ) from None
 

@@ -145,9 +145,10 @@ def _summable(values: pa.ChunkedArray) -> pa.ChunkedArray:
 
 def _as_type(summed: pa.ChunkedArray, type_: pa.DataType, table_name: str, column: str) -> pa.ChunkedArray:
     """Sums in their column's own type.  A float's stays a double (the table's column is one, and a float32
-    sum could overflow to infinity); a decimal's that its precision cannot hold keeps the wider one, for the
-    database to store or refuse as the value it is.  An integer sum past its type is refused here, as the
-    database refuses it when the upsert adds it to a stored value: a DataError, which the sink isolates."""
+    sum could overflow to infinity).  A sum the type cannot hold keeps a wider one, for the database to
+    store or refuse as the value it is (an int32 column's sum as an int64: the table's column is a BIGINT).
+    An integer sum past 64 bits is refused here, as the database refuses it when the upsert adds it to a
+    stored value: a DataError naming the column, where Arrow's own sum wrapped around without a word."""
     import pyarrow as pa
 
     if pa.types.is_floating(type_):
@@ -157,8 +158,11 @@ def _as_type(summed: pa.ChunkedArray, type_: pa.DataType, table_name: str, colum
     except pa.ArrowInvalid as err:
         if not pa.types.is_integer(type_):
             return summed
-        raise DataError(f"the increments of column {column!r} of table {table_name!r} for one key in this batch "
-                        f"add up to more than its type ({type_}) holds", None, err) from err
+        try:
+            return summed.cast(pa.int64())
+        except pa.ArrowInvalid:
+            raise DataError(f"the increments of column {column!r} of table {table_name!r} for one key in this "
+                            "batch add up to more than 64 bits hold", None, err) from err
 
 
 def _copy_upsert(conn: Connection, table: Table, key: Sequence[str], increments: Sequence[str],

@@ -150,6 +150,12 @@ def test_a_kafka_connection_is_read_as_the_spec_reads_its_settings(monkeypatch):
     assert hook.bootstrap_servers == "b1:9092,b2:9093,b3:9092"
     assert hook.client_options == {"security_protocol": "PLAINTEXT", "request_timeout_ms": 15000}
 
+    _set_connection(monkeypatch, "kafka_v6", conn_type="stream_kafka", host="[::1]", port=9093)
+    assert KafkaOffsetsHook("kafka_v6").bootstrap_servers == "[::1]:9093"
+    _set_connection(monkeypatch, "kafka_as_list", conn_type="stream_kafka",
+                    extra={"bootstrap_servers": ["b1:9092", "b2:9092"]})  # kafka-python's own form
+    assert KafkaOffsetsHook("kafka_as_list").bootstrap_servers == "b1:9092,b2:9092"
+
     _set_connection(monkeypatch, "kafka_wrong", conn_type="stream_kafka", host="b1", port=9092,
                     extra={"sasl.jaas.config": "x", "request.timeout.ms": "soon"})
     with pytest.raises(ValueError, match=r"connection 'kafka_wrong': client settings in its extra cannot be used: "

@@ -216,10 +216,24 @@ def test_increments_of_one_key_past_64_bits_are_refused_not_wrapped(store, arrow
     table = _table(store, f"overflowing_{int(arrow)}_{padding}")
     rows = [{**row, "k": "big", "minute": dt.datetime(2026, 11, 22), "n": 2**62} for row in _rows(3, seed=8)]
     rows += [{**row, "k": f"pad-{i}"} for i, row in enumerate(_rows(padding, seed=9))]
-    with pytest.raises(Exception) as caught:  # the sink isolates a DataError: the batch does not fail for ever
+    with pytest.raises(Exception) as caught:  # refused as the database refuses it, naming the column
         _write(store, table, pa.Table.from_pylist(rows, ARROW_SCHEMA) if arrow else rows)
     assert is_data_error(caught.value), repr(caught.value)
     assert _stored(store, table) == {}
+
+
+def test_narrow_integer_increments_of_one_key_are_stored_past_their_type(store):
+    """An int16 or int32 increment (Spark's ShortType, IntegerType) whose in-batch sum passes its type: the
+    table's column is a BIGINT, which holds it."""
+    table = Table("narrow_sums", MetaData(), Column("k", Text, primary_key=True), Column("n", BigInteger),
+                  Column("m", BigInteger))
+    table.create(store.engine)
+    rows = pa.table({"k": ["a", "a"], "n": pa.array([20_000, 20_000], pa.int16()),
+                     "m": pa.array([2**30, 2**30], pa.int32())})
+    with store.engine.begin() as conn:
+        bulk.write_rows(conn, table, ("k",), ("n", "m"), rows)
+    with store.engine.connect() as conn:
+        assert conn.execute(select(table.c.n, table.c.m)).one() == (40_000, 2**31)
 
 
 def test_float_increments_of_one_key_are_summed_as_doubles(store):
