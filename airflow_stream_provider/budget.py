@@ -13,10 +13,11 @@ before it ran ten minutes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from airflow_stream_provider.settings_numbers import finite_number, whole_number
 
 
 @dataclass(frozen=True)
@@ -32,14 +33,14 @@ class RestartBudget:
         # each wrong value named: a healthy_reset_s of 0 (or NaN) would count no restart as consecutive and end
         # the budget and the backoff without a word
         wrong = [f"{name}={value!r} ({rule})" for name, value, ok, rule in (
-            ("max_restarts", self.max_restarts, _whole(self.max_restarts) and self.max_restarts >= 1,
+            ("max_restarts", self.max_restarts, whole_number(self.max_restarts) and self.max_restarts >= 1,
              "a whole number >= 1"),
-            ("window_s", self.window_s, _finite(self.window_s) and self.window_s > 0, "seconds > 0"),
-            ("backoff_base_s", self.backoff_base_s, _finite(self.backoff_base_s) and self.backoff_base_s >= 0,
+            ("window_s", self.window_s, finite_number(self.window_s) and self.window_s > 0, "seconds > 0"),
+            ("backoff_base_s", self.backoff_base_s, finite_number(self.backoff_base_s) and self.backoff_base_s >= 0,
              "seconds >= 0"),
-            ("backoff_max_s", self.backoff_max_s, _finite(self.backoff_max_s) and self.backoff_max_s >= 0,
+            ("backoff_max_s", self.backoff_max_s, finite_number(self.backoff_max_s) and self.backoff_max_s >= 0,
              "seconds >= 0"),
-            ("healthy_reset_s", self.healthy_reset_s, _finite(self.healthy_reset_s) and self.healthy_reset_s > 0,
+            ("healthy_reset_s", self.healthy_reset_s, finite_number(self.healthy_reset_s) and self.healthy_reset_s > 0,
              "seconds > 0"),
         ) if not ok]
         if wrong:
@@ -64,14 +65,6 @@ class RestartBudget:
         if consecutive == 0:
             return 0.0
         return min(self.backoff_base_s * 2 ** (consecutive - 1), self.backoff_max_s)
-
-
-def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def crash_loop_restarts(history: Sequence[Mapping[str, Any]], healthy_reset_s: float | None = None) -> list[float]:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import enum
 import functools
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from airflow_stream_provider import failures
+from airflow_stream_provider.settings_numbers import finite_number
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.standbys import StandbyRecord
 from airflow_stream_provider.state.store import ACTIVE_STATUSES, DEAD, FAILED, STARTING, STOPPED
@@ -78,8 +78,7 @@ def check_seconds(**named: Any) -> None:
     templated one, text at parse time, is checked when it is used).  A stuck_after of 0 makes every query
     with records waiting STUCK; a poll interval of 0 polls the state database without pause."""
     wrong = [f"{name}={value!r}" for name, value in named.items()
-             if not isinstance(value, str) and not (isinstance(value, int | float) and not isinstance(value, bool)
-                                                    and math.isfinite(value) and value > 0)]
+             if not isinstance(value, str) and not (finite_number(value) and value > 0)]
     if wrong:
         raise ValueError(f"{', '.join(wrong)}: give a number of seconds above 0")
 

@@ -37,6 +37,7 @@ from airflow_stream_provider.lifecycle.holders import lease_owner, task_ended
 from airflow_stream_provider.lifecycle.killed import KilledTask, undo, undo_ended
 from airflow_stream_provider.lifecycle.waits import RunWait
 from airflow_stream_provider.links import STREAM_LINKS
+from airflow_stream_provider.settings_numbers import rendered_seconds
 from airflow_stream_provider.spec import SpecError, StreamJobSpec
 from airflow_stream_provider.state.leases import Lease
 from airflow_stream_provider.state.records import RunRecord, RunStatus
@@ -314,12 +315,8 @@ class StreamJobOperator(BaseOperator):
         wrong = []
         for name in (*self.seconds_fields, "kill_grace"):
             value = getattr(self, name)
-            try:
-                seconds = float(value) if value is not None else 1.0
-            except (TypeError, ValueError):
-                seconds = math.nan
-            if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0 or (
-                    seconds == 0 and name != "kill_grace"):
+            seconds = 1.0 if value is None else rendered_seconds(value)
+            if seconds is None or seconds < 0 or (seconds == 0 and name != "kill_grace"):
                 wrong.append(f"{name}={value!r}")
         if wrong:
             raise AirflowFailException(f"{', '.join(wrong)}: give a number of seconds above 0 (kill_grace: 0 or more)")
