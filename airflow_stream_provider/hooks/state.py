@@ -7,6 +7,7 @@ from typing import Any
 
 from airflow.sdk import BaseHook
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from airflow_stream_provider.diagnosis import Diagnosis, Health
 from airflow_stream_provider.kafka_offsets import Offsets
@@ -71,7 +72,12 @@ class StreamStateHook(BaseHook):
         conn = self.get_connection(self.state_conn_id)
         extra = conn.extra_dejson
         if extra.get("url"):
-            url = make_url(extra["url"])
+            try:
+                url = make_url(extra["url"])
+            except ArgumentError:  # SQLAlchemy's message quotes the URL, which may hold a password
+                raise ValueError(
+                    f"connection {self.state_conn_id!r}: extra.url is not a database URL; give one such as "
+                    "postgresql+psycopg://user@host:5432/db or sqlite:////absolute/path/state.db") from None
             password = url.password or conn.password or None
             # URL.set(password=None) keeps the password; _replace clears it.
             return url._replace(password=None).render_as_string(hide_password=False), password

@@ -23,3 +23,13 @@ def test_the_database_url_never_holds_the_password(monkeypatch, fields, url, pas
     monkeypatch.setenv(*airflow_stack.connection_env("stream_state_test", conn_type="stream_state", **fields))
     hook = StreamStateHook("stream_state_test")
     assert hook.credentials == (url, password)
+
+
+def test_a_url_that_is_no_url_names_the_connection_not_the_password(monkeypatch):
+    """SQLAlchemy's own error quotes the text, password included, and is no ValueError, which the operators
+    turn into a failure that says what to fix."""
+    monkeypatch.setenv(*airflow_stack.connection_env(
+        "stream_state_test", conn_type="stream_state", extra={"url": "stream:s3cret at db/results"}))
+    with pytest.raises(ValueError, match="'stream_state_test': extra.url is not a database URL") as caught:
+        _ = StreamStateHook("stream_state_test").credentials
+    assert "s3cret" not in str(caught.value)
