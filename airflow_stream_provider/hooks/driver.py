@@ -71,6 +71,23 @@ class SubmittedDriver:
         return asdict(self)
 
 
+def check_conf(conf: Any) -> dict[str, str]:
+    """``conf`` as spark-submit takes it: Spark properties named by text, each with a text, number or bool
+    value.  Anything else would reach spark-submit as its Python repr (a nested mapping as ``{'a': 1}``), or
+    fail inside it after the lease is taken."""
+    if conf is None:
+        return {}
+    if not isinstance(conf, Mapping):
+        raise ValueError(f"conf is a {type(conf).__name__}, not a mapping of Spark properties to values (a "
+                         "templated conf renders to text unless its DAG sets render_template_as_native_obj=True)")
+    wrong = [f"{key!r}: {value!r}" for key, value in conf.items()
+             if not isinstance(key, str) or not key.strip() or not isinstance(value, str | int | float | bool)]
+    if wrong:
+        raise ValueError(f"conf holds {', '.join(wrong)}: give each Spark property's name as text and its value "
+                         "as text or a number, e.g. {'spark.driver.memory': '1g'}")
+    return dict(conf)
+
+
 class StreamDriverHook(BaseHook):
     conn_name_attr = "spark_conn_id"
     default_conn_name = "spark_default"
@@ -82,7 +99,7 @@ class StreamDriverHook(BaseHook):
                  log_dir: str | None = None, archive_dir: str | None = None, **kwargs):
         super().__init__(**kwargs)
         self.spark_conn_id = spark_conn_id
-        self.conf = dict(conf or {})
+        self.conf = check_conf(conf)
         self.py_files = py_files
         self.env_vars = dict(env_vars or {})
         self.log_dir = log_dir or os.path.join(os.environ.get("AIRFLOW_HOME", os.path.expanduser("~/airflow")),

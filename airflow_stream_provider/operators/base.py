@@ -28,7 +28,7 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundExceptio
 
 from airflow_stream_provider import faults, recovery
 from airflow_stream_provider.diagnosis import Diagnosis, Thresholds
-from airflow_stream_provider.hooks.driver import StreamDriverHook
+from airflow_stream_provider.hooks.driver import StreamDriverHook, check_conf
 from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle import waits
@@ -324,6 +324,10 @@ class StreamJobOperator(BaseOperator):
     # -- execute: pick up a launch an earlier try left running, else start ------------------------------
     def execute(self, context) -> Any:
         self.check_seconds()
+        try:
+            check_conf(self.conf)
+        except ValueError as err:
+            raise AirflowFailException(str(err)) from None
         return self._leased(context, self._execute, context)
 
     def _execute(self, context) -> Any:
@@ -430,8 +434,9 @@ class StreamJobOperator(BaseOperator):
 
     @staticmethod
     def outcome(event: dict[str, Any]) -> str:
-        if event["outcome"] == "error":
-            raise StreamJobError(event["message"])
+        if event["outcome"] == "error":  # the wait failed, not the run as far as anyone knows
+            raise StreamJobError(f"{event['message']}. Nothing more was done to the run: look at the job "
+                                 "(`python -m airflow_stream_provider status`) before running this task again")
         return event["outcome"]
 
     # -- the launch flow -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ phase, on both databases."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import pytest
@@ -284,6 +285,19 @@ def test_an_upgrades_timeouts_are_checked_before_it_begins(state_store, tmp_path
         operator = _operator(tmp_path)
         setattr(operator, name, value)
         with pytest.raises(AirflowFailException, match=f"{name}={value!r}: give a number of seconds above 0"):
+            operator.execute({"task_state_store": TaskStateStore()})
+        assert UpgradeLog(state_store).latest("job") is None, "nothing begun"
+
+
+def test_a_spark_conf_spark_submit_cannot_take_fails_before_anything_begins(state_store, tmp_path):
+    """A nested value reached spark-submit as its Python repr, and a conf rendered to text failed inside the
+    submit, after the old run's stop."""
+    for conf, named in [({"spark.driver.memory": {"size": "1g"}}, "'spark.driver.memory': {'size': '1g'}"),
+                        ("{'spark.driver.memory': '1g'}", "conf is a str, not a mapping"),
+                        ({"": "x"}, "'': 'x'")]:
+        operator = _operator(tmp_path)
+        operator.conf = conf
+        with pytest.raises(AirflowFailException, match=re.escape(named)):
             operator.execute({"task_state_store": TaskStateStore()})
         assert UpgradeLog(state_store).latest("job") is None, "nothing begun"
 
