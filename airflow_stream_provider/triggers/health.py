@@ -73,8 +73,10 @@ class StreamHealthTrigger(BaseTrigger):
                     await asyncio.sleep(self.poll_interval)
                     continue
                 except Exception as err:
-                    yield TriggerEvent({"status": "error",
-                                        "message": f"health check of job {self.job_id} failed: {err!r}"})
+                    yield TriggerEvent({"status": "error", "message": (
+                        f"health check of job {self.job_id} failed: {err!r}. The job itself is untouched; the "
+                        f"next check looks again. If this repeats, check the connections {self.state_conn_id!r} "
+                        f"and {self.kafka_conn_id!r} and the triggerer's log")})
                     return
                 failing_since = None
                 if self.matches(found):

@@ -237,8 +237,10 @@ def test_a_failing_check_is_tried_again_until_it_has_failed_too_long(state_store
     monkeypatch.setattr(health, "OUTAGE_LIMIT_S", 600)
     monkeypatch.setattr(HealthProbe, "check", lambda probe: (_ for _ in ()).throw(ValueError("a bug")))
     event = asyncio.run(asyncio.wait_for(_trigger().run().asend(None), 10))
-    assert (event.payload["status"], event.payload["message"]) == (
-        "error", "health check of job job failed: ValueError('a bug')"), event
+    assert event.payload["status"] == "error", event
+    assert event.payload["message"].startswith("health check of job job failed: ValueError('a bug'). The job "
+                                               "itself is untouched"), event
+    assert "'stream_state_default' and 'stream_kafka_default'" in event.payload["message"], event
 
 
 def _outage(message: str) -> OperationalError:
