@@ -21,14 +21,6 @@ held 96-110 MB after a young collection, against 180 MB), so fewer of the old ge
 touched: peak driver RSS draining 600,000 events 1,070-1,149 MB against 1,119-1,185, 300,000 events
 1,039-1,091 against 1,091-1,140, lower in each of 13 interleaved pairs, the rate within 1%.
 
-After each full collection the heap is sized to leave 20-40% of it free (``-XX:MinHeapFreeRatio=20
--XX:MaxHeapFreeRatio=40``) instead of HotSpot's 40-70%.  The heap grows at a full collection that finds
-more live than the free ratio allows, and in a drain that is one taken mid-batch, with the batch's cached
-rows live beside the query's own: the committed heap at the end of a 600,000-event drain was 184-194 MB
-against 257-300 (``jcmd VM.native_memory``), and its peak driver RSS 1,060-1,110 MB against 1,082-1,147
-(medians 1,079 and 1,128, 4 and 5 drains), at the price of more full collections: the collector's threads
-took about 1 CPU second more per 600,000 records (3.1-3.3 against 2.0-2.5), 2-3% of the drain's CPU.
-
 Only for drivers given at most ``MAX_HEAP_MB`` (``spark.driver.memory``, Spark's default 1g): a driver
 given more has a reason (large collects or broadcasts), and there G1's concurrent marking keeps the
 pauses short.  Java options that choose a collector, the heap's starting size or its generations' sizes
@@ -41,8 +33,7 @@ from __future__ import annotations
 
 import re
 
-SMALL_HEAP = ("-XX:+UseSerialGC", "-Xms32m", "-XX:SurvivorRatio=4", "-XX:MinHeapFreeRatio=20",
-              "-XX:MaxHeapFreeRatio=40")
+SMALL_HEAP = ("-XX:+UseSerialGC", "-Xms32m", "-XX:SurvivorRatio=4")
 #: Drivers given more heap than this keep the JVM's own collector (G1).
 MAX_HEAP_MB = 2048
 #: Spark's default ``spark.driver.memory``.
