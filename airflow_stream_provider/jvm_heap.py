@@ -21,6 +21,11 @@ held 96-110 MB after a young collection, against 180 MB), so fewer of the old ge
 touched: peak driver RSS draining 600,000 events 1,070-1,149 MB against 1,119-1,185, 300,000 events
 1,039-1,091 against 1,091-1,140, lower in each of 13 interleaved pairs, the rate within 1%.
 
+HotSpot's free ratios (40-70% of the heap left free after a full collection) stay: 20-40% kept the committed
+heap at the end of a 600,000-event drain at 184-194 MB against 257-300, but its extra full collections cost
+12% of a new driver's rate on PostgreSQL (3 interleaved pairs of 300,000-event drains), for a peak RSS no
+lower at that backlog.
+
 Only for drivers given at most ``MAX_HEAP_MB`` (``spark.driver.memory``, Spark's default 1g): a driver
 given more has a reason (large collects or broadcasts), and there G1's concurrent marking keeps the
 pauses short.  Java options that choose a collector, the heap's starting size or its generations' sizes
