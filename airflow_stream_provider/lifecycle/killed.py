@@ -146,8 +146,9 @@ def _kill_submission(launch: dict[str, Any], why: str, log: logging.Logger) -> N
     take a newer epoch than the run the next task starts."""
     handle = launch["submission_id"]
     try:
-        killed = StreamDriverHook(launch.get("spark_conn_id") or StreamDriverHook.default_conn_name) \
-            .kill_submission(launch["job_id"], handle)
+        hook = StreamDriverHook(launch.get("spark_conn_id") or StreamDriverHook.default_conn_name,
+                                conf=launch.get("conf"), env_vars=launch.get("env_vars"))
+        killed = hook.kill_submission(launch["job_id"], handle)
     except Exception as err:  # the connection or the cluster manager's client: say what to do instead
         killed = f"{type(err).__name__}: {err}"
     if getattr(killed, "done", False):

@@ -393,7 +393,12 @@ class StreamJobOperator(BaseOperator):
 
     def killed_task(self) -> KilledTask:
         """What ``on_kill`` would undo, for the trigger to undo when the task is killed while deferred."""
-        return KilledTask(self.job.job_id, lease_owner=self._lease_owner, launch=self._launch_in_flight())
+        launch = self._launch_in_flight()
+        if launch and launch["submission_id"]:
+            # what the cluster manager's kill needs beside the connection (a namespace, HADOOP_CONF_DIR): in
+            # the trigger's kwargs, which Airflow encrypts, never in the lease's row (``_launch_in_flight``)
+            launch = {**launch, "conf": dict(self.conf or {}), "env_vars": dict(self.env_vars or {})}
+        return KilledTask(self.job.job_id, lease_owner=self._lease_owner, launch=launch)
 
     def _launch_in_flight(self) -> dict[str, Any] | None:
         """The driver this task started and waits on, as whoever undoes the task needs it."""

@@ -363,12 +363,14 @@ def test_a_killed_tasks_cluster_mode_driver_not_registered_yet_is_killed_through
 
     asked = []
     monkeypatch.setattr(StreamDriverHook, "kill_submission", lambda hook, job_id, handle: (
-        asked.append((hook.spark_conn_id, job_id, handle)) or Kill(True, f"killed {handle}")))
+        asked.append((hook.spark_conn_id, hook.conf, hook.env_vars, job_id, handle)) or Kill(True, f"killed {handle}")))
     launch = {"run_id": "queued-run", "pid": None, "host": None, "submitted_at": time.time(),
-              "submission_id": "application_1700000000000_0042", "spark_conn_id": "spark_yarn"}
+              "submission_id": "application_1700000000000_0042", "spark_conn_id": "spark_yarn",
+              "conf": {"spark.yarn.queue": "streams"}, "env_vars": {"HADOOP_CONF_DIR": "/etc/hadoop/prod"}}
     with caplog.at_level(logging.WARNING):
         undo(state_store, KilledTask("job", lease_owner=OWNER, launch=launch), "marked failed while deferred", log)
-    assert asked == [("spark_yarn", "job", "application_1700000000000_0042")]
+    assert asked == [("spark_yarn", {"spark.yarn.queue": "streams"}, {"HADOOP_CONF_DIR": "/etc/hadoop/prod"}, "job",
+                      "application_1700000000000_0042")]
     assert "Killed run queued-run before it registered (submission application_1700000000000_0042)" in caplog.text
 
     monkeypatch.setattr(StreamDriverHook, "kill_submission", lambda hook, job_id, handle: Kill(False, "refused"))
@@ -376,3 +378,20 @@ def test_a_killed_tasks_cluster_mode_driver_not_registered_yet_is_killed_through
     undo(state_store, KilledTask("job", lease_owner=OWNER, launch=launch), "marked failed while deferred", log)
     assert "could not be killed before it registered" in caplog.text and "kill it through its cluster manager" \
         in caplog.text
+
+
+def test_a_cluster_launch_hands_its_kill_the_tasks_conf_but_keeps_it_out_of_the_lease(state_store, tmp_path):
+    """The kill of an unregistered cluster-mode driver ran without the task's conf and env_vars (a namespace,
+    HADOOP_CONF_DIR), so it asked the wrong cluster.  They go with the trigger's kwargs, which Airflow
+    encrypts, not into the lease's row in the state database: env_vars may hold secrets."""
+    operator = _operator(tmp_path)
+    operator.conf, operator.env_vars = {"spark.kubernetes.namespace": "streams"}, {"KUBECONFIG": "/etc/kube/prod"}
+    operator._in_flight = {"run_id": "queued-run", "pid": None, "host": None, "submitted_at": time.time(),
+                           "submission_id": "streams:stream-job-driver"}
+    launch = operator.killed_task().launch
+    assert launch["conf"] == {"spark.kubernetes.namespace": "streams"}
+    assert launch["env_vars"] == {"KUBECONFIG": "/etc/kube/prod"}
+    assert "conf" not in operator._launch_in_flight() and "env_vars" not in operator._launch_in_flight()
+
+    operator._in_flight = {**operator._in_flight, "submission_id": None, "pid": 4242, "host": "here"}
+    assert "conf" not in operator.killed_task().launch, "a local driver is killed by its pid"
