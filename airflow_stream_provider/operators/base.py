@@ -393,12 +393,17 @@ class StreamJobOperator(BaseOperator):
 
     def killed_task(self) -> KilledTask:
         """What ``on_kill`` would undo, for the trigger to undo when the task is killed while deferred."""
-        launch = self._launch_in_flight()
-        if launch and launch["submission_id"]:
-            # what the cluster manager's kill needs beside the connection (a namespace, HADOOP_CONF_DIR): in
-            # the trigger's kwargs, which Airflow encrypts, never in the lease's row (``_launch_in_flight``)
-            launch = {**launch, "conf": dict(self.conf or {}), "env_vars": dict(self.env_vars or {})}
-        return KilledTask(self.job.job_id, lease_owner=self._lease_owner, launch=launch)
+        return KilledTask(self.job.job_id, lease_owner=self._lease_owner,
+                          launch=self._with_cluster_settings(self._launch_in_flight()))
+
+    def _with_cluster_settings(self, launch: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``launch`` with what the cluster manager's kill of a cluster-mode driver needs beside its handle:
+        the connection, and the task's conf and env_vars (a namespace, HADOOP_CONF_DIR).  For the undo only
+        (the trigger's kwargs, which Airflow encrypts), never for the lease's row: env_vars may hold secrets."""
+        if not launch or not launch.get("submission_id"):
+            return launch
+        return {**launch, "spark_conn_id": self.spark_conn_id, "conf": dict(self.conf or {}),
+                "env_vars": dict(self.env_vars or {})}
 
     def _launch_in_flight(self) -> dict[str, Any] | None:
         """The driver this task started and waits on, as whoever undoes the task needs it."""
@@ -424,7 +429,7 @@ class StreamJobOperator(BaseOperator):
         it.  Ended while its query has not started, as the undo of a killed task ends it; one whose query
         runs is the job's run by then."""
         if launch:
-            undo(self.state.store, KilledTask(self.job.job_id, launch=launch),
+            undo(self.state.store, KilledTask(self.job.job_id, launch=self._with_cluster_settings(launch)),
                  "its task lost the job's lease while the driver was starting", self.log, running_too=False)
 
     def _resumed(self, context, event: dict[str, Any]) -> Any:
