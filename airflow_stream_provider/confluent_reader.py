@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from airflow_stream_provider.kafka_client import (
     LOG_END_TIMEOUT_MS,
     MAX_POLL_RECORDS,
+    PYTHON_ONLY_SETTINGS,
     Columns,
     KafkaReadError,
     kafka_properties,
@@ -57,13 +58,7 @@ LIBRDKAFKA_NAMES: dict[str, str | None] = {
     "sasl_kerberos_name": "sasl.kerberos.principal", "fetch_max_wait_ms": "fetch.wait.max.ms",
     "receive_buffer_bytes": "socket.receive.buffer.bytes", "send_buffer_bytes": "socket.send.buffer.bytes",
     "max_in_flight_requests_per_connection": "max.in.flight.requests.per.connection",
-    **dict.fromkeys((
-        "api_version", "bootstrap_timeout_ms", "default_offset_commit_callback", "enable_incremental_fetch_sessions",
-        "exclude_internal_topics", "key_deserializer", "value_deserializer", "max_poll_records",
-        "metric_group_prefix", "metric_reporters", "metrics_enabled", "metrics_num_samples",
-        "metrics_sample_window_ms", "partition_assignment_strategy", "proxy_url", "socks5_proxy",
-        "sasl_kerberos_domain_name", "sasl_oauth_token_provider", "selector", "socket_options", "ssl_context",
-    )),
+    **dict.fromkeys(PYTHON_ONLY_SETTINGS),
 }
 
 

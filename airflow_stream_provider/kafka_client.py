@@ -30,6 +30,15 @@ MAX_POLL_RECORDS = 5000
 #: Consumer settings the provider makes itself (``new_consumer``, ``confluent_reader.client_config``).
 RESERVED_SETTINGS = frozenset({"bootstrap_servers", "group_id", "enable_auto_commit", "auto_offset_reset",
                                "consumer_timeout_ms", "kafka_client"})
+#: kafka-python's own settings (its objects, metrics, a bootstrap timeout): no other client takes them, so
+#: the other readers' translations (``confluent_reader``, ``kafka_java``) leave them out.
+PYTHON_ONLY_SETTINGS = frozenset({
+    "api_version", "bootstrap_timeout_ms", "default_offset_commit_callback", "enable_incremental_fetch_sessions",
+    "exclude_internal_topics", "key_deserializer", "value_deserializer", "max_poll_records",
+    "metric_group_prefix", "metric_reporters", "metrics_enabled", "metrics_num_samples",
+    "metrics_sample_window_ms", "partition_assignment_strategy", "proxy_url", "socks5_proxy",
+    "sasl_kerberos_domain_name", "sasl_oauth_token_provider", "selector", "socket_options", "ssl_context",
+})
 
 
 class Columns(NamedTuple):

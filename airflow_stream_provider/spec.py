@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from airflow_stream_provider import kafka_client, kafka_offsets
+from airflow_stream_provider import kafka_client, kafka_java, kafka_offsets
 
 DATABASE_PASSWORD_ENV = "STREAM_DATABASE_PASSWORD"
 #: The spec's Kafka client secrets (``KafkaSpec.secret_options``, as JSON) in the driver's environment: a
@@ -49,6 +49,16 @@ class SpecError(ValueError):
     def __init__(self, field_name: str, problem: str, fix: str):
         self.field = field_name
         super().__init__(f"job spec field '{field_name}': {problem}. {fix}")
+
+
+def jvm_client_properties(options: Mapping[str, object]) -> tuple[dict[str, str], dict[str, str]]:
+    """``kafka.client_options`` in the Java client's terms for Spark's JVM Kafka connector, and those left
+    out with why (``kafka_java``); SpecError when they cannot be said in its terms."""
+    try:
+        return kafka_java.java_properties(options)
+    except ValueError as err:
+        raise SpecError("kafka.client_options", str(err), "Spark's JVM Kafka connector takes them in the Java "
+                        "client's terms, which the provider writes from kafka-python's") from None
 
 
 @dataclass(frozen=True)
@@ -437,6 +447,8 @@ def _validate_kafka(kafka: KafkaSpec) -> None:
             'Give a number where the setting is one (e.g. "request.timeout.ms": 15000) and true or false '
             "where it is a flag",
         )
+    if kafka.source == "jvm":  # "auto" is decided where the driver runs, which checks it then
+        jvm_client_properties(kafka.client_options)
     if kafka.starting_offsets not in ("earliest", "latest"):
         try:
             kafka_offsets.from_spark_json(kafka.starting_offsets)

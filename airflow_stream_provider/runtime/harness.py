@@ -56,7 +56,7 @@ from airflow_stream_provider.runtime.sink import DEAD_LETTER_COLUMNS, ResultsFn,
 from airflow_stream_provider.runtime.standby import Standby, Takeover, run_warm_up
 from airflow_stream_provider.runtime.startup import StartupClock, StartupError
 from airflow_stream_provider.runtime.write_behind import WriteBehind
-from airflow_stream_provider.spec import KAFKA_SECRETS_ENV, SpecError, StreamJobSpec
+from airflow_stream_provider.spec import KAFKA_SECRETS_ENV, SpecError, StreamJobSpec, jvm_client_properties
 from airflow_stream_provider.state import store as state
 from airflow_stream_provider.state import transaction
 from airflow_stream_provider.state.standbys import StandbyStatus
@@ -422,7 +422,7 @@ class StreamHarness:
             "subscribe": ",".join(topics),
             "startingOffsets": starting_offsets,
             "failOnDataLoss": str(self.spec.kafka.fail_on_data_loss).lower(),
-            **{f"kafka.{k}": str(v) for k, v in self.spec.kafka.client_options.items()},
+            **{f"kafka.{k}": v for k, v in self._client_properties(kind).items()},
         }
         if self.spec.kafka.max_offsets_per_trigger:
             options["maxOffsetsPerTrigger"] = str(self.spec.kafka.max_offsets_per_trigger)
@@ -434,6 +434,17 @@ class StreamHarness:
                  f" ({options['reader']} reader)" if "reader" in options else "", starting_offsets)
         frame = reader.options(**options).load()
         return frame.select("topic", "partition", "offset", "key", "value", "timestamp")
+
+    def _client_properties(self, kind: str) -> dict[str, str]:
+        """The spec's ``kafka.client_options`` for the source: as given for the Python source, which reads
+        through kafka-python; in the Java client's terms for Spark's connector (``kafka_java``)."""
+        options = self.spec.kafka.client_options
+        if kind != "jvm":
+            return {k: str(v) for k, v in options.items()}
+        found, left_out = jvm_client_properties(options)
+        for name, why in left_out.items():
+            log.warning("kafka.client_options %s is not passed to Spark's JVM Kafka connector: %s", name, why)
+        return found
 
     def _read_tasks(self) -> int | None:
         """How many tasks read a batch: the spec's choice, else half the cores in local mode, where the

@@ -85,6 +85,12 @@ def test_good_spec_round_trips():
     ({"kafka_client_options": {"auto_offset_reset": "latest"}}, "kafka.client_options", "exact ranges"),
     ({"kafka_client_options": {"enable.auto.commit": "true"}}, "kafka.client_options", "commits offsets"),
     ({"kafka_client_options": {"bootstrap.servers": "k3:9092"}}, "kafka.client_options", "kafka.bootstrap_servers"),
+    # Spark's JVM connector reads the client's key store from one file
+    ({"kafka_source": "jvm", "kafka_client_options": {"ssl.certfile": "/c.pem", "ssl.keyfile": "/k.pem"}},
+     "kafka.client_options", "one PEM file"),
+    ({"kafka_source": "jvm", "kafka_client_options": {"security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN",
+                                                      "sasl.plain.username": "u"}},
+     "kafka.client_options", "sasl.plain.password is missing"),
 ])
 def test_bad_field_is_named_with_its_fix(changes, field, fix):
     with pytest.raises(SpecError) as err:
