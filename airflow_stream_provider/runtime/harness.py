@@ -441,7 +441,10 @@ class StreamHarness:
         options = self.spec.kafka.client_options
         if kind != "jvm":
             return {k: str(v) for k, v in options.items()}
-        found, left_out = jvm_client_properties(options)
+        try:  # a spec of source "auto" meets the JVM connector's terms only here
+            found, left_out = jvm_client_properties(options)
+        except SpecError as err:
+            raise StartupError(None, str(err), failures.EXIT_CONFIG) from None
         for name, why in left_out.items():
             log.warning("kafka.client_options %s is not passed to Spark's JVM Kafka connector: %s", name, why)
         return found
