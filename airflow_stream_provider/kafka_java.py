@@ -99,12 +99,16 @@ def _key_store(given: Mapping[str, object]) -> dict[str, str]:
 def _jaas(given: Mapping[str, object]) -> str | None:
     """``sasl.jaas.config`` for the mechanism and credentials given; None when there is nothing to log in
     with."""
-    mechanism = str(given.get("sasl_mechanism", "PLAIN")).upper()
+    mechanism = str(given.get("sasl_mechanism", "")).upper()
     user, password = given.get("sasl_plain_username"), given.get("sasl_plain_password")
     if mechanism == "GSSAPI":
         return KERBEROS_LOGIN if str(given.get("security_protocol", "")).upper().startswith("SASL") else None
     if user is None and password is None:
         return None
+    if not mechanism:
+        # No default to guess: kafka-python has none and the Java client's is GSSAPI, which ignores both.
+        raise ValueError(f"sasl.plain.username and sasl.plain.password are given without sasl.mechanism; "
+                         f"set sasl.mechanism to one of {', '.join(LOGIN_MODULES)}")
     if user is None or password is None:
         missing = "sasl.plain.username" if user is None else "sasl.plain.password"
         raise ValueError(f"{missing} is missing; SASL {mechanism} logs in with both a "

@@ -63,6 +63,7 @@ def test_kafka_pythons_own_settings_are_left_out_with_the_reason():
     ({"ssl.certfile": "/c.pem", "ssl.keyfile": "/k.pem"}, "one PEM file"),
     ({"ssl.keyfile": "/k.pem"}, "without ssl.certfile"),
     ({"sasl.mechanism": "SCRAM-SHA-256", "sasl.plain.password": "p"}, "sasl.plain.username is missing"),
+    ({"sasl.plain.username": "u", "sasl.plain.password": "p"}, "without sasl.mechanism"),
     ({"sasl.mechanism": "OAUTHBEARER", "sasl.plain.username": "u", "sasl.plain.password": "p"}, "OAUTHBEARER"),
 ])
 def test_what_the_java_client_cannot_take_is_named(options, named):
