@@ -90,17 +90,33 @@ def write_rows(conn: Connection, table: Table, key: Sequence[str], increments: S
 
 def one_per_key(rows: Rows, key: Sequence[str], increments: Sequence[str]) -> list[Mapping[str, Any]]:
     """One row per key: PostgreSQL refuses an upsert that touches the same row twice in one statement.
-    Increments are summed; other columns keep the last row's value (the latest record wins)."""
+    Increments are summed; other columns keep the last row's value (the latest record wins).  Keys are
+    compared as the database compares them (``_same_key``)."""
     merged: dict[tuple, dict[str, Any]] = {}
     for row in rows:
-        identity = tuple(row[k] for k in key)
+        identity = tuple(_same_key(row[k]) for k in key)
         current = merged.get(identity)
         if current is None:
-            merged[identity] = dict(row)
+            merged[identity] = {**row, **{k: _plus_zero(row[k]) for k in key}}
             continue
         for column, value in row.items():
-            current[column] = _summed(current[column], value) if column in increments else value
+            if column not in key:
+                current[column] = _summed(current[column], value) if column in increments else value
     return list(merged.values())
+
+
+def _plus_zero(value: Any) -> Any:
+    """-0.0 as 0.0 (IEEE addition of +0.0 does it), any other value as it is."""
+    return value + 0.0 if isinstance(value, float) else value
+
+
+def _same_key(value: Any) -> Any:
+    """A key value as the databases compare it: -0.0 is 0.0 and every NaN is one NaN (PostgreSQL's float
+    equality; SQLite stores a NaN as NULL, which a key column refuses).  Python's own equality has two
+    keys for 0.0 and -0.0 nowhere, but one per NaN object, which PostgreSQL would be asked to upsert twice."""
+    if isinstance(value, float) and value != value:
+        return ("NaN",)
+    return _plus_zero(value)
 
 
 def _summed(a, b):
@@ -117,6 +133,7 @@ def one_per_key_table(rows: pa.Table, key: Sequence[str], increments: Sequence[s
     Spark's DecimalType arrives as); ``take`` has one for every type."""
     import pyarrow as pa
 
+    rows = _float_keys_plus_zero(rows, key)
     if rows.num_rows < 2 or rows.group_by(list(key)).aggregate([]).num_rows == rows.num_rows:
         return rows
     sums = [c for c in rows.column_names if c in increments and c not in key]
@@ -135,6 +152,22 @@ def one_per_key_table(rows: pa.Table, key: Sequence[str], increments: Sequence[s
         at = last.schema.get_field_index(column)
         last = last.set_column(at, last.schema.field(at).with_type(summed.type), summed)
     return last
+
+
+def _float_keys_plus_zero(rows: pa.Table, key: Sequence[str]) -> pa.Table:
+    """``rows`` with -0.0 as 0.0 in its floating-point key columns.  Arrow groups the two apart (it hashes
+    the bits), where both databases see one key: PostgreSQL would refuse to upsert it twice in one
+    statement, and an increment would be stored as two partial sums applied one over the other.  NaNs
+    Arrow groups as one, as PostgreSQL compares them."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for name in key:
+        at = rows.schema.get_field_index(name)
+        kind = rows.schema.field(at).type
+        if pa.types.is_floating(kind):
+            rows = rows.set_column(at, rows.schema.field(at), pc.add(rows[name], pa.scalar(0.0, kind)))
+    return rows
 
 
 def _summable(values: pa.ChunkedArray) -> pa.ChunkedArray:
