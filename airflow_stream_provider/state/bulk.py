@@ -269,11 +269,26 @@ def _csv_ready(rows: pa.Table) -> bool:
 def _csv_chunks(rows: pa.Table):
     import pyarrow.csv as csv
 
+    rows = _narrow_floats_as_doubles(rows)
     options = csv.WriteOptions(include_header=False)
     for batch in rows.to_batches(max_chunksize=COPY_CHUNK_ROWS):
         text = io.BytesIO()
         csv.write_csv(batch, text, options)
         yield text.getvalue()
+
+
+def _narrow_floats_as_doubles(rows: pa.Table) -> pa.Table:
+    """Float32 (and float16) columns as the doubles they hold.  Arrow writes a float32 as its shortest text
+    (0.1f as ``0.1``), which the table's double column reads as another number than the one the other paths
+    store (0.10000000149011612, the float's exact value): a key written by COPY in one batch and by an
+    INSERT in another would be two keys."""
+    import pyarrow as pa
+
+    narrow = [i for i, t in enumerate(rows.schema.types) if pa.types.is_floating(t) and t.bit_width < 64]
+    for at in narrow:
+        field = rows.schema.field(at)
+        rows = rows.set_column(at, field.with_type(pa.float64()), rows.column(at).cast(pa.float64()))
+    return rows
 
 
 def _sqlite_ready(schema: pa.Schema) -> bool:

@@ -324,3 +324,19 @@ def test_a_float_key_is_one_key_as_the_database_compares_it(store, count, as_arr
     else:
         write(nans)
         assert [n for amount, n in stored().items() if amount != amount] == [3]  # one NaN row
+
+
+def test_a_float32_key_is_the_same_key_by_copy_and_by_insert(store):
+    """Spark's FloatType arrives as float32: a key written in a large batch (COPY on PostgreSQL) and in a
+    small one (INSERT) is one row, its increments added, whichever way each batch went."""
+    table = Table("by_ratio", MetaData(), Column("ratio", Float(53), primary_key=True), Column("n", BigInteger))
+    table.create(store.engine)
+    schema = pa.schema([("ratio", pa.float32()), ("n", pa.int64())])
+    large = [{"ratio": 0.1 + i, "n": 1} for i in range(bulk.COPY_FROM_ROWS)]
+    for rows in (large, large[:1]):  # the first batch by COPY on PostgreSQL, the second by INSERT
+        with store.engine.begin() as conn:
+            bulk.write_rows(conn, table, ("ratio",), ("n",), pa.Table.from_pylist(rows, schema))
+    with store.engine.connect() as conn:
+        stored = {r.ratio: r.n for r in conn.execute(select(table))}
+    assert len(stored) == bulk.COPY_FROM_ROWS, "one row per float32 key"
+    assert stored[float(pa.scalar(0.1, pa.float32()).as_py())] == 2
