@@ -13,6 +13,10 @@ exits (``-XX:ArchiveClassesAtExit``, JDK 13 and later) and map that archive into
   file keeps it to one such run at a time, and a failed one is not retried for an hour.  Drivers
   launched meanwhile start as before.
 
+Each launch that maps an archive marks it used (its modification time).  An archive is written for every
+new Spark or Java installation (an upgrade, a virtualenv built again), about 170 MB each: once a new one
+is in place, the others that no launch has used for ``UNUSED_FOR_S`` are removed.
+
 Java options that name class-data sharing themselves (``-Xshare``, ``SharedArchiveFile``,
 ``ArchiveClassesAtExit``) are left alone: ``-Xshare:off`` turns this off.  Cluster deploy mode has no
 archive (the driver runs on a host the launcher does not know).
@@ -46,6 +50,9 @@ DIRECTORY_ENV = "STREAM_JVM_ARCHIVE_DIR"
 RETRY_AFTER_S = 3600.0
 #: The warm-up-only run gives up after this.
 TRAIN_TIMEOUT_S = 600.0
+#: Another installation's archive that no launch has mapped for this long is removed when a new one is
+#: written: that installation is most likely gone.
+UNUSED_FOR_S = 14 * 86400.0
 
 
 def default_directory() -> Path:
@@ -100,8 +107,29 @@ class ClassArchive:
         return self.path.is_file() and self.path.stat().st_size > 0
 
     def java_options(self, options: str) -> str:
-        """``options`` with this archive mapped in."""
+        """``options`` with this archive mapped in, the archive marked used (unless it is another user's,
+        whose time this user may not set: it maps all the same)."""
+        try:
+            os.utime(self.path)
+        except OSError:
+            pass
         return f"{options} -XX:SharedArchiveFile={self.path}".strip()
+
+    def remove_unused_others(self, now: float | None = None) -> list[Path]:
+        """Remove the directory's other archives that no launch has mapped for ``UNUSED_FOR_S``; return them.
+        One that cannot be removed (another user's) is left."""
+        now = time.time() if now is None else now
+        removed = []
+        for other in self.path.parent.glob("driver-*.jsa"):
+            if other == self.path or ".tmp." in other.name:
+                continue
+            try:
+                if now - other.stat().st_mtime > UNUSED_FOR_S:
+                    other.unlink()
+                    removed.append(other)
+            except OSError:
+                continue
+        return removed
 
     def claim(self) -> Path | None:
         """The file a new archive run is to write, once this caller holds the lock; None when another run
@@ -138,7 +166,10 @@ class ClassArchive:
         if code == 0 and written.is_file() and written.stat().st_size > 0:
             os.replace(written, self.path)  # atomic: a driver maps a whole archive or none
             self.lock.unlink(missing_ok=True)
-            return f"archive written: {self.path}"
+            removed = self.remove_unused_others()
+            return f"archive written: {self.path}" + (
+                f"; removed {len(removed)} unused for {UNUSED_FOR_S / 86400:.0f} days: "
+                f"{', '.join(p.name for p in removed)}" if removed else "")
         written.unlink(missing_ok=True)
         return (f"no archive: the warm-up-only run ended with exit code {code} and wrote "
                 f"{'an empty file' if code == 0 else 'nothing usable'}; drivers start without one, and another "

@@ -122,3 +122,23 @@ def test_the_serial_collector_on_a_growing_heap_for_drivers_of_at_most_2_gb():
                 "-XX:InitialHeapSize=64m", "-XX:MaxHeapFreeRatio=20", "-XX:SurvivorRatio=8", "-XX:NewRatio=3"):
         assert jvm_heap.startup_options(f"-Xss4m {own}", "1g") == f"-Xss4m {own}", own
     assert jvm_heap.heap_mb("768m") == 768 and jvm_heap.heap_mb("2g") == 2048 and jvm_heap.heap_mb("1024") == 1024
+
+
+def test_a_new_archive_removes_the_others_no_launch_has_used_for_two_weeks(tmp_path):
+    """A Spark or Java upgrade (or a virtualenv built again) gets a new 170 MB archive: the one it replaced
+    goes once it has gone unused, while another installation's archive still in use stays."""
+    directory = tmp_path / "archives"
+    stale = ClassArchive(directory / "driver-old.jsa")
+    in_use = ClassArchive(directory / "driver-other.jsa")
+    for other in (stale, in_use):
+        directory.mkdir(exist_ok=True)
+        other.path.write_text("classes")
+        weeks_ago = time.time() - jvm_archive.UNUSED_FOR_S - 3600
+        os.utime(other.path, (weeks_ago, weeks_ago))
+    in_use.java_options("")  # a launch maps it: used today
+
+    archive = ClassArchive(directory / "driver-new.jsa")
+    written = archive.claim()
+    outcome = archive.finish_run(["sh", "-c", f"printf classes > {written}"], written)
+    assert outcome == f"archive written: {archive.path}; removed 1 unused for 14 days: driver-old.jsa"
+    assert not stale.path.exists() and in_use.ready() and archive.ready()
