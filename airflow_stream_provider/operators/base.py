@@ -24,7 +24,12 @@ from functools import cached_property
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException, TaskDeferred
+from airflow.sdk.exceptions import (
+    AirflowFailException,
+    AirflowNotFoundException,
+    AirflowTaskTerminated,
+    TaskDeferred,
+)
 
 from airflow_stream_provider import faults, recovery
 from airflow_stream_provider.diagnosis import Diagnosis, Thresholds
@@ -347,7 +352,10 @@ class StreamJobOperator(BaseOperator):
 
     def on_kill(self) -> None:
         """Stop what this task started and was waiting on: a half-started run, a dry run; let go of the
-        job's lease."""
+        job's lease.  Airflow 3's SIGTERM handler returns to the task once this has run, and the process
+        lives on until the supervisor's kill: a wait in this process ends there, and nothing after it is
+        done (``_after_wait``)."""
+        self._killed = True
         if self._in_flight:
             self.controller.abandon(self._in_flight, "its task was killed")
         if self._lease_owner is not None:
@@ -367,6 +375,7 @@ class StreamJobOperator(BaseOperator):
         if self.deferrable:
             self._defer(wait, 0.0, method, state)
         outcome = self.controller.block(wait)
+        self._after_wait()
         self._hold_lease(time.time() + LEASE_STEP_S)
         return getattr(self, method)(context, {"outcome": outcome, "run_id": wait.run_id}, **state)
 
@@ -376,8 +385,17 @@ class StreamJobOperator(BaseOperator):
         if seconds > 0 and self.deferrable:
             self._defer(None, seconds, method, state)
         waits.pause(seconds)
+        self._after_wait()
         self._hold_lease(time.time() + LEASE_STEP_S)
         return getattr(self, method)(context, None, **state)
+
+    def _after_wait(self) -> None:
+        """A task killed during its wait in this process stops here: ``on_kill`` has undone what it started
+        and let go of the lease, and the step after the wait (a restart after a backoff, a launch judged
+        failed because on_kill ended it) would act on the job without either."""
+        if getattr(self, "_killed", False):
+            raise AirflowTaskTerminated(f"job {self.job.job_id}: the task was killed during its wait; "
+                                        "what it had started was undone, and nothing more is done")
 
     def _defer(self, wait: RunWait | None, pause_s: float, method: str, state: dict[str, Any]) -> None:
         trigger = StreamRunTrigger(wait=wait and wait.to_dict(), state_conn_id=self.state_conn_id,

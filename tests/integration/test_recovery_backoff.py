@@ -8,8 +8,12 @@ record: the attempt counts once."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
 import pytest
-from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+from airflow.sdk.exceptions import AirflowFailException, AirflowTaskTerminated, TaskDeferred
 
 from airflow_stream_provider.diagnosis import diagnose
 from airflow_stream_provider.operators.base import DEFER_MARGIN_S
@@ -105,3 +109,33 @@ def test_a_final_failure_stays_final_when_the_lease_cannot_be_released(tmp_path,
     monkeypatch.setattr(type(recover.controller), "release_lease", away)
     with pytest.raises(AirflowFailException, match="restart budget"):
         recover.execute({})
+
+
+def test_a_recovery_killed_in_its_backoff_restarts_nothing_after_on_kill(tmp_path, state_store, monkeypatch):
+    """Airflow 3's SIGTERM handler runs ``on_kill`` and returns to the task, whose process lives on until the
+    supervisor's kill.  A non-deferrable recovery killed in its backoff went on, once the backoff was over,
+    to launch the restart: after ``on_kill`` had let go of the job's lease, beside whatever took it."""
+    from airflow_stream_provider.state.leases import LeaseLog
+
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["events"]}}
+    recover = RecoverStreamingJobOperator(task_id="recover", spec=spec, backoff_base=1.0, deferrable=False,
+                                          application="/jobs/job.py")
+    dead, _ = _dead_after_two_failed_restarts(state_store)
+
+    def submit(controller, application, spec, **kw):
+        raise AssertionError("the killed task launched a driver after on_kill")
+
+    monkeypatch.setattr(type(recover.controller), "submit", submit)
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: recover.on_kill())  # the task runner's handler
+    kill = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    kill.start()
+    try:
+        with pytest.raises(AirflowTaskTerminated, match="killed during its wait"):
+            recover.execute({})
+    finally:
+        kill.cancel()
+        signal.signal(signal.SIGTERM, previous)
+    assert LeaseLog(state_store).get("job") is None
+    begun = state_store.latest_restart("job")
+    assert (begun["failed_run_id"], begun["new_run_id"]) == (dead, None), "left owed, for the watcher to report"
