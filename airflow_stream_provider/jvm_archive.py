@@ -115,11 +115,10 @@ class ClassArchive:
             pass
         return f"{options} -XX:SharedArchiveFile={self.path}".strip()
 
-    def remove_unused_others(self, now: float | None = None) -> list[Path]:
+    def remove_unused_others(self) -> list[Path]:
         """Remove the directory's other archives that no launch has mapped for ``UNUSED_FOR_S``; return them.
         One that cannot be removed (another user's) is left."""
-        now = time.time() if now is None else now
-        removed = []
+        now, removed = time.time(), []
         for other in self.path.parent.glob("driver-*.jsa"):
             if other == self.path or ".tmp." in other.name:
                 continue

@@ -126,6 +126,7 @@ class StreamJobOperator(BaseOperator):
         self._in_flight: dict[str, Any] | None = None
         self._lease_owner: str | None = None
         self._held_since: float | None = None  # when this task's hold on the job's lease began
+        self._killed = False  # on_kill has run: a wait in this process ends the task (``_after_wait``)
 
     @property
     def job_id(self) -> str | None:
@@ -393,7 +394,7 @@ class StreamJobOperator(BaseOperator):
         """A task killed during its wait in this process stops here: ``on_kill`` has undone what it started
         and let go of the lease, and the step after the wait (a restart after a backoff, a launch judged
         failed because on_kill ended it) would act on the job without either."""
-        if getattr(self, "_killed", False):
+        if self._killed:
             raise AirflowTaskTerminated(f"job {self.job.job_id}: the task was killed during its wait; "
                                         "what it had started was undone, and nothing more is done")
 

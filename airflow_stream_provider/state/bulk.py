@@ -112,8 +112,9 @@ def _plus_zero(value: Any) -> Any:
 
 def _same_key(value: Any) -> Any:
     """A key value as the databases compare it: -0.0 is 0.0 and every NaN is one NaN (PostgreSQL's float
-    equality; SQLite stores a NaN as NULL, which a key column refuses).  Python's own equality has two
-    keys for 0.0 and -0.0 nowhere, but one per NaN object, which PostgreSQL would be asked to upsert twice."""
+    equality; SQLite stores a NaN as NULL, which a key column refuses).  A Python dict already takes 0.0
+    and -0.0 as one key, but each NaN object as a key of its own, which PostgreSQL would be asked to upsert
+    twice."""
     if isinstance(value, float) and value != value:
         return ("NaN",)
     return _plus_zero(value)
