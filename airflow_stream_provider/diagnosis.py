@@ -15,6 +15,7 @@ from typing import Any
 
 from airflow_stream_provider import failures
 from airflow_stream_provider.settings_numbers import finite_number
+from airflow_stream_provider.spec import parse_interval
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.standbys import StandbyRecord
 from airflow_stream_provider.state.store import ACTIVE_STATUSES, DEAD, FAILED, STARTING, STOPPED
@@ -241,9 +242,10 @@ def diagnose(job_id: str, run: RunRecord | None, *, driver_alive: bool | None, l
                          evidence=[f"driver up for {now - (run.started_at or now):.0f}s, query not started yet"])
     since = max(run.last_batch_at or 0, run.query_started_at or 0)
     idle = now - since
-    if lag and idle > thresholds.stuck_after_s:
+    no_progress = no_progress_limit(run, thresholds)
+    if lag and idle > no_progress:
         return Diagnosis(job_id, Health.STUCK, **base,
-                         evidence=[f"no batch committed for {idle:.0f}s (threshold {thresholds.stuck_after_s:.0f}s)",
+                         evidence=[f"no batch committed for {idle:.0f}s (threshold {no_progress:.0f}s)",
                                    f"{lag} Kafka records wait to be applied",
                                    f"heartbeat {heartbeat_age:.0f}s ago: the driver is alive"],
                          advice="Stop the driver (it is alive but makes no progress) and restart it from the "
@@ -273,6 +275,22 @@ def heartbeat_timeout(run: RunRecord, thresholds: Thresholds) -> float:
     ``heartbeat_timeout_seconds``, as its standby uses): a job set to heartbeat slowly is not dead between two
     heartbeats because a sensor kept the default."""
     return max(thresholds.heartbeat_timeout_s, _spec_heartbeat_timeout(run.spec))
+
+
+def no_progress_limit(run: RunRecord, thresholds: Thresholds) -> float:
+    """How long a run with records waiting may go without committing a batch: ``stuck_after``, past the run's
+    own trigger interval (its spec's ``trigger_interval``): a job that triggers hourly commits at most hourly,
+    and is not stuck between two triggers."""
+    return thresholds.stuck_after_s + _spec_trigger_seconds(run.spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_trigger_seconds(spec_json: str | None) -> float:
+    try:
+        interval = json.loads(spec_json).get("trigger_interval") if spec_json else None
+        return parse_interval(interval) if interval is not None else 0.0
+    except (ValueError, TypeError, AttributeError):  # a spec recorded by another release: the threshold decides
+        return 0.0
 
 
 @functools.lru_cache(maxsize=256)

@@ -119,6 +119,18 @@ def test_stuck_needs_both_no_progress_and_lag(lag, idle, health):
                     thresholds=Thresholds(stuck_after_s=300)).health == health
 
 
+@pytest.mark.parametrize(("idle", "health"), [(3000, Health.HEALTHY), (3950, Health.STUCK)])
+def test_a_job_that_triggers_hourly_is_not_stuck_between_two_triggers(idle, health):
+    """Records wait between two triggers of a job whose ``trigger_interval`` is an hour: judged by
+    ``stuck_after`` alone it was STUCK each hour, and stopped and restarted though healthy."""
+    run = _run(last_batch_at=NOW - idle, query_started_at=NOW - idle - 10, heartbeat_at=NOW - 1,
+               spec=json.dumps({"trigger_interval": "1 hour"}))
+    found = diagnose("j", run, driver_alive=True, lag=50, now=NOW, thresholds=Thresholds(stuck_after_s=300))
+    assert found.health == health, found.evidence
+    if health == Health.STUCK:
+        assert "threshold 3900s" in found.evidence[0]
+
+
 def test_failed_carries_kind_error_class_and_advice():
     message = "StreamingQueryException: [STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE] Provided key schema ..."
     found = diagnose("j", _run(status="FAILED", exit_code=3, failure_kind="CHECKPOINT_INCOMPATIBLE",

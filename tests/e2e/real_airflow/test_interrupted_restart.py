@@ -1,12 +1,13 @@
 """A STUCK run's restart lost before its launch, on a real Airflow: the job is not left down, nor stuck.
 
-The job's trigger interval is a day, so once events arrive after its first batch the query sits idle with a
-lag: STUCK.  (Spark starts triggers at multiples of the interval since the epoch: with ten minutes, a run
-deployed just before a multiple read the events itself there, and was never stuck.)  The watcher reports it once, and ``stream_health``'s ``recover`` begins the restart.
+Once the job has applied its first events, the test arms its one hang (``stuck_once_until_stopped.py``):
+the batch of the events sent next hangs in the job's results, the driver alive and heartbeating, until its
+run is asked to stop: STUCK.  The watcher reports it once, and ``stream_health``'s ``recover`` begins the
+restart.
 Its task process is then SIGKILLed (``STREAM_FAULT`` in the task's environment, once: a worker lost, an OOM
 kill) at one of two points:
 
-* ``restart_after_stop``: the restart's graceful stop has ended the idle query cleanly (STOPPED).  Nobody
+* ``restart_after_stop``: the restart's graceful stop has ended the query cleanly (STOPPED: the hang ends when the stop is asked for).  Nobody
   asked for that stop: the run is owed its restart at once.  Before, a STOPPED run made no event and
   branched to ``healthy``, and the job stayed down.
 * ``restart_before_stop``: the stop has not reached the driver, which runs on, stuck.  Once Airflow says the
@@ -27,6 +28,7 @@ import pytest
 from stack.deployment import task_lost_once
 from stack.events import EventProducer
 from stack.jobs import check_exactly_once
+from tests.dagtest.dagruns import FIXTURE_JOBS
 
 #: Seconds for the health DAG to finish a restart its lost task owed: STUCK after 8 s, the watcher's poll
 #: (and Airflow's answer), a DAG run behind the failed one, the restart budget's backoff, the stuck run's
@@ -48,8 +50,10 @@ def lost_at(request) -> str:
 
 @pytest.fixture
 def deployment_options(tmp_path, lost_at) -> dict:
-    return {"spec": {"trigger_interval": "1440 minutes"}, "watch": {"stuck_after": 8},
-            "variables": {"stream_health_retries": "0"},
+    return {"watch": {"stuck_after": 8},
+            "variables": {"stream_health_retries": "0",
+                          "stream_job_application": str(FIXTURE_JOBS / "stuck_once_until_stopped.py")},
+            "driver_env": {"STUCK_ONCE_ARM": str(tmp_path / "stuck-once-arm")},
             "airflow_env": task_lost_once(tmp_path, lost_at)}
 
 
@@ -59,7 +63,8 @@ def test_a_stuck_runs_restart_whose_task_is_lost_is_finished_by_stream_health(de
     deployment.deploy(producer.produced)
     stuck = deployment.latest_run()
 
-    producer.send(100)  # read at the next trigger, at midnight UTC: STUCK after 8 s
+    (deployment.workdir / "stuck-once-arm").touch()
+    producer.send(100)  # their batch hangs: STUCK after 8 s past the trigger interval
     deployment.wait_caught_up(producer.produced, timeout=REPAIR_TIMEOUT)
     restarted = deployment.latest_run()
     assert restarted.run_id != stuck.run_id and restarted.status == "RUNNING", restarted
