@@ -27,7 +27,7 @@ import pytest
 
 from stack.deployment import task_lost_once
 from stack.events import EventProducer
-from stack.jobs import check_exactly_once
+from stack.jobs import check_exactly_once, wait_until
 from tests.dagtest.dagruns import FIXTURE_JOBS
 
 #: Seconds for the health DAG to finish a restart its lost task owed: STUCK after 8 s, the watcher's poll
@@ -64,10 +64,13 @@ def test_a_stuck_runs_restart_whose_task_is_lost_is_finished_by_stream_health(de
     stuck = deployment.latest_run()
 
     (deployment.workdir / "stuck-once-arm").touch()
-    producer.send(100)  # their batch hangs: STUCK after 8 s past the trigger interval
+    producer.send(100)  # their batch hangs until the run is asked to stop: STUCK 8 s past the trigger interval
+    # the hung batch commits as its run stops: the restart is done once another run is live
+    restarted = wait_until(lambda: (run := deployment.latest_run()).run_id != stuck.run_id
+                           and run.status == "RUNNING" and run, REPAIR_TIMEOUT, "the stuck run restarted")
+    producer.send(50)
     deployment.wait_caught_up(producer.produced, timeout=REPAIR_TIMEOUT)
-    restarted = deployment.latest_run()
-    assert restarted.run_id != stuck.run_id and restarted.status == "RUNNING", restarted
+    assert deployment.latest_run().run_id == restarted.run_id, "the restarted run applies what comes next"
 
     stopped = deployment.store.get_run(stuck.run_id)
     assert stopped.status == "STOPPED" and stopped.stop_requested_at is not None, stopped
