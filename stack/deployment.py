@@ -194,9 +194,15 @@ class StreamDeployment:
         """The diagnoses (``diagnose``'s XCom) of the two ``stream_health`` runs of a recovery lost once: the
         first, whose ``recover`` was killed, and the second, whose ``recover`` finished what it began."""
         lost, finished = wait_until(lambda: self.ended_recovers(2), 60, "both stream_health runs' recover tasks ended")
-        assert lost[1] == "failed", "the first recover task was killed before it launched anything"
+        assert lost[1] == "failed", (
+            "the first recover task was killed before it launched anything; the ended ones: "
+            + "; ".join(f"{run} {state}: {self._diagnosis_line(run)}" for run, state in self.ended_recovers(0)))
         assert finished[1] == "success", self.explain("stream_health", finished[0])
         return tuple(self.airflow.xcom("stream_health", run, "diagnose", key="diagnosis") for run, _ in (lost, finished))
+
+    def _diagnosis_line(self, dag_run_id: str) -> str:
+        found = self.airflow.xcom("stream_health", dag_run_id, "diagnose", key="diagnosis") or {}
+        return f"{found.get('health')} of run {found.get('run_id')} ({'; '.join(found.get('evidence') or [])})"
 
     def repairs(self, run_id: str, since: float = 0.0, timeout: float = 60.0) -> list[dict]:
         """The ``stream_health`` runs since ``since`` whose ``recover`` launched ``run_id``, oldest first.  A

@@ -30,7 +30,7 @@ from stack.events import EventProducer
 from stack.jobs import check_exactly_once, wait_until
 from tests.dagtest.dagruns import FIXTURE_JOBS
 
-#: Seconds for the health DAG to finish a restart its lost task owed: STUCK after 8 s, the watcher's poll
+#: Seconds for the health DAG to finish a restart its lost task owed: STUCK after 20 s, the watcher's poll
 #: (and Airflow's answer), a DAG run behind the failed one, the restart budget's backoff, the stuck run's
 #: stop, a driver's cold start on 2 shared cores.  Generous.
 REPAIR_TIMEOUT = 300
@@ -50,7 +50,9 @@ def lost_at(request) -> str:
 
 @pytest.fixture
 def deployment_options(tmp_path, lost_at) -> dict:
-    return {"watch": {"stuck_after": 8},
+    # stuck_after well past a new driver's first batch on a loaded 2-core machine (4-10 s), so that only
+    # the armed hang is STUCK, not the deployment's own start
+    return {"watch": {"stuck_after": 20},
             "variables": {"stream_health_retries": "0",
                           "stream_job_application": str(FIXTURE_JOBS / "stuck_once_until_stopped.py")},
             "driver_env": {"STUCK_ONCE_ARM": str(tmp_path / "stuck-once-arm")},
@@ -64,7 +66,7 @@ def test_a_stuck_runs_restart_whose_task_is_lost_is_finished_by_stream_health(de
     stuck = deployment.latest_run()
 
     (deployment.workdir / "stuck-once-arm").touch()
-    producer.send(100)  # their batch hangs until the run is asked to stop: STUCK 8 s past the trigger interval
+    producer.send(100)  # their batch hangs until the run is asked to stop: STUCK 20 s past the trigger interval
     # the hung batch commits as its run stops: the restart is done once another run is live
     restarted = wait_until(lambda: (run := deployment.latest_run()).run_id != stuck.run_id
                            and run.status == "RUNNING" and run, REPAIR_TIMEOUT, "the stuck run restarted")
