@@ -52,6 +52,9 @@ __all__ = ["StreamJobError", "StreamJobOperator"]
 
 #: The task-state key of a launch in flight: a retry after a worker crash picks that run up.
 LAUNCH_KEY = "stream_launch"
+#: The task-state key of the run this task's launch brought up: a retry after the launch (a worker lost
+#: before the task's success was recorded) finds that run live, and it is this task's own, not a double start.
+LAUNCHED_KEY = "stream_launched"
 STOP_OUTCOMES = ("stopped", "terminated", "killed")
 #: How long the job's lease holds for the work between two waits (a submit, a stop step, an archive)
 LEASE_STEP_S = 300.0
@@ -534,8 +537,13 @@ class StreamJobOperator(BaseOperator):
             raise
         finally:
             self._in_flight = None
+        _set_task_state(context, LAUNCHED_KEY, launch["run_id"])
         _set_task_state(context, LAUNCH_KEY, None)
         return self.resume(context, after, result, carry)
+
+    def launched_by_earlier_try(self, context) -> str | None:
+        """The run an earlier try of this task launched and saw running, if any."""
+        return _task_state(context, LAUNCHED_KEY)
 
     def _owe_again(self, restart: Sequence[str | None], run_id: str) -> None:
         """A recovery's driver that failed before it registered left the run it restarts the job's latest:

@@ -1,0 +1,57 @@
+"""A submit task retried after its launch succeeded (its worker lost before Airflow recorded the success, an
+XCom push that failed): the live run is the one its earlier try launched, so the retry succeeds on it
+instead of failing as a double start (``if_running='fail'``).  A run some other task launched still fails.
+
+The trigger's "ready" event is handed to the operator as Airflow hands it over; the run is a registered row,
+as a driver on another host leaves it (the flow under test reads the row only, never the process)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_stream_provider.operators.submit import SubmitStreamingJobOperator
+from tests.integration.task_state import TaskStateStore
+
+
+def _operator(spec) -> SubmitStreamingJobOperator:
+    return SubmitStreamingJobOperator(task_id="submit", spec=spec, application="/jobs/v1.py")
+
+
+def _launched(store, tmp_path, topic) -> tuple[dict, dict, str]:
+    """A first try whose launch came up: its task state as the try leaves it, and the run's id."""
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": [topic]}}
+    first = _operator(spec)
+    run = store.begin_run("job", 1, "1.0", host="another-host", pid=4242)
+    store.mark_query_started(run.run_id)
+    launch = {"job_id": "job", "run_id": run.run_id, "pid": 4242, "host": "another-host", "log_path": None,
+              "submission_id": None, "submitted_at": time.time(), "generation": 1, "version": "1.0",
+              "application": "/jobs/v1.py", "spec": first.job.to_json(),
+              "checkpoint_path": first.job.with_generation(1).checkpoint_path}
+    context = {"task_state_store": TaskStateStore()}
+    result = first.execute_complete(context, {
+        "outcome": "ready", "run_id": run.run_id,
+        "resume": {"method": "_launch_waited",
+                   "state": {"launch": launch, "after": "_submitted", "carry": {}, "on_fail": None}}})
+    assert result["run_id"] == run.run_id and result["action"] == "submitted"
+    return spec, context, run.run_id
+
+
+def test_a_retry_after_its_own_launch_succeeds_on_that_run(state_store, tmp_path, topic):
+    spec, context, run_id = _launched(state_store, tmp_path, topic)
+
+    retry = _operator(spec)
+    result = retry.execute(context)  # the same task instance: its task state kept across tries
+
+    assert (result["run_id"], result["action"]) == (run_id, "submitted")
+    assert result["checkpoint_path"] == retry.job.with_generation(1).checkpoint_path
+    assert [run.run_id for run in state_store.recent_runs("job", 10)] == [run_id], "a second driver launched"
+
+
+def test_another_tasks_submit_still_fails_on_the_live_run(state_store, tmp_path, topic):
+    spec, _, run_id = _launched(state_store, tmp_path, topic)
+
+    with pytest.raises(AirflowFailException, match=f"already runs \\(run {run_id}"):
+        _operator(spec).execute({"task_state_store": TaskStateStore()})
