@@ -247,7 +247,7 @@ class StreamJobSpec:
             )
         if ".." in self.job_id:
             raise SpecError("job_id", f"{self.job_id!r} contains '..'", "Choose a name without '..'")
-        if not self.version or not isinstance(self.version, str):
+        if not isinstance(self.version, str) or not self.version.strip():
             raise SpecError("version", "is empty", "Give the code version, e.g. '1.4.0' or a git sha")
         _validate_checkpoint_root(self.checkpoint_root)
         if isinstance(self.generation, bool) or not isinstance(self.generation, int) or self.generation < 1:
@@ -371,11 +371,11 @@ def _validate_kafka(kafka: KafkaSpec) -> None:
     if not kafka.topics:
         raise SpecError("kafka.topics", "is empty", "Name at least one topic")
     for topic in kafka.topics:
-        if not isinstance(topic, str) or not _TOPIC.match(topic):
+        if not isinstance(topic, str) or not _TOPIC.match(topic) or topic in (".", ".."):
             raise SpecError(
                 "kafka.topics",
                 f"{topic!r} is not a valid Kafka topic name",
-                "Topic names use letters, digits, '.', '_' and '-'",
+                "Topic names use letters, digits, '.', '_' and '-', and are neither '.' nor '..'",
             )
     if kafka.source not in SOURCE_KINDS:
         raise SpecError(

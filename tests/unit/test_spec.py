@@ -34,6 +34,8 @@ def test_good_spec_round_trips():
 @pytest.mark.parametrize(("changes", "field", "fix"), [
     ({"job_id": "../x"}, "job_id", "no '/' or '..'"),
     ({"job_id": "a/b"}, "job_id", "no '/'"),
+    ({"version": ""}, "version", "git sha"),
+    ({"version": "  "}, "version", "git sha"),  # blank: no version to tell two deployments apart by
     ({"database_url": "postgresql+psycopg://stream:s3cret@db/results"}, "database_url", "STREAM_DATABASE_PASSWORD"),
     ({"database_url": "mysql://db/x"}, "database_url", "sqlite://"),
     ({"kafka_bootstrap_servers": "PLAINTEXT://k1:9092"}, "kafka.bootstrap_servers", ""),
@@ -49,6 +51,8 @@ def test_good_spec_round_trips():
     ({"kafka_bootstrap_servers": "nohostport"}, "kafka.bootstrap_servers", "broker1:9092"),
     ({"kafka_topics": []}, "kafka.topics", "at least one"),
     ({"kafka_topics": ["bad topic"]}, "kafka.topics", "letters"),
+    ({"kafka_topics": ["orders", ".."]}, "kafka.topics", "neither '.' nor '..'"),  # Kafka refuses both names
+    ({"kafka_topics": ["."]}, "kafka.topics", "neither '.' nor '..'"),
     ({"trigger_interval": "soon"}, "trigger_interval", "1 second"),
     ({"kafka_max_offsets_per_trigger": 0}, "kafka.max_offsets_per_trigger", "100000"),
     ({"kafka_max_offsets_per_trigger": True}, "kafka.max_offsets_per_trigger", "100000"),  # not 1 record a batch
