@@ -297,8 +297,15 @@ class StreamJobController:
             run = self.get_run(launch["run_id"])
             self.state.store.record_launch(launch["run_id"], launch["application"], launch["spec"],
                                            launch.get("submission_id"))
-            self.log.info("Job %s run %s is running: generation %s, epoch %s", spec.job_id, launch["run_id"],
-                          launch["generation"], run.epoch)
+            if run.active:
+                self.log.info("Job %s run %s is running: generation %s, epoch %s", spec.job_id, launch["run_id"],
+                              launch["generation"], run.epoch)
+            else:  # its query ran, so the launch worked; what ended the run is the health check's to act on
+                self.log.warning("Job %s run %s started its query (generation %s, epoch %s) and has ended since: "
+                                 "%s%s. The launch is done; the health check diagnoses the run (`python -m "
+                                 "airflow_stream_provider status`)", spec.job_id, launch["run_id"],
+                                 launch["generation"], run.epoch, run.status.value,
+                                 f", {run.failure_kind}: {run.termination_message}" if run.failure_kind else "")
             return {"job_id": spec.job_id, "run_id": launch["run_id"], "epoch": run.epoch,
                     "generation": launch["generation"], "version": spec.version,
                     "checkpoint_path": launch["checkpoint_path"], "pid": launch["pid"],

@@ -1,6 +1,10 @@
-"""A submit task retried after its launch succeeded (its worker lost before Airflow recorded the success, an
-XCom push that failed): the live run is the one its earlier try launched, so the retry succeeds on it
-instead of failing as a double start (``if_running='fail'``).  A run some other task launched still fails.
+"""A submit whose launch came up.
+
+* Retried after that (its worker lost before Airflow recorded the success, an XCom push that failed): the
+  live run is the one its earlier try launched, so the retry succeeds on it instead of failing as a double
+  start (``if_running='fail'``).  A run some other task launched still fails.
+* Its run ended while the launch settled (its first batch failed): the launch worked, and the task says
+  the run has ended instead of that it is running; the health check acts on the run.
 
 The trigger's "ready" event is handed to the operator as Airflow hands it over; the run is a registered row,
 as a driver on another host leaves it (the flow under test reads the row only, never the process)."""
@@ -20,12 +24,15 @@ def _operator(spec) -> SubmitStreamingJobOperator:
     return SubmitStreamingJobOperator(task_id="submit", spec=spec, application="/jobs/v1.py")
 
 
-def _launched(store, tmp_path, topic) -> tuple[dict, dict, str]:
+def _launched(store, tmp_path, topic, ended_while_settling: bool = False) -> tuple[dict, dict, str]:
     """A first try whose launch came up: its task state as the try leaves it, and the run's id."""
     spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": [topic]}}
     first = _operator(spec)
     run = store.begin_run("job", 1, "1.0", host="another-host", pid=4242)
     store.mark_query_started(run.run_id)
+    if ended_while_settling:
+        store.finish_run(run.run_id, status="FAILED", exit_code=1, failure_kind="USER_CODE",
+                         message="ZeroDivisionError in results")
     launch = {"job_id": "job", "run_id": run.run_id, "pid": 4242, "host": "another-host", "log_path": None,
               "submission_id": None, "submitted_at": time.time(), "generation": 1, "version": "1.0",
               "application": "/jobs/v1.py", "spec": first.job.to_json(),
@@ -55,3 +62,12 @@ def test_another_tasks_submit_still_fails_on_the_live_run(state_store, tmp_path,
 
     with pytest.raises(AirflowFailException, match=f"already runs \\(run {run_id}"):
         _operator(spec).execute({"task_state_store": TaskStateStore()})
+
+
+def test_a_run_that_ended_while_its_launch_settled_is_not_said_to_run(state_store, tmp_path, topic, capfd):
+    _, _, run_id = _launched(state_store, tmp_path, topic, ended_while_settling=True)
+
+    # the operator's log, as Airflow's logging writes it
+    said = [line for line in "".join(capfd.readouterr()).splitlines() if run_id in line]
+    assert not any("is running" in line for line in said), said
+    assert any("has ended since: FAILED, USER_CODE: ZeroDivisionError in results" in line for line in said), said
