@@ -24,6 +24,7 @@ from functools import cached_property
 from typing import Any
 
 from airflow.sdk import BaseOperator
+from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR, TriggerFailureReason
 from airflow.sdk.exceptions import (
     AirflowFailException,
     AirflowNotFoundException,
@@ -55,6 +56,10 @@ LAUNCH_KEY = "stream_launch"
 #: The task-state key of the run this task's launch brought up: a retry after the launch (a worker lost
 #: before the task's success was recorded) finds that run live, and it is this task's own, not a double start.
 LAUNCHED_KEY = "stream_launched"
+#: The task-state key of the wait a deferred task resumes from.  A deferral Airflow times out (a triggerer
+#: away past the wait's end and ``DEFER_MARGIN_S``) comes back without the trigger's kwargs: this says which
+#: wait it was, so the task resumes as from a wait that failed instead of failing blind.
+DEFERRED_KEY = "stream_deferred"
 STOP_OUTCOMES = ("stopped", "terminated", "killed")
 #: How long the job's lease holds for the work between two waits (a submit, a stop step, an archive)
 LEASE_STEP_S = 300.0
@@ -92,6 +97,9 @@ class StreamJobOperator(BaseOperator):
     launch_settle_s: float = 0.0
     #: What this task does to the job, as its lease names it (``state.leases``): one task acts at a time.
     lease_action: str = "act"
+    #: The waits (by the method they resume in) that a deferral Airflow timed out resumes as failed waits
+    #: (``resume_execution``): a launch, which one look settles.
+    resumed_on_timeout: frozenset[str] = frozenset({"_launch_waited"})
 
     template_fields: Sequence[str] = ("spec", "application", "conf", "env_vars", "py_files", "ready_timeout",
                                       "heartbeat_timeout", "stuck_after", "stop_timeout", "driver_log_dir",
@@ -377,7 +385,7 @@ class StreamJobOperator(BaseOperator):
             self.log.warning("Could not extend the job's lease over this wait (%s); waiting all the same",
                              waits.outage_line(err))
         if self.deferrable:
-            self._defer(wait, 0.0, method, state)
+            self._defer(context, wait, 0.0, method, state)
         outcome = self.controller.block(wait)
         self._after_wait()
         self._hold_lease(time.time() + LEASE_STEP_S)
@@ -387,7 +395,7 @@ class StreamJobOperator(BaseOperator):
         """Wait ``seconds`` (a backoff), then continue in ``method(context, None, **state)``."""
         self._hold_lease(time.time() + seconds + LEASE_GRACE_S)
         if seconds > 0 and self.deferrable:
-            self._defer(None, seconds, method, state)
+            self._defer(context, None, seconds, method, state)
         waits.pause(seconds)
         self._after_wait()
         self._hold_lease(time.time() + LEASE_STEP_S)
@@ -401,12 +409,13 @@ class StreamJobOperator(BaseOperator):
             raise AirflowTaskTerminated(f"job {self.job.job_id}: the task was killed during its wait; "
                                         "what it had started was undone, and nothing more is done")
 
-    def _defer(self, wait: RunWait | None, pause_s: float, method: str, state: dict[str, Any]) -> None:
+    def _defer(self, context, wait: RunWait | None, pause_s: float, method: str, state: dict[str, Any]) -> None:
+        resume = {"method": method, "state": state, "held_since": self._held_since}
+        _set_task_state(context, DEFERRED_KEY, {"run_id": wait and wait.run_id, "resume": resume}
+                        if method in self.resumed_on_timeout else None)
         trigger = StreamRunTrigger(wait=wait and wait.to_dict(), state_conn_id=self.state_conn_id,
                                    kafka_conn_id=self.kafka_conn_id, topics=list(self.job.kafka.topics),
-                                   pause_s=pause_s,
-                                   resume={"method": method, "state": state, "held_since": self._held_since},
-                                   killed=self.killed_task().to_dict())
+                                   pause_s=pause_s, resume=resume, killed=self.killed_task().to_dict())
         # A bound past the wait's own end: a trigger whose poll hangs (a state database that stopped
         # answering mid-read) fails the task, to be retried, instead of leaving it deferred for good.
         within = pause_s if wait is None else max(0.0, wait.deadline - self.controller.clock.now()) + wait.settle_s
@@ -435,6 +444,21 @@ class StreamJobOperator(BaseOperator):
         if launch["submission_id"]:  # a cluster-mode driver (no pid here): its cluster manager, by this connection
             launch["spark_conn_id"] = self.spark_conn_id
         return launch
+
+    def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context) -> Any:
+        """Airflow's resume.  A deferral Airflow timed out, of a wait in ``resumed_on_timeout``, resumes as a
+        wait that failed (the trigger's ``error`` event: the wait failed, not the run as far as anyone
+        knows), and a launch is looked at once.  Any other fails as Airflow fails it, for a retry to start
+        afresh: the step after a backoff, a stop or an upgrade's verification would act on what was decided
+        before the triggerer went away."""
+        deferred = _task_state(context, DEFERRED_KEY) if next_method == TRIGGER_FAIL_REPR else None
+        if deferred and (next_kwargs or {}).get("error") == TriggerFailureReason.TRIGGER_TIMEOUT:
+            message = (f"waiting on run {deferred['run_id']}: the triggerer did not answer for "
+                       f"{DEFER_MARGIN_S:.0f}s past the wait's end (Airflow timed the deferral out)")
+            self.log.error("%s; resuming as from a wait that failed", message)
+            return self.execute_complete(context, {"outcome": "error", "run_id": deferred["run_id"],
+                                                   "message": message, "resume": deferred["resume"]})
+        return super().resume_execution(next_method, next_kwargs, context)
 
     def execute_complete(self, context, event: dict[str, Any]) -> Any:
         """Where every deferral comes back: the event names the method the flow continues in."""

@@ -78,6 +78,8 @@ class RecoverStreamingJobOperator(StreamJobOperator):
     """
 
     lease_action = "recover"
+    #: looking again diagnoses afresh, however the wait before it ended
+    resumed_on_timeout = StreamJobOperator.resumed_on_timeout | {LOOK_AGAIN}
 
     #: The task resumes on a worker after the restarted run's first batch, not in the middle of it.
     launch_settle_s = 20.0
@@ -126,7 +128,7 @@ class RecoverStreamingJobOperator(StreamJobOperator):
         if self._lease_owner is not None:
             self.controller.release_lease(self._lease_owner)
         if self.deferrable:
-            self._defer(wait, pause_s, LOOK_AGAIN, {})
+            self._defer(context, wait, pause_s, LOOK_AGAIN, {})
         if wait is not None:
             self.controller.block(wait)
         waits.pause(pause_s)

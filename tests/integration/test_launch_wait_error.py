@@ -10,6 +10,7 @@ driver on another host leaves it (the flow under test reads the row only, never 
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
@@ -155,3 +156,56 @@ def test_a_recoverys_launch_is_kept_for_its_retry_with_the_restart_it_records(st
     assert kept["launch"] == pending["launch"] and kept["restart"] == ["restart", "a test", "the-failed-run"]
     (recorded,) = state_store.restarts_since("job", 0)
     assert (recorded["failed_run_id"], recorded["new_run_id"]) == ("the-failed-run", pending["launch"]["run_id"])
+
+
+def _deferred_on_the_launch(state_store, tmp_path, topic) -> tuple[dict, dict, str]:
+    """A task that deferred on its pending launch's wait (a retry picking the launch up), and its context."""
+    operator, context, pending, _ = _submitted(state_store, tmp_path, topic)
+    # the task instance names the lease's holder: the same for the resumed task as for the deferred one
+    context["ti"] = SimpleNamespace(dag_id="stream_deploy", run_id="manual__1", task_id="submit", map_index=-1)
+    with pytest.raises(TaskDeferred):
+        SubmitStreamingJobOperator(task_id="submit", spec=operator.spec, application="/jobs/v1.py").execute(context)
+    return operator.spec, context, pending["launch"]["run_id"]
+
+
+def _timed_out(spec, context):
+    """Airflow resuming a deferral it timed out (a triggerer away past the wait's end and the margin): the
+    task runner's call on a new operator, with no trigger event, only ``__fail__``."""
+    from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR, TriggerFailureReason
+
+    resumed = SubmitStreamingJobOperator(task_id="submit", spec=spec, application="/jobs/v1.py")
+    return resumed.resume_execution(TRIGGER_FAIL_REPR, {"error": TriggerFailureReason.TRIGGER_TIMEOUT.value},
+                                    context)
+
+
+def test_a_launch_wait_airflow_timed_out_goes_on_once_its_query_runs(state_store, tmp_path, topic):
+    spec, context, run_id = _deferred_on_the_launch(state_store, tmp_path, topic)
+    state_store.mark_query_started(run_id)
+
+    result = _timed_out(spec, context)  # before, TaskDeferralTimeout: a failed deploy of a running job
+
+    assert (result["run_id"], result["action"]) == (run_id, "submitted")
+    assert context["task_state_store"].get(LAUNCH_KEY) is None
+
+
+def test_a_launch_wait_airflow_timed_out_while_the_run_starts_keeps_it_for_the_retry(state_store, tmp_path, topic):
+    spec, context, run_id = _deferred_on_the_launch(state_store, tmp_path, topic)
+
+    with pytest.raises(StreamJobError, match="the triggerer did not answer .* a retry of this task picks it up"):
+        _timed_out(spec, context)
+
+    assert context["task_state_store"].get(LAUNCH_KEY)["launch"]["run_id"] == run_id
+    assert [run.run_id for run in state_store.recent_runs("job", 10)] == [run_id]
+
+
+def test_a_pause_airflow_timed_out_fails_as_airflow_fails_it(state_store, tmp_path, topic):
+    """The step after a backoff acts on the job: a retry diagnoses afresh instead."""
+    from airflow.sdk.exceptions import TaskDeferralTimeout
+
+    spec, context, _ = _deferred_on_the_launch(state_store, tmp_path, topic)
+    operator = SubmitStreamingJobOperator(task_id="submit", spec=spec, application="/jobs/v1.py")
+    with pytest.raises(TaskDeferred):
+        operator.pause_then(context, 30.0, "_submitted")
+
+    with pytest.raises(TaskDeferralTimeout):
+        _timed_out(spec, context)
