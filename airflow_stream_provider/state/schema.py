@@ -119,6 +119,9 @@ batches = Table(
     Column("partition", Integer, primary_key=True),
     Column("start_offset", BigInteger, nullable=False),
     Column("end_offset", BigInteger, nullable=False),
+    #: Rows, not Kafka records: what the job's transform made of the partition's records in the range (an
+    #: explode makes several of one record, a filter none), of which applied + dead = read.  The records
+    #: themselves are the offset range.
     Column("rows_read", BigInteger, nullable=False),
     Column("rows_applied", BigInteger, nullable=False),
     Column("rows_dead", BigInteger, nullable=False),
