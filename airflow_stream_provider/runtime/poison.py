@@ -19,6 +19,7 @@ from pyspark.sql import functions as F
 
 from airflow_stream_provider import failures
 from airflow_stream_provider.state import transaction
+from airflow_stream_provider.state.store import ResultTableError
 
 #: Longest dead-letter reason kept (the full error is in the driver log).
 MAX_REASON_CHARS = 2000
@@ -139,7 +140,7 @@ def may_be_record_error(err: BaseException) -> bool:
     """Could a record be what this failure comes from?  An error in the job's code or an unclassified
     Spark error may be; an outage, a stop, a fenced run, an incompatible checkpoint are not."""
     if isinstance(err, PoisonRecordError | transaction.FencedError | transaction.ConcurrentCommitError
-                  | transaction.OffsetGapError):
+                  | transaction.OffsetGapError | ResultTableError):
         return False
     text = _text(err)
     if _NOT_A_RECORD.search(text):

@@ -106,8 +106,17 @@ class StateStore:
         return inspect(self.engine).has_table(schema.runs.name)
 
     def ensure_table(self, table: Table) -> None:
-        """Create a result table the sink writes to, unless it exists (same database as the state)."""
+        """Create a result table the sink writes to, unless it exists (same database as the state).  One
+        that exists must hold the result's key unique: the upsert's ``ON CONFLICT`` needs it, and a large
+        batch's direct ``COPY`` (``bulk``) would otherwise store a key a second time without an error."""
         table.create(self.engine, checkfirst=True)
+        key = [column.name for column in table.primary_key.columns]
+        if key and not _unique_on(inspect(self.engine), table.name, set(key)):
+            names = ", ".join(key)
+            raise ResultTableError(
+                f"result table {table.name!r} exists without a primary key or unique constraint on its key "
+                f"({names}): each batch upserts its rows on that key. Add one (ALTER TABLE {table.name} ADD "
+                f"PRIMARY KEY ({names})), or drop the table for the job to create it, then restart the job")
 
     def ping(self) -> None:
         """Open a connection and run a trivial query; raises the driver's error when that fails."""
@@ -606,3 +615,18 @@ def archive_dead_letters(conn, job_id: str, topic: str, partition: int, from_off
     conn.execute(archive.insert().from_select(
         [*kept, "archived_at"], select(*live.columns, literal(now, Float)).where(*where)))
     conn.execute(live.delete().where(*where))
+
+
+class ResultTableError(ValueError):
+    """A result table the database holds cannot take the job's results: a configuration to fix, not a
+    record's fault."""
+
+
+def _unique_on(inspector, table: str, key: set[str]) -> bool:
+    """Whether ``table`` holds exactly ``key``'s columns unique: its primary key, a unique constraint or a
+    unique index, as ``ON CONFLICT (key)`` infers its arbiter (a superset or a subset would not do)."""
+    if set(inspector.get_pk_constraint(table).get("constrained_columns") or ()) == key:
+        return True
+    uniques = [u["column_names"] for u in inspector.get_unique_constraints(table)]
+    uniques += [i["column_names"] for i in inspector.get_indexes(table) if i.get("unique")]
+    return any(set(columns) == key for columns in uniques)

@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from airflow_stream_provider.diagnosis import Health, Thresholds
 from airflow_stream_provider.kafka_offsets import LostRange
 from airflow_stream_provider.lifecycle.health import HealthProbe
@@ -574,3 +576,45 @@ def test_a_recovery_that_found_the_job_leased_waits_for_it_and_diagnoses_afresh(
     leases.take("job", upgrade_owner, "upgrade", time.time() + 3)
     assert blocking.execute({})["diagnosis"]["run_id"] == live
     monkey.undo()
+
+
+def _result_table(name: str):
+    from sqlalchemy import BigInteger, Column, MetaData, Table, Text
+
+    return Table(name, MetaData(), Column("k", Text, primary_key=True), Column("minute", BigInteger, primary_key=True),
+                 Column("n", BigInteger))
+
+
+@pytest.mark.parametrize(("made_with", "takes_it"), [
+    ("", True),  # the sink creates it, keyed
+    ("CREATE TABLE {t} (k TEXT, minute BIGINT, n BIGINT, PRIMARY KEY (minute, k))", True),
+    ("CREATE TABLE {t} (k TEXT NOT NULL, minute BIGINT NOT NULL, n BIGINT, UNIQUE (k, minute))", True),
+    ("CREATE TABLE {t} (k TEXT, minute BIGINT, n BIGINT); CREATE UNIQUE INDEX {t}_key ON {t} (minute, k)", True),
+    ("CREATE TABLE {t} (k TEXT, minute BIGINT, n BIGINT)", False),
+    ("CREATE TABLE {t} (k TEXT, minute BIGINT, n BIGINT); CREATE INDEX {t}_key ON {t} (k, minute)", False),
+    ("CREATE TABLE {t} (k TEXT PRIMARY KEY, minute BIGINT, n BIGINT)", False),  # a subset: not the upsert's key
+    ("CREATE TABLE {t} (k TEXT, minute BIGINT, n BIGINT, UNIQUE (k, minute, n))", False),  # a superset
+], ids=["created", "pk", "unique", "unique_index", "no_key", "plain_index", "subset", "superset"])
+def test_a_result_table_that_exists_must_hold_the_results_key_unique(state_store, made_with, takes_it):
+    """A table made by hand without the result's key unique: a small batch's upsert would fail in the
+    database (ON CONFLICT needs it) and a large one's direct COPY would store a key twice.  The sink's first
+    batch refuses it instead, saying what to do."""
+    from sqlalchemy import text
+
+    from airflow_stream_provider.state.store import ResultTableError
+
+    name = f"hand_made_{len(made_with)}"
+    with state_store.engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE IF EXISTS {name}"))
+        for statement in filter(None, made_with.format(t=name).split("; ")):
+            conn.execute(text(statement))
+    if takes_it:
+        state_store.ensure_table(_result_table(name))
+        return
+    with pytest.raises(ResultTableError, match=rf"result table '{name}' exists without a primary key or unique "
+                       rf"constraint on its key \(k, minute\).*ALTER TABLE {name} ADD PRIMARY KEY \(k, minute\)") \
+            as refused:
+        state_store.ensure_table(_result_table(name))
+    from airflow_stream_provider.runtime.poison import may_be_record_error
+
+    assert not may_be_record_error(refused.value), "the batch's records would be isolated one by one for it"
