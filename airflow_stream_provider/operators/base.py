@@ -53,8 +53,9 @@ __all__ = ["StreamJobError", "StreamJobOperator"]
 
 #: The task-state key of a launch in flight: a retry after a worker crash picks that run up.
 LAUNCH_KEY = "stream_launch"
-#: The task-state key of the run this task's launch brought up: a retry after the launch (a worker lost
-#: before the task's success was recorded) finds that run live, and it is this task's own, not a double start.
+#: The task-state key of what this task's launch brought up (the launch's result): a retry after the launch
+#: (a worker lost before the task's success was recorded) finds that run live, and it is this task's own,
+#: not a double start.
 LAUNCHED_KEY = "stream_launched"
 #: The task-state key of the wait a deferred task resumes from.  A deferral Airflow times out (a triggerer
 #: away past the wait's end and ``DEFER_MARGIN_S``) comes back without the trigger's kwargs: this says which
@@ -561,12 +562,12 @@ class StreamJobOperator(BaseOperator):
             raise
         finally:
             self._in_flight = None
-        _set_task_state(context, LAUNCHED_KEY, launch["run_id"])
+        _set_task_state(context, LAUNCHED_KEY, result)
         _set_task_state(context, LAUNCH_KEY, None)
         return self.resume(context, after, result, carry)
 
-    def launched_by_earlier_try(self, context) -> str | None:
-        """The run an earlier try of this task launched and saw running, if any."""
+    def launched_by_earlier_try(self, context) -> dict[str, Any] | None:
+        """The launch an earlier try of this task saw running (its result), if any."""
         return _task_state(context, LAUNCHED_KEY)
 
     def _owe_again(self, restart: Sequence[str | None], run_id: str) -> None:

@@ -35,15 +35,12 @@ class SubmitStreamingJobOperator(StreamJobOperator):
         live = self.live_run()
         if live is None:
             return self.launch_then(context, "_submitted", {})
-        if live.run_id == self.launched_by_earlier_try(context):
+        launched = self.launched_by_earlier_try(context)
+        if launched and launched["run_id"] == live.run_id:
             # that try's launch succeeded and the task was lost before its success was recorded
             self.log.info("Job %s runs as %s, which an earlier try of this task launched: not launching "
                           "another", self.job.job_id, live.run_id)
-            return self._submitted(context, {"job_id": self.job.job_id, "run_id": live.run_id,
-                                             "epoch": live.epoch, "generation": live.generation,
-                                             "version": live.version, "pid": live.pid, "checkpoint_path":
-                                             self.job.with_generation(live.generation).checkpoint_path,
-                                             "log_path": live.log_path, "submission_id": live.submission_id})
+            return self._submitted(context, launched)
         if self.if_running == "fail":
             raise AirflowFailException(
                 f"job {self.job.job_id} already runs (run {live.run_id}, pid {live.pid} on "
