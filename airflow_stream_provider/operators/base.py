@@ -452,8 +452,9 @@ class StreamJobOperator(BaseOperator):
         knows), and a launch is looked at once.  Any other fails as Airflow fails it, for a retry to start
         afresh: the step after a backoff, a stop or an upgrade's verification would act on what was decided
         before the triggerer went away."""
-        deferred = _task_state(context, DEFERRED_KEY) if next_method == TRIGGER_FAIL_REPR else None
-        if deferred and (next_kwargs or {}).get("error") == TriggerFailureReason.TRIGGER_TIMEOUT:
+        timed_out = (next_method == TRIGGER_FAIL_REPR
+                     and (next_kwargs or {}).get("error") == TriggerFailureReason.TRIGGER_TIMEOUT)
+        if timed_out and (deferred := _task_state(context, DEFERRED_KEY)):
             message = (f"waiting on run {deferred['run_id']}: the triggerer did not answer for "
                        f"{DEFER_MARGIN_S:.0f}s past the wait's end (Airflow timed the deferral out)")
             self.log.error("%s; resuming as from a wait that failed", message)
