@@ -11,12 +11,11 @@ as a driver on another host leaves it (the flow under test reads the row only, n
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_stream_provider.operators.submit import SubmitStreamingJobOperator
+from tests.integration.launches import launch_on_another_host, submit_operator
 from tests.integration.task_state import TaskStateStore
 
 
@@ -26,24 +25,20 @@ def _operator(spec) -> SubmitStreamingJobOperator:
 
 def _launched(store, tmp_path, topic, ended_while_settling: bool = False) -> tuple[dict, dict, str]:
     """A first try whose launch came up: its task state as the try leaves it, and the run's id."""
-    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": [topic]}}
-    first = _operator(spec)
-    run = store.begin_run("job", 1, "1.0", host="another-host", pid=4242)
-    store.mark_query_started(run.run_id)
+    first = submit_operator(tmp_path, topic)
+    launch = launch_on_another_host(store, first)
+    run_id = launch["run_id"]
+    store.mark_query_started(run_id)
     if ended_while_settling:
-        store.finish_run(run.run_id, status="FAILED", exit_code=1, failure_kind="USER_CODE",
+        store.finish_run(run_id, status="FAILED", exit_code=1, failure_kind="USER_CODE",
                          message="ZeroDivisionError in results")
-    launch = {"job_id": "job", "run_id": run.run_id, "pid": 4242, "host": "another-host", "log_path": None,
-              "submission_id": None, "submitted_at": time.time(), "generation": 1, "version": "1.0",
-              "application": "/jobs/v1.py", "spec": first.job.to_json(),
-              "checkpoint_path": first.job.with_generation(1).checkpoint_path}
     context = {"task_state_store": TaskStateStore()}
     result = first.execute_complete(context, {
-        "outcome": "ready", "run_id": run.run_id,
+        "outcome": "ready", "run_id": run_id,
         "resume": {"method": "_launch_waited",
                    "state": {"launch": launch, "after": "_submitted", "carry": {}, "on_fail": None}}})
-    assert result["run_id"] == run.run_id and result["action"] == "submitted"
-    return spec, context, run.run_id
+    assert result["run_id"] == run_id and result["action"] == "submitted"
+    return first.spec, context, run_id
 
 
 def test_a_retry_after_its_own_launch_succeeds_on_that_run(state_store, tmp_path, topic):

@@ -18,6 +18,7 @@ from airflow.sdk.exceptions import TaskDeferred
 from airflow_stream_provider.lifecycle.controller import StreamJobError
 from airflow_stream_provider.operators.base import LAUNCH_KEY
 from airflow_stream_provider.operators.submit import SubmitStreamingJobOperator
+from tests.integration.launches import launch_on_another_host, submit_operator
 from tests.integration.task_state import TaskStateStore
 
 ERROR = "waiting on run {}: OperationalError('the database is gone')"
@@ -26,13 +27,8 @@ ERROR = "waiting on run {}: OperationalError('the database is gone')"
 def _submitted(store, tmp_path, topic) -> tuple[SubmitStreamingJobOperator, dict, dict, list]:
     """A submit operator whose driver was submitted and registered its run on another host; the task
     context holding the pending launch; what its failure path was handed."""
-    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": [topic]}}
-    operator = SubmitStreamingJobOperator(task_id="submit", spec=spec, application="/jobs/v1.py")
-    run = store.begin_run("job", 1, "1.0", host="another-host", pid=4242)
-    launch = {"job_id": "job", "run_id": run.run_id, "pid": 4242, "host": "another-host", "log_path": None,
-              "submission_id": None, "submitted_at": time.time(), "generation": 1, "version": "1.0",
-              "application": "/jobs/v1.py", "spec": operator.job.to_json(),
-              "checkpoint_path": str(tmp_path / "job")}
+    operator = submit_operator(tmp_path, topic)
+    launch = launch_on_another_host(store, operator)
     refused: list = []
     operator._refused = lambda context, error: refused.append(error) or "failure path"
     pending = {"launch": launch, "after": "_submitted", "carry": {}, "on_fail": "_refused"}
