@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 #: Task instance states in which a task acts no more: its lease on a job is stale.
 ENDED_TASK_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
+
+#: Airflow's own cap on a retry's delay (``[core] max_task_retry_delay``'s default), where the task sets none
+MAX_RETRY_DELAY_S = 24 * 60 * 60.0
 
 #: ``RuntimeTaskInstance.get_task_states``'s signature: Airflow's answer, in a worker or in the triggerer
 TaskStates = Callable[..., dict[str, Any]]
@@ -46,3 +50,30 @@ def task_ended(owner: str, log: logging.Logger, get_task_states: TaskStates | No
         return False
     state = (states.get(run_id) or {}).get(task_id if index < 0 else f"{task_id}_{index}")
     return state in ENDED_TASK_STATES
+
+
+def retry_due_within(task: Any, ti: Any) -> float | None:
+    """Seconds after a failure of ``ti`` (a try of ``task``) within which Airflow queues its retry, at the
+    latest; None where no retry is left.  Airflow's own rule: ``retry_delay``, or with an exponential backoff
+    up to twice ``retry_delay * multiplier ** (try - 1)``, capped by ``max_retry_delay``.  A ``retry_policy``
+    may choose otherwise; the holder's lease then runs out first, and the next task takes it as it would
+    any lease run out."""
+    try_number = getattr(ti, "try_number", None) or 1
+    max_tries = getattr(ti, "max_tries", None)
+    if max_tries is None:  # a task instance that does not say (a test's, a command line's)
+        max_tries = task.retries or 0
+    if try_number > max_tries:
+        return None
+    delay = task.retry_delay
+    delay = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+    multiplier = float(task.retry_exponential_backoff or 0)
+    if multiplier > 0 and multiplier != 1.0:
+        try:
+            delay = 2 * max(1.0, delay * multiplier ** (try_number - 1))
+        except OverflowError:
+            delay = MAX_RETRY_DELAY_S
+        delay = min(delay, MAX_RETRY_DELAY_S)
+    cap = task.max_retry_delay
+    if cap is not None and multiplier > 0 and multiplier != 1.0:
+        delay = min(delay, cap.total_seconds() if isinstance(cap, timedelta) else float(cap))
+    return delay

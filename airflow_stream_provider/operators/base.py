@@ -39,7 +39,7 @@ from airflow_stream_provider.hooks.kafka import KafkaOffsetsHook
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle import waits
 from airflow_stream_provider.lifecycle.controller import STOP_STAGES, StreamJobController, StreamJobError
-from airflow_stream_provider.lifecycle.holders import lease_owner, task_ended
+from airflow_stream_provider.lifecycle.holders import lease_owner, retry_due_within, task_ended
 from airflow_stream_provider.lifecycle.killed import KilledTask, undo, undo_ended
 from airflow_stream_provider.lifecycle.waits import RunWait
 from airflow_stream_provider.links import STREAM_LINKS
@@ -268,6 +268,9 @@ class StreamJobOperator(BaseOperator):
         except LeaseLost:  # another task holds the lease: nothing of this task's to let go of
             self._drop_launch(self._launch_in_flight())
             raise
+        except LaunchUndecided as failure:
+            self._hold_for_retry(context, failure)
+            raise
         except BaseException as failure:
             try:
                 self.controller.release_lease(self._lease_owner)
@@ -277,6 +280,27 @@ class StreamJobOperator(BaseOperator):
             raise
         self.controller.release_lease(self._lease_owner)
         return result
+
+    def _hold_for_retry(self, context, failure: LaunchUndecided) -> None:
+        """Keep the job's lease, naming the launch, until this task's retry picks the launch up.  Let go, it
+        would leave the job to the next task that wants it (a recover seeing no live run, a person's submit)
+        while the driver may be starting still: a second driver on the checkpoint, fenced by its epoch but
+        started all the same.  Where no retry is left, the task ends holding it, and the next task to want
+        the lease ends the launch unless its query runs by then (``_take_over_from_ended_task``)."""
+        due = retry_due_within(self, context.get("ti") if context else None)
+        until = time.time() + (due or 0.0) + LEASE_GRACE_S
+        try:
+            held = self.controller.take_lease(self._lease_owner, self.lease_action, until,
+                                              _lease_launch(failure.launch, self.spark_conn_id))
+        except Exception as err:  # the launch's failure is the one to report; the lease runs out by itself
+            self.log.warning("Could not keep the lease on job %s for this task's retry (%s)", self.job.job_id, err)
+            return
+        if held is None:
+            self.log.warning("Job %s: this task keeps the job's lease %s, so that no other task starts a "
+                             "driver beside run %s", self.job.job_id,
+                             f"for its retry (due within {due:.0f} s)" if due is not None else
+                             "as it ends: the next task to want it ends the run unless its query runs by then",
+                             failure.launch["run_id"])
 
     def _take_over_from_ended_task(self, context) -> None:
         """A lease left by a task that Airflow says has ended: its process is gone (a lost worker, an OOM
@@ -439,12 +463,7 @@ class StreamJobOperator(BaseOperator):
 
     def _launch_in_flight(self) -> dict[str, Any] | None:
         """The driver this task started and waits on, as whoever undoes the task needs it."""
-        if not self._in_flight:
-            return None
-        launch = {k: self._in_flight.get(k) for k in ("run_id", "pid", "host", "submitted_at", "submission_id")}
-        if launch["submission_id"]:  # a cluster-mode driver (no pid here): its cluster manager, by this connection
-            launch["spark_conn_id"] = self.spark_conn_id
-        return launch
+        return _lease_launch(self._in_flight, self.spark_conn_id)
 
     def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context) -> Any:
         """Airflow's resume.  A deferral Airflow timed out, of a wait in ``resumed_on_timeout``, resumes as a
@@ -601,8 +620,9 @@ class StreamJobOperator(BaseOperator):
             self.log.warning("Could not look at run %s again: %s", launch["run_id"], waits.outage_line(err))
             outcome = None
         if outcome is None:
-            raise StreamJobError(f"{event['message']}. Run {launch['run_id']} was submitted and may be starting "
-                                 "still: a retry of this task picks it up rather than launching another")
+            raise LaunchUndecided(launch, f"{event['message']}. Run {launch['run_id']} was submitted and may be "
+                                          "starting still: a retry of this task picks it up rather than launching "
+                                          "another")
         self.log.warning("%s. Run %s, looked at again: %s", event["message"], launch["run_id"], outcome)
         return {"outcome": outcome, "run_id": launch["run_id"]}
 
@@ -773,6 +793,25 @@ def _still_starting(run: RunRecord | None, launch: dict[str, Any]) -> bool:
 class LeaseLost(AirflowFailException):
     """This task's hold on the job's lease broke (while it waited, or during a step that outlasted it): another
     task took it, and may have changed the job.  No retry: a person looks first, as the message says."""
+
+
+class LaunchUndecided(StreamJobError):
+    """A launch whose wait failed and whose driver may be starting still: the task fails for its retry to pick
+    the launch up (from the task state), and keeps the job's lease until then."""
+
+    def __init__(self, launch: dict[str, Any], message: str):
+        super().__init__(message)
+        self.launch = launch
+
+
+def _lease_launch(launch: dict[str, Any] | None, spark_conn_id: str | None = None) -> dict[str, Any] | None:
+    """What the lease's row names of a launch, as whoever undoes its task needs it."""
+    if not launch:
+        return None
+    named = {k: launch.get(k) for k in ("run_id", "pid", "host", "submitted_at", "submission_id")}
+    if named["submission_id"]:  # a cluster-mode driver (no pid here): its cluster manager, by this connection
+        named["spark_conn_id"] = launch.get("spark_conn_id") or spark_conn_id
+    return named
 
 
 def _lease_owner(context, task: BaseOperator) -> str:

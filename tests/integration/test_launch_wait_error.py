@@ -10,13 +10,15 @@ driver on another host leaves it (the flow under test reads the row only, never 
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
-from airflow.sdk.exceptions import TaskDeferred
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from airflow_stream_provider.lifecycle.controller import StreamJobError
 from airflow_stream_provider.operators.base import LAUNCH_KEY
+from airflow_stream_provider.operators.stop import StopStreamingJobOperator
 from airflow_stream_provider.operators.submit import SubmitStreamingJobOperator
 from tests.integration.launches import launch_on_another_host, submit_operator
 from tests.integration.task_state import TaskStateStore
@@ -43,8 +45,21 @@ def _wait_failed(operator, context, pending):
     return operator.execute_complete(context, event)
 
 
+def _try(try_number: int, max_tries: int, ended: bool = False) -> SimpleNamespace:
+    """The task instance of a deploy's submit, on try ``try_number`` of ``max_tries``; ``ended``: Airflow
+    says it has ended (failed), as the next task asks it."""
+    state = "failed" if ended else "up_for_retry"
+    return SimpleNamespace(dag_id="stream_deploy", run_id="manual__1", task_id="submit", map_index=-1,
+                           try_number=try_number, max_tries=max_tries,
+                           get_task_states=lambda **query: {"manual__1": {"submit": state}})
+
+
 def test_a_launch_still_starting_is_kept_for_the_retry_which_waits_on_it(state_store, tmp_path, topic):
+    from airflow_stream_provider.state.leases import LeaseLog
+
     operator, context, pending, refused = _submitted(state_store, tmp_path, topic)
+    operator.retry_delay = timedelta(seconds=600)
+    context["ti"] = _try(1, 1)
     run_id = pending["launch"]["run_id"]
 
     with pytest.raises(StreamJobError, match="a retry of this task picks it up"):
@@ -53,6 +68,16 @@ def test_a_launch_still_starting_is_kept_for_the_retry_which_waits_on_it(state_s
     assert refused == [], "the failure path ran for a launch nobody saw fail"
     assert context["task_state_store"].get(LAUNCH_KEY)["launch"]["run_id"] == run_id
     assert state_store.get_run(run_id).active
+    # Before, the task let go of the lease as it failed: a recover or a person's submit could start a second
+    # driver beside the one starting.  It keeps it, naming the launch, until its retry is due.
+    held = LeaseLog(state_store).get("job")
+    assert held.owner == "stream_deploy/manual__1/submit/-1" and held.launch["run_id"] == run_id
+    assert held.until > time.time() + 600
+    other = submit_operator(tmp_path, topic)
+    with pytest.raises(AirflowFailException, match="stream_deploy/manual__1/submit/-1 .* acts on the job now"):
+        other.execute({"task_state_store": TaskStateStore({}),
+                       "ti": SimpleNamespace(dag_id="stream_deploy", run_id="manual__2", task_id="submit")})
+    context["ti"] = _try(2, 1)
 
     retry = SubmitStreamingJobOperator(task_id="submit", spec=operator.spec, application="/jobs/v1.py")
     with pytest.raises(TaskDeferred) as deferred:
@@ -61,6 +86,34 @@ def test_a_launch_still_starting_is_kept_for_the_retry_which_waits_on_it(state_s
     # killed while it waits, the retry ends the run it picked up, as the first try would have
     assert deferred.value.trigger.killed.launch["run_id"] == run_id
     assert [run.run_id for run in state_store.recent_runs("job", 10)] == [run_id]
+
+
+def test_a_launch_still_starting_when_no_retry_is_left_is_ended_by_the_next_task(state_store, tmp_path, topic):
+    """The last try fails with its launch undecided and ends holding the lease, which names the launch.  The
+    next task to want the lease finds its holder ended in Airflow and ends the launch, whose query has not
+    started (asked through its row: it runs on another host), before it acts itself."""
+    from airflow_stream_provider.state.leases import LeaseLog
+
+    operator, context, pending, _ = _submitted(state_store, tmp_path, topic)
+    context["ti"] = _try(2, 1)
+    run_id = pending["launch"]["run_id"]
+
+    with pytest.raises(StreamJobError, match="a retry of this task picks it up"):
+        _wait_failed(operator, context, pending)
+
+    held = LeaseLog(state_store).get("job")
+    assert held.owner == "stream_deploy/manual__1/submit/-1" and held.launch["run_id"] == run_id
+    assert held.until < time.time() + 300, "no retry comes: the lease is kept no longer than its grace"
+
+    ended = _try(2, 1, ended=True)
+    stop = StopStreamingJobOperator(task_id="stop", spec=operator.spec)
+    stop_ti = SimpleNamespace(dag_id="stream_stop", run_id="manual__1", task_id="stop", map_index=-1,
+                              get_task_states=ended.get_task_states)
+    with pytest.raises(TaskDeferred):  # the stop waits on the run it found live
+        stop.execute({"task_state_store": TaskStateStore({}), "ti": stop_ti})
+
+    assert state_store.get_run(run_id).stop_requested_at is not None, "the launch was left starting"
+    assert LeaseLog(state_store).get("job").owner == "stream_stop/manual__1/stop/-1"
 
 
 def test_a_launch_whose_query_runs_by_then_goes_on(state_store, tmp_path, topic):

@@ -49,3 +49,36 @@ def test_a_mapped_owner_is_looked_up_by_its_index():
 ])
 def test_when_it_cannot_be_known_the_lease_stands(context, owner):
     assert _task_ended(context, owner, LOG) is False
+
+
+def _task(**kwargs):
+    from airflow.sdk import BaseOperator
+
+    return BaseOperator(task_id="submit", **kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "try_number", "max_tries", "due"), [
+    ({"retries": 1, "retry_delay": 60}, 1, 1, 60.0),
+    ({"retries": 1, "retry_delay": 60}, 2, 1, None),  # the last try: no retry comes
+    ({"retries": 0}, 1, 0, None),
+    # Airflow's backoff: between retry_delay * multiplier ** (try - 1) and twice that, under max_retry_delay
+    ({"retries": 5, "retry_delay": 60, "retry_exponential_backoff": 2.0}, 3, 5, 480.0),
+    ({"retries": 5, "retry_delay": 60, "retry_exponential_backoff": 2.0, "max_retry_delay": 300}, 3, 5, 300.0),
+    ({"retries": 9, "retry_delay": 3600, "retry_exponential_backoff": 10.0}, 9, 9, 24 * 3600.0),
+])
+def test_a_holder_keeps_its_lease_until_its_retry_is_due(kwargs, try_number, max_tries, due):
+    """How long a task failing with its launch undecided keeps the job's lease for its retry
+    (``operators.base._hold_for_retry``)."""
+    from types import SimpleNamespace
+
+    from airflow_stream_provider.lifecycle.holders import retry_due_within
+
+    ti = SimpleNamespace(try_number=try_number, max_tries=max_tries)
+    assert retry_due_within(_task(**kwargs), ti) == due
+
+
+def test_a_task_instance_that_does_not_say_its_tries_is_judged_by_the_task_retries():
+    from airflow_stream_provider.lifecycle.holders import retry_due_within
+
+    assert retry_due_within(_task(retries=2, retry_delay=30), None) == 30.0
+    assert retry_due_within(_task(retries=0), None) is None
