@@ -482,7 +482,10 @@ class StreamHarness:
 
     def _start_query(self, records: DataFrame, results: ResultsFn) -> StreamingQuery:
         spec = self.spec
-        run = transaction.RunContext(spec.job_id, self.run_id, self.ticket.epoch, spec.generation)
+        # A dry run reads the live run's epoch and writes nothing; its sink's context holds none, so that a
+        # commit reached by mistake is fenced instead of accepted under the live run's epoch.
+        run = transaction.RunContext(spec.job_id, self.run_id, None if spec.dry_run else self.ticket.epoch,
+                                     spec.generation)
         checkpoint = spec.checkpoint_path
         name = f"{spec.job_id}-gen{spec.generation}"
         self.listener = StateListener(self.store, self.run_id, name)

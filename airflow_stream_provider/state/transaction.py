@@ -111,7 +111,8 @@ class Write:
 class RunContext:
     job_id: str
     run_id: str
-    epoch: int
+    #: the fencing epoch the run took; None for a dry run, which takes none and may commit nothing
+    epoch: int | None
     generation: int
 
 
@@ -360,6 +361,11 @@ def _archive_gone_logs(conn, run: RunContext, batch_plan: BatchPlan, now: float)
 
 
 def _check_epoch(conn, run: RunContext) -> None:
+    if run.epoch is None:
+        raise FencedError(
+            f"[STREAM_RUN_FENCED] run {run.run_id} of job {run.job_id} is a dry run (an upgrade's preflight), "
+            "which holds no epoch and may commit nothing: its batch was rejected and nothing was written."
+        )
     current = conn.execute(
         select(schema.jobs.c.epoch).where(schema.jobs.c.job_id == run.job_id).with_for_update()
     ).scalar()

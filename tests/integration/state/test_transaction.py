@@ -143,6 +143,23 @@ def test_zombie_driver_is_fenced(store, results_table):
     assert _totals(store, results_table) == {"z": (1, "newer")}
 
 
+def test_a_dry_runs_commit_is_fenced_though_it_read_the_live_epoch(store, results_table):
+    """A dry run (an upgrade's preflight) reads the live run's epoch and must write nothing.  Its sink's
+    context holds no epoch (``harness._start_query``), so that a commit it reached by mistake is refused
+    instead of accepted under the live run's epoch."""
+    live = _run(store)
+    dry = RunContext("job", "the-preflight", None, 1)
+    batch_plan = plan(store, "job", _batch(0, 0, 2))
+    with pytest.raises(FencedError, match="STREAM_RUN_FENCED.*is a dry run .* nothing was written"):
+        commit(store, dry, batch_plan, read={(T, 0): 2}, dead_letters=[],
+               writes=[Write(results_table, [{"k": "d", "n": 1, "last": "dry"}], ("k",), ("n",))])
+    assert _totals(store, results_table) == {}
+    assert store.stored_offsets("job") == {}
+    commit(store, live, batch_plan, read={(T, 0): 2}, dead_letters=[],
+           writes=[Write(results_table, [{"k": "d", "n": 1, "last": "live"}], ("k",), ("n",))])
+    assert _totals(store, results_table) == {"d": (1, "live")}
+
+
 def test_offsets_moved_under_a_plan_are_rejected(store):
     run = _run(store)
     stale = plan(store, "job", _batch(0, 0, 4))
