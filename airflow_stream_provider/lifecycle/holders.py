@@ -64,16 +64,19 @@ def retry_due_within(task: Any, ti: Any) -> float | None:
         max_tries = task.retries or 0
     if try_number > max_tries:
         return None
-    delay = task.retry_delay
-    delay = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+    delay = _seconds(task.retry_delay)
     multiplier = float(task.retry_exponential_backoff or 0)
-    if multiplier > 0 and multiplier != 1.0:
-        try:
-            delay = 2 * max(1.0, delay * multiplier ** (try_number - 1))
-        except OverflowError:
-            delay = MAX_RETRY_DELAY_S
-        delay = min(delay, MAX_RETRY_DELAY_S)
-    cap = task.max_retry_delay
-    if cap is not None and multiplier > 0 and multiplier != 1.0:
-        delay = min(delay, cap.total_seconds() if isinstance(cap, timedelta) else float(cap))
+    if multiplier <= 0 or multiplier == 1.0:  # a fixed delay: no backoff, and max_retry_delay does not apply
+        return delay
+    try:
+        delay = 2 * max(1.0, delay * multiplier ** (try_number - 1))
+    except OverflowError:
+        delay = MAX_RETRY_DELAY_S
+    delay = min(delay, MAX_RETRY_DELAY_S)
+    if task.max_retry_delay is not None:
+        delay = min(delay, _seconds(task.max_retry_delay))
     return delay
+
+
+def _seconds(delay: timedelta | float) -> float:
+    return delay.total_seconds() if isinstance(delay, timedelta) else float(delay)

@@ -287,7 +287,7 @@ class StreamJobOperator(BaseOperator):
         while the driver may be starting still: a second driver on the checkpoint, fenced by its epoch but
         started all the same.  Where no retry is left, the task ends holding it, and the next task to want
         the lease ends the launch unless its query runs by then (``_take_over_from_ended_task``)."""
-        due = retry_due_within(self, context.get("ti") if context else None)
+        due = retry_due_within(self, _task_instance(context))
         until = time.time() + (due or 0.0) + LEASE_GRACE_S
         try:
             held = self.controller.take_lease(self._lease_owner, self.lease_action, until,
@@ -804,25 +804,30 @@ class LaunchUndecided(StreamJobError):
         self.launch = launch
 
 
-def _lease_launch(launch: dict[str, Any] | None, spark_conn_id: str | None = None) -> dict[str, Any] | None:
+def _lease_launch(launch: dict[str, Any] | None, spark_conn_id: str) -> dict[str, Any] | None:
     """What the lease's row names of a launch, as whoever undoes its task needs it."""
     if not launch:
         return None
     named = {k: launch.get(k) for k in ("run_id", "pid", "host", "submitted_at", "submission_id")}
     if named["submission_id"]:  # a cluster-mode driver (no pid here): its cluster manager, by this connection
-        named["spark_conn_id"] = launch.get("spark_conn_id") or spark_conn_id
+        named["spark_conn_id"] = spark_conn_id
     return named
+
+
+def _task_instance(context) -> Any:
+    """The task instance running this task; None outside a task run (a test, a command line)."""
+    return context.get("ti") if context else None
 
 
 def _lease_owner(context, task: BaseOperator) -> str:
     """The task instance (``holders.lease_owner``); outside a task run, this operator object."""
-    ti = context.get("ti") if context else None
+    ti = _task_instance(context)
     return lease_owner(ti) if ti is not None else f"{task.task_id}@{id(task):x}"
 
 
 def _task_ended(context, owner: str, log) -> bool:
     """Whether Airflow says the lease owner ``owner`` has ended, asked through this task's instance."""
-    ti = context.get("ti") if context else None
+    ti = _task_instance(context)
     return task_ended(owner, log, getattr(ti, "get_task_states", None))
 
 
