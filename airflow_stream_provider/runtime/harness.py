@@ -535,7 +535,8 @@ class StreamHarness:
             transform=None if self._second_stream else self._transform,
             read_raw=None if self._second_stream else self._read_raw,
             stateful=self._stateful,
-            behind=None if self._second_stream else WriteBehind(WriteBehindMarks(self.spark, self.spec.checkpoint_path)),
+            # the sink writes behind only where it can apply a batch again; it reads the marks either way
+            behind=WriteBehind(WriteBehindMarks(self.spark, self.spec.checkpoint_path)),
         )
         return self._transactional
 

@@ -175,14 +175,17 @@ class TransactionalSink:
         #: which ``catch_up`` can apply again from Kafka
         self.behind = behind if (not stateful and not dry_run and transform is not None and read_raw is not None) \
             else None
+        #: the checkpoint's write-behind marks, which a killed run may have left whatever this run's query:
+        #: applied, or named, before it plans against the stored offsets
+        self.marks = behind.marks if behind is not None and not dry_run else None
         self._tables: dict[str, Table] = {}
         self._metadata = MetaData()
         self._outputs: list[str] = []
         #: where the recent batches' time went, by batch id (the listener adds it to the progress record)
         self.clocks: dict[int, BatchClock] = {}
-        #: write-behind marks whose batch the offsets log no longer holds (``catch_up``): kept, and named by a
-        #: gap, until a batch plans without one, which shows those batches landed
-        self._unmatched_marks: list[int] = []
+        #: write-behind marks ``catch_up`` could not apply, with why: kept, and named by a gap, until a batch
+        #: plans without one, which shows those batches landed
+        self._unapplied_marks: dict[int, str] = {}
 
     def __call__(self, records: DataFrame, batch_id: int) -> None:
         faults.maybe_crash("batch_start", batch_id)
@@ -223,23 +226,33 @@ class TransactionalSink:
     def catch_up(self) -> None:
         """Before the query starts: apply the batches a killed driver handed to its writer and Spark may
         have logged as done, from Kafka, if the stored offsets still stop at their start.  A marked batch
-        that landed, or that Spark has not logged (it runs it again), is skipped as a replay."""
-        if self.behind is None:
+        that landed, or that Spark has not logged (it runs it again), is skipped as a replay.  A run that
+        commits in line cannot apply one (its query keeps state, or reads a stream the sink cannot read
+        again): it names the mark if its first batch finds a gap."""
+        if self.marks is None:
             return
-        for batch_id in self.behind.marks.marked():
-            if self.offset_log.source_offsets(batch_id) is None or (
+        for batch_id in self.marks.marked():
+            if self.behind is None:
+                why = "keeps state" if self.stateful else "reads a second stream"
+                log.warning("write-behind mark of batch %s: this run's query %s and commits every batch in line, "
+                            "so it cannot apply the batch from Kafka; the mark goes once a batch plans without "
+                            "a gap", batch_id, why)
+                self._unapplied_marks[batch_id] = (
+                    f"left by a run that wrote behind; this run's query {why} and commits every batch in line, "
+                    f"so only a version that writes behind can apply it, at its start")
+            elif self.offset_log.source_offsets(batch_id) is None or (
                     batch_id > 0 and self.offset_log.source_offsets(batch_id - 1) is None):
                 # Spark purged the batch's entries (a mark whose removal failed, long ago): it landed, or
                 # the stored offsets lag the checkpoint and the next batch's gap check says so
                 log.warning("write-behind mark of batch %s: the offsets log no longer holds the batch, which "
                             "cannot be applied from it; the mark goes once a batch plans without a gap",
                             batch_id)
-                self._unmatched_marks.append(batch_id)
-                continue
-            log.warning("batch %s was handed to the writer of a run that ended before its commit was known; "
-                        "applying it again from Kafka if the database does not hold it", batch_id)
-            self._redo(batch_id)
-            self.behind.clear(batch_id)
+                self._unapplied_marks[batch_id] = "whose range the offsets log no longer holds"
+            else:
+                log.warning("batch %s was handed to the writer of a run that ended before its commit was "
+                            "known; applying it again from Kafka if the database does not hold it", batch_id)
+                self._redo(batch_id)
+                self.behind.clear(batch_id)
 
     def _plan(self, batch: transaction.BatchRange) -> transaction.BatchPlan:
         """The batch's plan against the stored offsets.  A gap names the write-behind marks ``catch_up``
@@ -247,17 +260,17 @@ class TransactionalSink:
         try:
             plan = transaction.plan(self.store, self.run.job_id, batch)
         except transaction.OffsetGapError as gap:
-            if not self._unmatched_marks:
+            if not self._unapplied_marks:
                 raise
-            marks = ", ".join(map(str, self._unmatched_marks))
+            marks = "; ".join(f"batch {batch_id}, {why}" for batch_id, why in self._unapplied_marks.items())
             raise transaction.OffsetGapError(
-                f"{gap} The checkpoint holds a write-behind mark of batch(es) {marks} whose range the "
-                f"offsets log no longer holds: if that batch never landed, it is the gap (handed to a writer "
-                f"whose commit was never confirmed, it can no longer be applied from the checkpoint)."
+                f"{gap} The checkpoint holds a write-behind mark ({marks}): if that batch never landed, it is "
+                f"the gap (handed to a writer whose commit was never confirmed, it cannot be applied from "
+                f"this checkpoint by this run)."
             ) from gap
-        for batch_id in self._unmatched_marks:
-            self.behind.clear(batch_id)
-        self._unmatched_marks.clear()
+        for batch_id in self._unapplied_marks:
+            write_behind.clear_mark(self.marks, batch_id)
+        self._unapplied_marks.clear()
         return plan
 
     def flush(self) -> None:

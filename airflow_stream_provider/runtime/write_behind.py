@@ -85,15 +85,20 @@ class WriteBehind:
         return batch_id, error
 
     def clear(self, batch_id: int) -> None:
-        """The batch is in the database: its mark can go.  A mark left behind costs the next run a look at
-        the stored offsets, nothing more."""
-        try:
-            self.marks.clear(batch_id)
-        except Exception as err:
-            log.warning("could not remove the write-behind mark of batch %s: %r", batch_id, err)
+        """The batch is in the database: its mark can go."""
+        clear_mark(self.marks, batch_id)
 
     def _commit(self, batch_id: int, commit: Callable[[], object]) -> object:
         if faults.armed("write_behind", batch_id):  # the moment a kill leaves Spark ahead of the database
             self._next_batch.wait(_FAULT_WAIT_S)
             faults.maybe_crash("write_behind", batch_id)
         return commit()
+
+
+def clear_mark(marks: WriteBehindMarks, batch_id: int) -> None:
+    """Remove a landed batch's mark.  A mark left behind costs the next run a look at the stored offsets,
+    nothing more, so a failure to remove it is only logged."""
+    try:
+        marks.clear(batch_id)
+    except Exception as err:
+        log.warning("could not remove the write-behind mark of batch %s: %r", batch_id, err)
