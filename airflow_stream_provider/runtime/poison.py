@@ -43,11 +43,10 @@ RawReader = Callable[[str, int, int, int], Iterable[tuple]]
 RAW_SCHEMA = "topic string, partition int, offset long, key binary, value binary, timestamp timestamp"
 
 # Logical plan nodes that keep state in a streaming query (analyzed, before the optimizer turns a Distinct
-# into an Aggregate).
+# into an Aggregate), where they read a stream: a join only where both its sides do.
 _STATEFUL_NODE = re.compile(
-    r"^[\s+:|~-]*(?:Aggregate|Distinct|Deduplicate\w*|FlatMapGroups\w*|TransformWithState\w*|\w*Join|GlobalLimit|"
-    r"Window|SessionWindow\w*|UpdateEventTimeWatermarkColumn)\b",
-    re.MULTILINE,
+    r"Aggregate|Distinct|Deduplicate\w*|FlatMapGroups\w*|TransformWithState\w*|\w*Join|GlobalLimit|Window|"
+    r"SessionWindow\w*|UpdateEventTimeWatermarkColumn"
 )
 
 class PoisonRecordError(RuntimeError):
@@ -82,13 +81,25 @@ class Source:
     raw: dict[tuple[str, int, int], tuple[bytes | None, bytes | None]] | None = None
 
 def keeps_state(records: DataFrame) -> bool:
-    """Does this streaming query keep state (aggregation, deduplication, stream joins, ...)?  Read from
-    its analyzed plan; when the plan cannot be read, assume it does (the careful answer)."""
+    """Does this streaming query keep state (aggregation, deduplication, stream-stream joins, ...)?  Read
+    from its analyzed plan; when the plan cannot be read, assume it does (the careful answer).  What reads
+    no stream keeps none: a stream-static join (enrichment from a table), or an aggregate of the static
+    side, leaves the query stateless, with write-behind and records dead-lettered one by one."""
     try:
-        plan = records._jdf.queryExecution().analyzed().treeString()
+        return _keeps_state(records._jdf.queryExecution().analyzed())
     except Exception:
         return True
-    return bool(_STATEFUL_NODE.search(plan))
+
+
+def _keeps_state(node) -> bool:
+    if not node.isStreaming():
+        return False
+    children = node.children()
+    sides = [children.apply(i) for i in range(children.size())]
+    name = node.nodeName()
+    if _STATEFUL_NODE.fullmatch(name) and (not name.endswith("Join") or all(side.isStreaming() for side in sides)):
+        return True
+    return any(_keeps_state(side) for side in sides)
 
 class PositionSpace:
     """The batch's fresh offsets laid end to end (partition after partition), so that a bisection can

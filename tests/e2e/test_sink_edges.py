@@ -304,8 +304,16 @@ exploded = pa.table({"topic": ["t", "t", "t"], "partition": [0, 0, 0], "offset":
                      "error": ["bad item 0", "bad item 1", None]})
 plan = BatchPlan(BatchRange(0, {("t", 0): 0}, {("t", 0): 3}), {}, {("t", 0): 0})
 dead = _tally(None, Bounds(plan, stateful=False), exploded).dead
-stateful = {"distinct": keeps_state(rows.distinct()), "sql": keeps_state(spark.sql("SELECT DISTINCT 1 AS n")),
-            "projection": keeps_state(rows.select("offset"))}
+stream, static = spark.readStream.format("rate").load(), spark.range(3)
+stream.createOrReplaceTempView("stream")
+stateful = {"distinct": keeps_state(stream.distinct()),
+            "sql": keeps_state(spark.sql("SELECT DISTINCT value FROM stream")),
+            "projection": keeps_state(stream.select("value")),
+            "stream-static join": keeps_state(stream.join(static, stream.value == static.id)),
+            "static side aggregated": keeps_state(stream.join(static.groupBy("id").count(), stream.value == F.col("id"),
+                                                              "left")),
+            "stream-stream join": keeps_state(stream.alias("a").join(stream.alias("b"), "value")),
+            "static query": keeps_state(rows.distinct())}
 print("RESULT " + json.dumps({"kept": [r.offset for r in kept], "stateful": stateful,
                               "dead": [(d["offset"], d["error"]) for d in dead]}))
 """
@@ -330,5 +338,8 @@ def test_isolation_keeps_rows_without_a_position_and_dead_letters_a_record_once(
     found = json.loads(lines[-1].removeprefix("RESULT "))
     assert found["kept"] == [6, None], found
     assert found["dead"] == [[1, "bad item 0; bad item 1"]], found
-    # a DISTINCT keeps state: taken for stateless, its job ran write-behind and its rows failed the range check
-    assert found["stateful"] == {"distinct": True, "sql": True, "projection": False}, found
+    # a DISTINCT keeps state: taken for stateless, its job ran write-behind and its rows failed the range check;
+    # a stream-static join keeps none: taken for stateful, its job lost write-behind and stopped on a poison record
+    assert found["stateful"] == {"distinct": True, "sql": True, "projection": False, "stream-static join": False,
+                                 "static side aggregated": False, "stream-stream join": True,
+                                 "static query": False}, found
