@@ -253,6 +253,16 @@ SIGNATURES: tuple[Signature, ...] = (
         "or was rewritten, e.g. by a second driver on the checkpoint); the sink refused the batch, so the "
         f"stored offsets still match the results: make sure only one driver runs on it, then {_RESET}.",
     ),
+    Signature(
+        name="write-behind-unapplied",
+        kind=_CK,
+        error_classes=("STREAM_WRITE_BEHIND_UNAPPLIED",),
+        patterns=(),
+        advice="A batch that a version writing behind handed to its writer is logged by Spark as done but is "
+        "not in the database, and this run's query commits in line (it keeps state, or reads a second "
+        "stream), so it cannot apply the batch from Kafka; nothing was written: "
+        f"{_RESET}, which reads the batch's records again.",
+    ),
     # -- two writers on one checkpoint ----------------------------------------------------------------
     Signature(
         name="concurrent-query",

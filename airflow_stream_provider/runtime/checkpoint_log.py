@@ -79,6 +79,11 @@ class OffsetLog(_CheckpointDir):
             stream.close()
         return parse_entry(text)
 
+    def batch_done(self, batch_id: int) -> bool:
+        """Spark logged the batch as done (``commits/N``): a restart does not run it again."""
+        return bool(self._fs.exists(self._jvm.org.apache.hadoop.fs.Path(
+            f"{self.checkpoint_path.rstrip('/')}/commits", str(batch_id))))
+
     def newest_position(self) -> Offsets | None:
         """The end of the newest batch in the log; None when it holds no batch."""
         ids = self.batch_ids()

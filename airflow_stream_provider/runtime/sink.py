@@ -54,6 +54,7 @@ from pyspark.util import inheritable_thread_target
 from sqlalchemy import MetaData, Table
 
 from airflow_stream_provider import faults
+from airflow_stream_provider.kafka_client import KafkaReadError
 from airflow_stream_provider.kafka_offsets import Offsets
 from airflow_stream_provider.runtime import write_behind
 from airflow_stream_provider.runtime.batch_range import BatchRangeError, Bounds, span, stats
@@ -75,7 +76,7 @@ from airflow_stream_provider.runtime.poison import (
     reason,
 )
 from airflow_stream_provider.runtime.result_tables import Result, table_for
-from airflow_stream_provider.runtime.write_behind import REDO_DESCRIPTION, WriteBehind
+from airflow_stream_provider.runtime.write_behind import REDO_DESCRIPTION, WriteBehind, WriteBehindUnapplied
 from airflow_stream_provider.state import schema, transaction
 from airflow_stream_provider.state.dialect import is_data_error
 from airflow_stream_provider.state.store import StateStore, plain_text
@@ -183,9 +184,9 @@ class TransactionalSink:
         self._outputs: list[str] = []
         #: where the recent batches' time went, by batch id (the listener adds it to the progress record)
         self.clocks: dict[int, BatchClock] = {}
-        #: write-behind marks ``catch_up`` could not apply, with why: kept, and named by a gap, until a batch
-        #: plans without one, which shows those batches landed
-        self._unapplied_marks: dict[int, str] = {}
+        #: write-behind marks whose batch the offsets log no longer holds (``catch_up``): kept, and named by a
+        #: gap, until a batch plans without one, which shows those batches landed
+        self._unmatched_marks: list[int] = []
 
     def __call__(self, records: DataFrame, batch_id: int) -> None:
         faults.maybe_crash("batch_start", batch_id)
@@ -227,32 +228,55 @@ class TransactionalSink:
         """Before the query starts: apply the batches a killed driver handed to its writer and Spark may
         have logged as done, from Kafka, if the stored offsets still stop at their start.  A marked batch
         that landed, or that Spark has not logged (it runs it again), is skipped as a replay.  A run that
-        commits in line cannot apply one (its query keeps state, or reads a stream the sink cannot read
-        again): it names the mark if its first batch finds a gap."""
+        commits in line (its query keeps state, or reads a stream the sink cannot read again) cannot apply
+        one: it refuses to start on a batch that did not land and that Spark will not run again."""
         if self.marks is None:
             return
         for batch_id in self.marks.marked():
-            if self.behind is None:
-                why = "keeps state" if self.stateful else "reads a second stream"
-                log.warning("write-behind mark of batch %s: this run's query %s and commits every batch in line, "
-                            "so it cannot apply the batch from Kafka; the mark goes once a batch plans without "
-                            "a gap", batch_id, why)
-                self._unapplied_marks[batch_id] = (
-                    f"left by a run that wrote behind; this run's query {why} and commits every batch in line, "
-                    f"so only a version that writes behind can apply it, at its start")
-            elif self.offset_log.source_offsets(batch_id) is None or (
+            if self.offset_log.source_offsets(batch_id) is None or (
                     batch_id > 0 and self.offset_log.source_offsets(batch_id - 1) is None):
                 # Spark purged the batch's entries (a mark whose removal failed, long ago): it landed, or
                 # the stored offsets lag the checkpoint and the next batch's gap check says so
                 log.warning("write-behind mark of batch %s: the offsets log no longer holds the batch, which "
                             "cannot be applied from it; the mark goes once a batch plans without a gap",
                             batch_id)
-                self._unapplied_marks[batch_id] = "whose range the offsets log no longer holds"
+                self._unmatched_marks.append(batch_id)
+            elif self.behind is None:
+                self._settle_mark_in_line(batch_id)
             else:
                 log.warning("batch %s was handed to the writer of a run that ended before its commit was "
                             "known; applying it again from Kafka if the database does not hold it", batch_id)
-                self._redo(batch_id)
-                self.behind.clear(batch_id)
+                try:
+                    self._redo(batch_id)
+                except KafkaReadError as err:
+                    raise KafkaReadError(
+                        f"{err} (reading write-behind batch {batch_id} again before the query starts: a run "
+                        f"that ended before its commit was known handed it to its writer, and Spark logged it "
+                        f"as done; nothing was written. Once Kafka serves the range, the next start applies "
+                        f"it; if its records left Kafka, only a reset to a new generation from the stored "
+                        f"offsets with the loss accepted goes on)") from err
+                write_behind.clear_mark(self.marks, batch_id)
+
+    def _settle_mark_in_line(self, batch_id: int) -> None:
+        """A mark a run that commits in line finds: a version that wrote behind left it.  The batch landed, or
+        Spark runs it again (``commits/N`` missing) and this run applies it in line: the mark goes.  Else it
+        is a gap this run cannot close, found here before anything is written rather than at the first
+        batch, which plans no gap on a partition it reads nothing from."""
+        batch = self._batch_range(batch_id)
+        plan = transaction.plan(self.store, self.run.job_id, batch)
+        if plan.is_replay or not self.offset_log.batch_done(batch_id):
+            write_behind.clear_mark(self.marks, batch_id)
+            return
+        why = "keeps state" if self.stateful else "reads a second stream"
+        missing = ", ".join(f"{t}-{p} [{plan.apply_from[(t, p)]}, {batch.end[(t, p)]})"
+                            for t, p in sorted(plan.apply_from) if plan.apply_from[(t, p)] < batch.end[(t, p)])
+        raise WriteBehindUnapplied(
+            f"[STREAM_WRITE_BEHIND_UNAPPLIED] job {self.run.job_id} batch {batch_id}: a run that wrote behind "
+            f"handed the batch to its writer and ended before its commit was known; Spark logged the batch as "
+            f"done, and the database does not hold it ({missing}). This run's query {why}, so it commits every "
+            f"batch in line and cannot apply a batch from Kafka outside the stream. Nothing was written and "
+            f"the stored offsets did not move: reset the job to a new generation from the stored offsets, "
+            f"which reads these records again (none is lost while Kafka holds them).")
 
     def _plan(self, batch: transaction.BatchRange) -> transaction.BatchPlan:
         """The batch's plan against the stored offsets.  A gap names the write-behind marks ``catch_up``
@@ -260,17 +284,17 @@ class TransactionalSink:
         try:
             plan = transaction.plan(self.store, self.run.job_id, batch)
         except transaction.OffsetGapError as gap:
-            if not self._unapplied_marks:
+            if not self._unmatched_marks:
                 raise
-            marks = "; ".join(f"batch {batch_id}, {why}" for batch_id, why in self._unapplied_marks.items())
+            marks = ", ".join(map(str, self._unmatched_marks))
             raise transaction.OffsetGapError(
-                f"{gap} The checkpoint holds a write-behind mark ({marks}): if that batch never landed, it is "
-                f"the gap (handed to a writer whose commit was never confirmed, it cannot be applied from "
-                f"this checkpoint by this run)."
+                f"{gap} The checkpoint holds a write-behind mark of batch(es) {marks} whose range the "
+                f"offsets log no longer holds: if that batch never landed, it is the gap (handed to a writer "
+                f"whose commit was never confirmed, it can no longer be applied from the checkpoint)."
             ) from gap
-        for batch_id in self._unapplied_marks:
+        for batch_id in self._unmatched_marks:
             write_behind.clear_mark(self.marks, batch_id)
-        self._unapplied_marks.clear()
+        self._unmatched_marks.clear()
         return plan
 
     def flush(self) -> None:

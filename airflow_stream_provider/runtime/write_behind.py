@@ -40,6 +40,12 @@ REDO_DESCRIPTION = ("write-behind: batch {batch_id} applied again from Kafka, is
 _FAULT_WAIT_S = 120
 
 
+class WriteBehindUnapplied(RuntimeError):
+    """``[STREAM_WRITE_BEHIND_UNAPPLIED]``: a batch handed to a writer, logged by Spark as done and not in the
+    database, which this run cannot apply (it commits in line).  Found before the query starts; nothing is
+    written.  A reset from the stored offsets reads the batch's records again."""
+
+
 class WriteBehind:
     """One writer thread and the batch it commits.  ``hand_over`` from the stream thread after the batch
     is computed; ``settle`` before the next batch plans, and once the query stopped."""

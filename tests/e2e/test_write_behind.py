@@ -209,40 +209,54 @@ def test_a_gap_names_the_write_behind_mark_it_could_not_apply(broker, topic, run
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-def test_a_run_that_commits_in_line_names_a_mark_it_cannot_apply(broker, topic, runner):
-    """A write-behind mark that a run cannot apply: its query keeps state, so it commits every batch in line
-    and cannot apply a batch from Kafka outside the stream.  The marked batch, logged by Spark as done and
-    not in the database, is then a gap: the run ends as data loss with the mark named instead of a bare
-    gap, the database untouched and the mark kept.  The state is made by hand: a stateless version that
-    left a mark, followed on its checkpoint by a stateful one, is refused first by Spark's own state
-    checks, and an upgrade resets the job (the mark goes with the archived checkpoint)."""
+@pytest.mark.parametrize("landed", [False, True], ids=["not-landed", "landed"])
+def test_a_run_that_commits_in_line_settles_a_mark_before_its_query_starts(broker, topic, runner, landed):
+    """A write-behind mark found by a run that commits in line: its query keeps state, so it cannot apply a
+    batch from Kafka outside the stream.  A marked batch that Spark logged as done and the database does not
+    hold fails the run before its query starts (checkpoint incompatible: a reset from the stored offsets
+    reads it again), naming the batch and its range, the database untouched and the mark kept.  Left to the
+    first batch, the gap showed only on a partition that batch read from.  One that landed just loses its
+    mark.  The state is made by hand: a version that wrote behind, followed on its checkpoint by one the sink
+    takes for stateful (a stream-static join), leaves it."""
     runner.application = str(FIXTURE_JOBS / "dedup_by_position.py")
     checkpoint = Path(runner.spec.checkpoint_path)
     job_id = runner.spec.job_id
     producer = EventProducer(broker, topic, malformed_ratio=0.0)
     producer.send(60)
     runner.process_backlog(_end(producer))
-    landed, ledger = runner.store.stored_offsets(job_id), _ledger(runner.store, job_id)
+    landed_offsets, ledger = runner.store.stored_offsets(job_id), _ledger(runner.store, job_id)
     producer.send(60)
     runner.process_backlog(_end(producer))
     marked = min(_ledger(runner.store, job_id) - ledger)
-    with runner.store.engine.begin() as conn:  # the second run's batches as if their commits never landed
-        for (t, partition), position in landed.items():
-            conn.execute(schema.offsets.update().where(
-                (schema.offsets.c.job_id == job_id) & (schema.offsets.c.topic == t)
-                & (schema.offsets.c.partition == partition)).values(next_offset=position))
-        conn.execute(schema.batches.delete().where(
-            (schema.batches.c.job_id == job_id) & schema.batches.c.batch_id.not_in(ledger)))
+    if not landed:
+        with runner.store.engine.begin() as conn:  # the second run's batches as if their commits never landed
+            for (t, partition), position in landed_offsets.items():
+                conn.execute(schema.offsets.update().where(
+                    (schema.offsets.c.job_id == job_id) & (schema.offsets.c.topic == t)
+                    & (schema.offsets.c.partition == partition)).values(next_offset=position))
+            conn.execute(schema.batches.delete().where(
+                (schema.batches.c.job_id == job_id) & schema.batches.c.batch_id.not_in(ledger)))
+        ledger_before = ledger
+    else:
+        ledger_before = _ledger(runner.store, job_id)
+    stored_before = runner.store.stored_offsets(job_id)
     (checkpoint / "write-behind").mkdir(exist_ok=True)
     (checkpoint / "write-behind" / str(marked)).touch()
-    producer.send(30)
 
+    if landed:
+        producer.send(30)
+        runner.process_backlog(_end(producer))
+        assert _marks(checkpoint) == [], "a landed batch's mark goes"
+        check_exactly_once(runner.store, job_id, producer.produced)
+        return
     driver = runner.start()
-    assert driver.wait(180) == failures.EXIT_DATA_LOSS, runner.log_tail(driver)
+    assert driver.wait(180) == failures.EXIT_CHECKPOINT_INCOMPATIBLE, runner.log_tail(driver)
     row = runner.run_row(driver)
-    assert row.failure_kind == "DATA_LOSS" and "STREAM_OFFSET_GAP" in row.error_class, row
-    assert (f"write-behind mark (batch {marked}, left by a run that wrote behind; this run's query keeps state "
-            f"and commits every batch in line") in row.termination_message, row.termination_message[:3000]
-    assert _marks(checkpoint) == [str(marked)], "the mark stays until a batch plans without a gap"
-    assert _ledger(runner.store, job_id) == ledger
-    assert runner.store.stored_offsets(job_id) == landed
+    assert (row.failure_kind, row.error_class) == ("CHECKPOINT_INCOMPATIBLE", "STREAM_WRITE_BEHIND_UNAPPLIED"), row
+    message = row.termination_message
+    assert f"batch {marked}: a run that wrote behind handed the batch to its writer" in message, message[:3000]
+    assert "This run's query keeps state" in message and "reset the job to a new generation" in message
+    assert row.query_started_at is None, "refused before the query started"
+    assert _marks(checkpoint) == [str(marked)], "the mark stays for the reset to archive with the checkpoint"
+    assert _ledger(runner.store, job_id) == ledger_before
+    assert runner.store.stored_offsets(job_id) == stored_before
