@@ -73,7 +73,7 @@ def retry_due_within(task: Any, ti: Any) -> float | None:
     except OverflowError:
         delay = MAX_RETRY_DELAY_S
     delay = min(delay, MAX_RETRY_DELAY_S)
-    if task.max_retry_delay is not None:
+    if task.max_retry_delay:  # Airflow ignores a zero cap as it does an absent one
         delay = min(delay, _seconds(task.max_retry_delay))
     return delay
 

@@ -269,9 +269,12 @@ class StreamJobOperator(BaseOperator):
             self._drop_launch(self._launch_in_flight())
             raise
         except LaunchUndecided as failure:
-            self._hold_for_retry(context, failure)
+            self._hold_for_retry(context, failure.launch)
             raise
         except BaseException as failure:
+            if self._in_flight and not self._killed:  # whatever failed, the launch it waits on is undecided
+                self._hold_for_retry(context, self._in_flight)
+                raise
             try:
                 self.controller.release_lease(self._lease_owner)
             except Exception as err:  # the task's own failure is what it reports: a retry must not hide a final one
@@ -281,7 +284,7 @@ class StreamJobOperator(BaseOperator):
         self.controller.release_lease(self._lease_owner)
         return result
 
-    def _hold_for_retry(self, context, failure: LaunchUndecided) -> None:
+    def _hold_for_retry(self, context, launch: dict[str, Any]) -> None:
         """Keep the job's lease, naming the launch, until this task's retry picks the launch up.  Let go, it
         would leave the job to the next task that wants it (a recover seeing no live run, a person's submit)
         while the driver may be starting still: a second driver on the checkpoint, fenced by its epoch but
@@ -291,7 +294,7 @@ class StreamJobOperator(BaseOperator):
         until = time.time() + (due or 0.0) + LEASE_GRACE_S
         try:
             held = self.controller.take_lease(self._lease_owner, self.lease_action, until,
-                                              _lease_launch(failure.launch, self.spark_conn_id))
+                                              _lease_launch(launch, self.spark_conn_id))
         except Exception as err:  # the launch's failure is the one to report; the lease runs out by itself
             self.log.warning("Could not keep the lease on job %s for this task's retry (%s)", self.job.job_id, err)
             return
@@ -300,7 +303,7 @@ class StreamJobOperator(BaseOperator):
                              "driver beside run %s", self.job.job_id,
                              f"for its retry (due within {due:.0f} s)" if due is not None else
                              "as it ends: the next task to want it ends the run unless its query runs by then",
-                             failure.launch["run_id"])
+                             launch["run_id"])
 
     def _take_over_from_ended_task(self, context) -> None:
         """A lease left by a task that Airflow says has ended: its process is gone (a lost worker, an OOM
@@ -377,12 +380,33 @@ class StreamJobOperator(BaseOperator):
         if pending:
             run = self.controller.get_run(pending["launch"]["run_id"])
             if _still_starting(run, pending["launch"]):
+                self._check_hold_since_launch(context, pending)
                 self.log.info("Picking up run %s, launched by an earlier try of this task, instead of "
                               "launching another", pending["launch"]["run_id"])
                 self._in_flight = pending["launch"]  # a kill now ends it, as it would have the first try's
                 return self.wait_then(context, self._launch_wait(pending["launch"]), "_launch_waited", **pending)
             _set_task_state(context, LAUNCH_KEY, None)
         return self.start(context)
+
+    def _check_hold_since_launch(self, context, pending: dict[str, Any]) -> None:
+        """A retry picks up its earlier try's launch only under the hold that launched it.  Another task that
+        held the job's lease since (this task's hold ran out before the retry came: a late scheduler, a retry
+        policy of its own) may have stopped, restarted or reset the job; picked up, the launch would come up
+        behind it.  The launch is ended unless its query runs, and this task stops, as a resumed task does
+        (``_hold_continued``)."""
+        launched_under = pending.get("held_since")
+        if launched_under is None or self._held_since is None or launched_under == self._held_since:
+            return
+        run_id = pending["launch"]["run_id"]
+        self._drop_launch(pending["launch"])
+        _set_task_state(context, LAUNCH_KEY, None)
+        self.controller.release_lease(self._lease_owner)
+        raise LeaseLost(
+            f"job {self.job.job_id}: run {run_id}, launched by an earlier try of this task, was still starting, "
+            "but this task's lease on the job ran out before this retry came, and another task held it since; "
+            "what that task did may have changed the job, so the run was ended unless its query ran, and this "
+            "task stops here. Look at the job (`python -m airflow_stream_provider status`) before running this "
+            "again")
 
     def start(self, context) -> Any:
         raise NotImplementedError
@@ -539,7 +563,9 @@ class StreamJobOperator(BaseOperator):
                 return self.resume(context, on_fail, err, carry)
             raise
         self._in_flight = launch
-        pending = {"launch": launch, "after": after, "carry": carry, "on_fail": on_fail}
+        # ``held_since``: the hold it is launched under, which a retry picking it up must still be on
+        pending = {"launch": launch, "after": after, "carry": carry, "on_fail": on_fail,
+                   "held_since": self._held_since}
         if restart:
             pending["restart"] = list(restart)  # the task state store takes JSON values: no tuple
         # Kept before anything else can fail: this task's retry then picks the launch up instead of leaving a
@@ -563,7 +589,8 @@ class StreamJobOperator(BaseOperator):
             self.log.warning("Could not record the restart that launched run %s yet (%s); recording it once "
                              "the launch is over", run_id, waits.outage_line(err))
 
-    def _launch_waited(self, context, event, launch, after, carry, on_fail=None, restart=None) -> Any:
+    def _launch_waited(self, context, event, launch, after, carry, on_fail=None, restart=None,
+                       held_since=None) -> Any:  # held_since: for a retry's pickup (``_check_hold_since_launch``)
         if event["outcome"] == "error":
             event = self._launch_looked_at(event, launch)
         self._in_flight = launch

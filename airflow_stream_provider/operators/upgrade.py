@@ -398,7 +398,7 @@ class UpgradeStreamingJobOperator(StreamJobOperator):
         self._phase(ctx, UpgradePhase.STARTING)
         pending = {"launch": launch, "after": "_successor_started", "carry": {"ctx": ctx, "reset": reset,
                                                                             "reason": reason},
-                   "on_fail": "_successor_refused"}
+                   "on_fail": "_successor_refused", "held_since": self._held_since}
         _set_task_state(context, LAUNCH_KEY, pending)
         wait = self.controller.launch_wait(launch, "ready", float(self.ready_timeout))
         return self.wait_then(context, wait, "_launch_waited", **pending)

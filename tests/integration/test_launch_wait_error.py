@@ -258,3 +258,76 @@ def test_a_pause_airflow_timed_out_fails_as_airflow_fails_it(state_store, tmp_pa
 
     with pytest.raises(TaskDeferralTimeout):
         _timed_out(spec, context)
+
+
+@pytest.mark.parametrize("taken_between", [True, False], ids=["another-task-held-it", "nobody-held-it"])
+def test_a_retry_picks_its_launch_up_only_under_the_hold_that_launched_it(state_store, tmp_path, topic,
+                                                                          monkeypatch, taken_between):
+    """The first try launched, its wait failed undecided, and it kept the lease for its retry.  The retry came
+    late (a busy scheduler): the lease ran out, and a person's stop held it and let go meanwhile.  Picked up,
+    the launch would come up behind that stop: the retry ends it (asked through its row: another host) and
+    stops, letting go of the lease.  Where the lease ran out and nobody held it, the retry picks it up."""
+    from airflow_stream_provider.operators.base import LeaseLost
+    from airflow_stream_provider.state.leases import LeaseLog
+
+    operator, context, pending, _ = _submitted(state_store, tmp_path, topic)
+    context["task_state_store"].clear()
+    operator.retry_delay = timedelta(seconds=60)
+    context["ti"] = _try(1, 1)
+    monkeypatch.setattr(type(operator.controller), "submit", lambda self, *args, **kwargs: pending["launch"])
+    with pytest.raises(TaskDeferred):
+        operator._leased(context, operator.launch_then, context, "_submitted", {})
+    kept = context["task_state_store"].get(LAUNCH_KEY)
+    leases, owner = LeaseLog(state_store), "stream_deploy/manual__1/submit/-1"
+    assert kept["held_since"] == leases.get("job").taken_at
+    with pytest.raises(StreamJobError, match="a retry of this task picks it up"):
+        _wait_failed(operator, context, kept)
+    assert leases.get("job").launch["run_id"] == pending["launch"]["run_id"]
+
+    leases.take("job", owner, "submit", time.time() - 1)  # the hold ran out before the retry came
+    if taken_between:
+        assert leases.take("job", "stream_stop/manual__1/stop/-1", "stop", time.time() + 300) is None
+        leases.release("job", "stream_stop/manual__1/stop/-1")
+    context["ti"] = _try(2, 1)
+    retry = SubmitStreamingJobOperator(task_id="submit", spec=operator.spec, application="/jobs/v1.py")
+    run_id = pending["launch"]["run_id"]
+    if not taken_between:
+        with pytest.raises(TaskDeferred) as deferred:
+            retry.execute(context)
+        assert deferred.value.trigger.wait.run_id == run_id
+        assert state_store.get_run(run_id).stop_requested_at is None
+        return
+    with pytest.raises(LeaseLost, match=f"run {run_id}, launched by an earlier try of this task, was still starting"):
+        retry.execute(context)
+    assert state_store.get_run(run_id).stop_requested_at is not None, "the launch was left to come up"
+    assert context["task_state_store"].get(LAUNCH_KEY) is None
+    assert leases.get("job") is None
+
+
+@pytest.mark.parametrize("killed", [False, True])
+def test_any_failure_while_a_launch_is_in_flight_keeps_the_lease_for_the_retry(state_store, tmp_path, topic,
+                                                                              killed):
+    """Not only an undecided wait: whatever fails while the task waits on its launch (a blocking wait's
+    outage, a bug) leaves the launch for the retry to pick up, and the lease with it.  A task killed has
+    ended its launch and let go (``on_kill``): nothing is kept."""
+    from airflow_stream_provider.state.leases import LeaseLog
+
+    operator, context, pending, _ = _submitted(state_store, tmp_path, topic)
+    operator.retry_delay = timedelta(seconds=600)
+    context["ti"] = _try(1, 1)
+
+    def waiting_then_fails():
+        operator._in_flight = pending["launch"]
+        if killed:
+            operator.on_kill()
+        raise RuntimeError("the wait broke")
+
+    with pytest.raises(RuntimeError, match="the wait broke"):
+        operator._leased(context, waiting_then_fails)
+
+    held = LeaseLog(state_store).get("job")
+    if killed:
+        assert held is None
+        return
+    assert held.owner == "stream_deploy/manual__1/submit/-1"
+    assert held.launch["run_id"] == pending["launch"]["run_id"] and held.until > time.time() + 600
