@@ -51,6 +51,11 @@ SAMPLES: dict[str, tuple[str, ...]] = {
         "[STREAM_OFFSET_LOG_MISSING] job j batch 7: offsets log entry offsets/6 (where the batch starts) is "
         "missing from /ckpt/j/gen-1/offsets",
     ),
+    "write-behind-unapplied": (
+        "[STREAM_WRITE_BEHIND_UNAPPLIED] job j batch 7: a run that wrote behind handed the batch to its writer "
+        "and ended before its commit was known; Spark logged the batch as done, and the database does not hold "
+        "it (events-0 [100, 150)). This run's query keeps state, so it commits every batch in line",
+    ),
     "concurrent-query": (
         (
             "[CONCURRENT_QUERY] Another instance of this query was just started by a concurrent session. "
