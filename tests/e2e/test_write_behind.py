@@ -202,7 +202,7 @@ def test_a_gap_names_the_write_behind_mark_it_could_not_apply(broker, topic, run
     row = runner.run_row(driver)
     assert row.failure_kind == "DATA_LOSS" and "STREAM_OFFSET_GAP" in row.error_class, row
     assert "would be lost" in row.termination_message
-    assert "write-behind mark (batch 1, whose range the offsets log no longer holds)" in row.termination_message
+    assert "write-behind mark of batch(es) 1 whose range the offsets log no longer holds" in row.termination_message
     assert _marks(checkpoint) == ["1"], "the mark stays until a batch plans without a gap"
     assert _ledger(runner.store, job_id) == ledger
     assert set(runner.store.stored_offsets(job_id).values()) == {0}
