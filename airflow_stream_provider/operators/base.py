@@ -272,7 +272,7 @@ class StreamJobOperator(BaseOperator):
             self._hold_for_retry(context, failure.launch)
             raise
         except BaseException as failure:
-            if self._in_flight and not self._killed:  # whatever failed, the launch it waits on is undecided
+            if self._launch_left_for_retry(context):  # whatever failed, the launch it waits on is undecided
                 self._hold_for_retry(context, self._in_flight)
                 raise
             try:
@@ -283,6 +283,14 @@ class StreamJobOperator(BaseOperator):
             raise
         self.controller.release_lease(self._lease_owner)
         return result
+
+    def _launch_left_for_retry(self, context) -> bool:
+        """The task fails while waiting on the launch its retry picks up (the task state's): not a decided
+        launch whose failure path failed in turn, nor a dry run, nor after a kill, which ended the launch."""
+        if not self._in_flight or self._killed:
+            return False
+        pending = _task_state(context, LAUNCH_KEY)
+        return bool(pending) and pending["launch"]["run_id"] == self._in_flight["run_id"]
 
     def _hold_for_retry(self, context, launch: dict[str, Any]) -> None:
         """Keep the job's lease, naming the launch, until this task's retry picks the launch up.  Let go, it

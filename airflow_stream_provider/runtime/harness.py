@@ -136,6 +136,10 @@ class StreamHarness:
         self.run_id = run_id or uuid.uuid4().hex
         self.log_path = log_path
         self._stop_signalled = False
+        # A stop may come as soon as the run is registered (below): the signal's default action would end the
+        # process with its run left STARTING until found DEAD.  ``run`` honours the flag once Spark is up.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         #: A dry run (upgrade preflight) stops by itself once one batch ran through the sink.
         self._preflight_done = False
         self._rerun_of_batch_0 = False

@@ -331,3 +331,26 @@ def test_any_failure_while_a_launch_is_in_flight_keeps_the_lease_for_the_retry(s
         return
     assert held.owner == "stream_deploy/manual__1/submit/-1"
     assert held.launch["run_id"] == pending["launch"]["run_id"] and held.until > time.time() + 600
+
+
+def test_a_failure_path_that_fails_after_its_launch_failed_lets_go_of_the_lease(state_store, tmp_path, topic):
+    """The launch is decided (its run failed) and the flow's failure path fails in turn (a recovery's restart
+    budget spent): nothing is left for a retry to pick up, so the lease goes, and the next task (a person's
+    stop, the next recovery) is not kept waiting for a retry that has nothing to do."""
+    from airflow_stream_provider.state.leases import LeaseLog
+
+    operator, context, pending, _ = _submitted(state_store, tmp_path, topic)
+    operator.retry_delay = timedelta(seconds=600)
+    context["ti"] = _try(1, 1)
+    state_store.finish_run(pending["launch"]["run_id"], status="FAILED", exit_code=1, failure_kind="TRANSIENT",
+                           message="the brokers did not answer")
+
+    def refused(context, error):
+        raise AirflowFailException("the restart budget is spent")
+
+    operator._refused = refused
+    with pytest.raises(AirflowFailException, match="the restart budget is spent"):
+        _wait_failed(operator, context, pending)
+
+    assert context["task_state_store"].get(LAUNCH_KEY) is None
+    assert LeaseLog(state_store).get("job") is None
