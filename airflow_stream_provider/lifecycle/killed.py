@@ -97,8 +97,9 @@ def end_stopped_upgrade(store: StateStore, job_id: str, why: str, log: logging.L
 def undo(store: StateStore, killed: KilledTask, why: str, log: logging.Logger, *, running_too: bool = True) -> None:
     """Undo what ``killed`` leaves behind; each step on its own, so that one failing leaves the rest done.
     ``running_too=False``: leave its launch alone once its query runs."""
-    steps = [partial(_end_launch, store, {"job_id": killed.job_id, **killed.launch}, running_too)] \
-        if killed.launch else []
+    # an upgrade's own record says what the job is owed (``end_killed_upgrade``)
+    steps = [partial(_end_launch, store, {"job_id": killed.job_id, **killed.launch}, running_too,
+                     owe_restart=not killed.upgrade)] if killed.launch else []
     if killed.upgrade:
         steps.append(partial(_end_successor, store, killed.job_id))
         steps.append(partial(end_killed_upgrade, store, killed.job_id))
@@ -122,10 +123,15 @@ def undo_ended(store: StateStore, held: Lease, log: logging.Logger) -> None:
 
 
 def _end_launch(store: StateStore, launch: dict[str, Any], running_too: bool, why: str,
-                log: logging.Logger) -> None:
+                log: logging.Logger, *, owe_restart: bool = True) -> None:
     """As ``StreamJobController.abandon``, for a task that can no longer do it: a registered run on another
     host or a cluster is asked to stop through its row, which its heartbeat reads; an unregistered one is
-    killed by its pid on its own host, or through its cluster manager (the launch names the connection)."""
+    killed by its pid on its own host, or through its cluster manager (the launch names the connection).
+
+    A run killed here ends DEAD, which a recovery restarts.  One asked to stop would end as a stop someone
+    asked for, which a recovery leaves down: ``owe_restart`` records a restart of it begun, as a restart's
+    own stop does, so that the next recovery finishes it (``recovery.interrupted_restart``) and the job is
+    not left down by what only undid a lost launch."""
     run = store.get_run(launch["run_id"])
     if run is not None and run.running_query and not running_too:
         return
@@ -138,6 +144,8 @@ def _end_launch(store: StateStore, launch: dict[str, Any], running_too: bool, wh
         store.mark_dead(run.run_id, f"abandoned: {why}")
     elif run.active and store.request_stop(run.run_id):
         log.warning("Asked run %s on %s to stop: %s", run.run_id, run.host, why)
+        if owe_restart:
+            store.record_restart(launch["job_id"], "restart", f"its launch was undone from another host ({why})", run.run_id, None)
 
 
 def _kill_submission(launch: dict[str, Any], why: str, log: logging.Logger) -> None:

@@ -17,7 +17,11 @@ import time
 
 import pytest
 
+from airflow_stream_provider.budget import RestartBudget
+from airflow_stream_provider.diagnosis import Health, Thresholds
+from airflow_stream_provider.lifecycle.health import HealthProbe
 from airflow_stream_provider.operators.stop import StopStreamingJobOperator
+from airflow_stream_provider.recovery import RecoveryAction, decide_recovery
 from airflow_stream_provider.state.leases import LeaseLog
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 
@@ -97,3 +101,25 @@ def test_a_launch_whose_query_runs_is_the_jobs_run_and_is_left_alone(state_store
 
     assert starting_driver.poll() is None and state_store.get_run(run).status == "RUNNING"
     assert LeaseLog(state_store).get("job") is None  # let go of: its holder has ended
+
+
+def test_a_launch_registered_on_another_host_is_stopped_and_its_restart_owed(state_store, tmp_path):
+    """A driver on another host cannot be killed from here: it is asked to stop through its row.  Before, it
+    then ended as a stop someone had asked for, which a recovery leaves down; the job stayed down behind a
+    lost submit.  Now the next recovery finishes a restart of it, as it restarts a local one killed here."""
+    run = state_store.begin_run("job", 1, "1.0", host="another-host", pid=4242).run_id  # registered, starting
+    launch = {"run_id": run, "pid": 4242, "host": "another-host", "submitted_at": time.time()}
+    LeaseLog(state_store).take("job", "stream_deploy/manual__1/submit/-1", "submit", time.time() + 300, launch)
+    spec = {"job_id": "job", "version": "1.0", "checkpoint_root": str(tmp_path), "kafka": {"topics": ["job"]}}
+    operator = StopStreamingJobOperator(task_id="stop", spec=spec)  # any operator wanting the lease does this
+
+    operator._lease_owner = "stream_health/scheduled__1/recover/-1"  # as execute sets it
+    operator._take_over_from_ended_task({"ti": _TaskInstance("failed")})
+
+    assert state_store.get_run(run).stop_requested_at is not None, "the run on the other host was not asked to stop"
+    state_store.finish_run(run, status="STOPPED", exit_code=0, message="stopped")  # its driver reads the row
+    found = HealthProbe.connect("job", ["job"], "stream_state_default", "stream_kafka_default", Thresholds()).check()
+    decision = decide_recovery(found, on_incompatible="fail", budget=RestartBudget(), now=time.time(),
+                               history=state_store.restarts_since("job", 0))
+    assert (found.health, decision.action, decision.restart_run_id) == (Health.STOPPED, RecoveryAction.RESTART, run), \
+        (found.evidence, decision.why)
