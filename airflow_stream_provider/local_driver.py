@@ -171,15 +171,15 @@ def run_alive(run: RunRecord | None) -> bool | None:
 
 
 def kill_unregistered(launch: Mapping[str, object], why: str, log) -> None:
-    """Kill the driver of a launch whose run has not registered yet (a task that no longer wants it): only
-    its own host can, by the pid it started; anywhere else say where to stop it."""
+    """Kill the driver of a launch whose run has not registered yet and is cancelled (a task that no longer
+    wants it, ``StateStore.cancel_launch``): only its own host can, by the pid it started."""
     run_id, pid, host = launch["run_id"], launch.get("pid"), launch.get("host")
     if launch_alive(pid, host, launch.get("submitted_at")):
         log.warning("Killing the driver of run %s (pid %s) before it registered: %s", run_id, pid, why)
         signal_group(pid, signal.SIGKILL)
     elif pid:
-        log.warning("Run %s (pid %s on %s) is not registered and cannot be killed from %s: if it still starts, "
-                    "stop it there (%s)", run_id, pid, host, this_host(), why)
+        log.warning("Run %s (pid %s on %s) is not registered and cannot be killed from %s (%s): its launch is "
+                    "cancelled, so it exits as it registers", run_id, pid, host, this_host(), why)
 
 
 def signal_group(pgid: int, sig: int) -> None:

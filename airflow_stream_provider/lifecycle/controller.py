@@ -337,16 +337,22 @@ class StreamJobController:
         recovery restarts it.  Recorded DEAD at once, a recovery could start a second driver beside it."""
         run = self.get_run(launch["run_id"])
         handle = launch.get("submission_id")
-        if run is None and handle:  # a cluster-mode driver: its cluster manager can end it, registered or not
-            killed = self.driver.kill_submission(launch["job_id"], handle)
-            if killed.done:
-                self.log.warning("Killed run %s before it registered: %s (%s)", launch["run_id"], why, killed)
+        # Not registered: cancelled first, so that a driver no kill reaches cannot register later and take the
+        # job's epoch from the run started after it; registered meanwhile, it is ended as a run.
+        if run is None and self.state.store.cancel_launch(launch["job_id"], launch["run_id"], why):
+            if handle:  # a cluster-mode driver: its cluster manager can end it, registered or not
+                killed = self.driver.kill_submission(launch["job_id"], handle)
+                if killed.done:
+                    self.log.warning("Killed run %s before it registered: %s (%s)", launch["run_id"], why, killed)
+                else:
+                    self.log.error("Run %s of job %s could not be killed before it registered (%s): %s. Its launch "
+                                   "is cancelled: it exits as it registers, holding its cluster's resources until "
+                                   "then", launch["run_id"], launch["job_id"], why, killed)
             else:
-                self.log.error("Run %s of job %s could not be killed before it registered (%s): %s. It may still "
-                               "register and run", launch["run_id"], launch["job_id"], why, killed)
-        elif run is None:
-            local_driver.kill_unregistered(launch, why, self.log)
-        elif run.active:
+                local_driver.kill_unregistered(launch, why, self.log)
+            return
+        run = run or self.get_run(launch["run_id"])
+        if run is not None and run.active:
             run = replace(run, submission_id=run.submission_id or handle)  # not recorded before its ready
             killed = self.driver.kill(run)
             if killed.done:

@@ -126,20 +126,24 @@ def _end_launch(store: StateStore, launch: dict[str, Any], running_too: bool, wh
                 log: logging.Logger, *, owe_restart: bool = True) -> None:
     """As ``StreamJobController.abandon``, for a task that can no longer do it: a registered run on another
     host or a cluster is asked to stop through its row, which its heartbeat reads; an unregistered one is
-    killed by its pid on its own host, or through its cluster manager (the launch names the connection).
+    cancelled (it cannot register after) and killed by its pid on its own host, or through its cluster
+    manager (the launch names the connection).
 
     A run killed here ends DEAD, which a recovery restarts.  One asked to stop would end as a stop someone
     asked for, which a recovery leaves down: ``owe_restart`` records a restart of it begun, as a restart's
     own stop does, so that the next recovery finishes it (``recovery.interrupted_restart``) and the job is
     not left down by what only undid a lost launch."""
     run = store.get_run(launch["run_id"])
-    if run is not None and run.running_query and not running_too:
+    if run is None and store.cancel_launch(launch["job_id"], launch["run_id"], why):  # as ``abandon`` does
+        if launch.get("submission_id"):
+            _kill_submission(launch, why, log)
+        else:
+            local_driver.kill_unregistered(launch, why, log)
         return
-    if run is None and launch.get("submission_id"):
-        _kill_submission(launch, why, log)
-    elif run is None:
-        local_driver.kill_unregistered(launch, why, log)
-    elif run.active and local_driver.run_alive(run):
+    run = run or store.get_run(launch["run_id"])
+    if run is None or (run.running_query and not running_too):
+        return
+    if run.active and local_driver.run_alive(run):
         log.warning("Killing run %s: %s (%s)", run.run_id, why, StreamDriverHook().kill(run))
         store.mark_dead(run.run_id, f"abandoned: {why}")
     elif run.active and store.request_stop(run.run_id):
@@ -163,8 +167,9 @@ def _kill_submission(launch: dict[str, Any], why: str, log: logging.Logger) -> N
         log.warning("Killed run %s before it registered (submission %s): %s (%s)", launch["run_id"], handle, why,
                     killed)
     else:
-        log.error("Run %s (submission %s) could not be killed before it registered (%s): %s. If it still starts, "
-                  "kill it through its cluster manager", launch["run_id"], handle, why, killed)
+        log.error("Run %s (submission %s) could not be killed before it registered (%s): %s. Its launch is "
+                  "cancelled: it exits as it registers, holding its cluster's resources until then",
+                  launch["run_id"], handle, why, killed)
 
 
 def _end_successor(store: StateStore, job_id: str, why: str, log: logging.Logger) -> None:

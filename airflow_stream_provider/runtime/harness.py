@@ -222,6 +222,9 @@ class StreamHarness:
         try:
             return cls(spec, run_id=args.run_id, log_path=args.log_path, standby=args.standby,
                        successor=args.successor, warm_up_only=args.warm_up_only)
+        except state.LaunchCancelled as err:  # its task gave up on it: not a failure, and nothing to retry
+            log.warning("%s", err)
+            sys.exit(failures.EXIT_STOPPED)
         except (sql_errors.ArgumentError, ModuleNotFoundError) as err:  # a URL no installed driver serves
             log.error("cannot use the state database %s: %s. Fix the spec's database_url, or install its "
                       "driver where the job runs", spec.database_url, err)

@@ -199,6 +199,18 @@ restarts = Table(
     Column("finished_by", String(1000)),
 )
 
+#: Launches their task gave up on before they registered, and could not kill (a driver on another host than
+#: the task's, a cluster manager that did not answer): such a run may not register (``StateStore.begin_run``),
+#: so a late driver cannot take the job's epoch from the run started after it.
+cancelled_launches = Table(
+    "stream_cancelled_launches",
+    metadata,
+    Column("run_id", String(64), primary_key=True),
+    Column("job_id", String(100), nullable=False),
+    Column("cancelled_at", Float, nullable=False),
+    Column("why", Text),
+)
+
 #: What the always-on watcher already reported: one row per (run, health, failure kind), so a condition
 #: that merely persists never fires twice, also across triggerer restarts.  ``run_id`` and
 #: ``failure_kind`` are empty strings where there is none (an unknown job; a DEAD or STUCK run).

@@ -168,6 +168,7 @@ class StateStore:
                 epoch = row.epoch
             if expected_epoch is not None and epoch != expected_epoch:
                 return None
+            _refuse_cancelled(conn, job_id, run_id)
             if claim is not None and not claim(conn):
                 return None
             if not dry_run:
@@ -194,6 +195,20 @@ class StateStore:
                 )
             )
         return RunTicket(run_id, epoch)
+
+    def cancel_launch(self, job_id: str, run_id: str, why: str) -> bool:
+        """Keep the launch of ``run_id``, which its task no longer wants, from registering (``begin_run``
+        refuses it): False where it registered first, and is to be stopped as a run.  Under the job's row
+        lock, as ``begin_run`` checks it, so that one of the two comes first."""
+        cancelled = schema.cancelled_launches
+        with self.engine.begin() as conn:
+            conn.execute(select(schema.jobs.c.epoch).where(schema.jobs.c.job_id == job_id).with_for_update())
+            if conn.execute(select(schema.runs.c.run_id).where(schema.runs.c.run_id == run_id)).first():
+                return False
+            if not conn.execute(select(cancelled.c.run_id).where(cancelled.c.run_id == run_id)).first():
+                conn.execute(cancelled.insert().values(run_id=run_id, job_id=job_id, cancelled_at=self.now(),
+                                                       why=why[:2000]))
+        return True
 
     def current_epoch(self, job_id: str) -> int | None:
         with self.engine.connect() as conn:
@@ -615,6 +630,21 @@ def archive_dead_letters(conn, job_id: str, topic: str, partition: int, from_off
     conn.execute(archive.insert().from_select(
         [*kept, "archived_at"], select(*live.columns, literal(now, Float)).where(*where)))
     conn.execute(live.delete().where(*where))
+
+
+class LaunchCancelled(RuntimeError):
+    """The run's launch was cancelled before it registered (``StateStore.cancel_launch``)."""
+
+
+def _refuse_cancelled(conn: Connection, job_id: str, run_id: str) -> None:
+    cancelled = schema.cancelled_launches
+    row = conn.execute(select(cancelled.c.cancelled_at, cancelled.c.why)
+                       .where(cancelled.c.run_id == run_id)).first()
+    if row is not None:
+        raise LaunchCancelled(
+            f"run {run_id} of job {job_id} was cancelled before it registered ({row.why}): the task that launched "
+            "it no longer waits on it, and a run started since may hold the job. This driver exits without "
+            "taking the job's epoch; nothing needs doing")
 
 
 class ResultTableError(ValueError):

@@ -23,6 +23,7 @@ from airflow_stream_provider.operators.recover import RecoverStreamingJobOperato
 from airflow_stream_provider.operators.upgrade import UpgradeStreamingJobOperator
 from airflow_stream_provider.recovery import RecoveryAction, with_interrupted_restart
 from airflow_stream_provider.state.leases import LeaseLog
+from airflow_stream_provider.state.store import LaunchCancelled
 from airflow_stream_provider.state.upgrades import UpgradeLog, UpgradePhase
 from tests.integration.task_state import TaskStateStore
 
@@ -376,8 +377,10 @@ def test_a_killed_tasks_cluster_mode_driver_not_registered_yet_is_killed_through
     monkeypatch.setattr(StreamDriverHook, "kill_submission", lambda hook, job_id, handle: Kill(False, "refused"))
     caplog.clear()
     undo(state_store, KilledTask("job", lease_owner=OWNER, launch=launch), "marked failed while deferred", log)
-    assert "could not be killed before it registered" in caplog.text and "kill it through its cluster manager" \
-        in caplog.text
+    assert "could not be killed before it registered" in caplog.text and "Its launch is cancelled: it exits as it " \
+        "registers" in caplog.text
+    with pytest.raises(LaunchCancelled):  # the queued driver, when YARN starts it, cannot take the job
+        state_store.begin_run("job", 1, "1.0", run_id="queued-run")
 
 
 def test_a_cluster_launch_hands_its_kill_the_tasks_conf_but_keeps_it_out_of_the_lease(state_store, tmp_path):
