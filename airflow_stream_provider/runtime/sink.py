@@ -184,9 +184,10 @@ class TransactionalSink:
         self._outputs: list[str] = []
         #: where the recent batches' time went, by batch id (the listener adds it to the progress record)
         self.clocks: dict[int, BatchClock] = {}
-        #: write-behind marks whose batch the offsets log no longer holds (``catch_up``): kept, and named by a
-        #: gap, until a batch plans without one, which shows those batches landed
-        self._unmatched_marks: list[int] = []
+        #: write-behind marks whose batch the offsets log no longer holds (``catch_up``), each with the position
+        #: the stored offsets must reach to show that it landed (``_landed_by``): kept, and named by a gap,
+        #: until they do
+        self._unmatched_marks: dict[int, Offsets | None] = {}
 
     def __call__(self, records: DataFrame, batch_id: int) -> None:
         faults.maybe_crash("batch_start", batch_id)
@@ -236,11 +237,17 @@ class TransactionalSink:
             if self.offset_log.source_offsets(batch_id) is None or (
                     batch_id > 0 and self.offset_log.source_offsets(batch_id - 1) is None):
                 # Spark purged the batch's entries (a mark whose removal failed, long ago): it landed, or
-                # the stored offsets lag the checkpoint and the next batch's gap check says so
+                # the stored offsets lag the checkpoint and a batch's gap check says so
+                landed_by = self._landed_by(batch_id)
+                if _passed(self.store.stored_offsets(self.run.job_id), landed_by):
+                    log.info("write-behind mark of batch %s: the stored offsets are past it, so it landed",
+                             batch_id)
+                    write_behind.clear_mark(self.marks, batch_id)
+                    continue
                 log.warning("write-behind mark of batch %s: the offsets log no longer holds the batch, which "
-                            "cannot be applied from it; the mark goes once a batch plans without a gap",
-                            batch_id)
-                self._unmatched_marks.append(batch_id)
+                            "cannot be applied from it; the mark goes once the stored offsets pass %s",
+                            batch_id, landed_by)
+                self._unmatched_marks[batch_id] = landed_by
             elif self.behind is None:
                 self._settle_mark_in_line(batch_id)
             else:
@@ -256,6 +263,13 @@ class TransactionalSink:
                         f"it; if its records left Kafka, only a reset to a new generation from the stored "
                         f"offsets with the loss accepted goes on)") from err
                 write_behind.clear_mark(self.marks, batch_id)
+
+    def _landed_by(self, batch_id: int) -> Offsets | None:
+        """Where the stored offsets show that ``batch_id``, whose range the offsets log lost, landed: the end
+        of the oldest batch the log holds from it on, which is at or past the lost batch's end on every
+        partition.  None where the log holds no batch."""
+        held = [entry for entry in self.offset_log.batch_ids() if entry >= batch_id]
+        return self.offset_log.source_offsets(held[0]) if held else None
 
     def _settle_mark_in_line(self, batch_id: int) -> None:
         """A mark a run that commits in line finds: a version that wrote behind left it.  The batch landed, or
@@ -286,15 +300,18 @@ class TransactionalSink:
         except transaction.OffsetGapError as gap:
             if not self._unmatched_marks:
                 raise
-            marks = ", ".join(map(str, self._unmatched_marks))
+            marks = ", ".join(map(str, sorted(self._unmatched_marks)))
             raise transaction.OffsetGapError(
                 f"{gap} The checkpoint holds a write-behind mark of batch(es) {marks} whose range the "
                 f"offsets log no longer holds: if that batch never landed, it is the gap (handed to a writer "
                 f"whose commit was never confirmed, it can no longer be applied from the checkpoint)."
             ) from gap
-        for batch_id in self._unmatched_marks:
-            write_behind.clear_mark(self.marks, batch_id)
-        self._unmatched_marks.clear()
+        # Without a gap here, the stored offsets may still stop short of a lost batch on a partition this batch
+        # reads nothing from: only reaching its position shows that it landed.
+        for batch_id, landed_by in list(self._unmatched_marks.items()):
+            if landed_by is None or _passed(plan.stored, landed_by):
+                write_behind.clear_mark(self.marks, batch_id)
+                del self._unmatched_marks[batch_id]
         return plan
 
     def flush(self) -> None:
@@ -806,6 +823,13 @@ def _tally(frame: DataFrame, bounds: Bounds, table: pa.Table | None = None) -> _
     read = {tp: row["offset_count"] for tp, row in counts.items()}
     dead = kept.filter(pc.is_valid(kept["error"])).to_pylist()
     return _Tally(read, [_dead_letter(row) for row in _one_per_position(dead)], span(table, found))
+
+
+def _passed(stored: Offsets, position: Offsets | None) -> bool:
+    """The stored offsets are at or past ``position`` on each of its partitions; one never committed
+    counts as past, as the gap check takes it (a batch applies it from its own start)."""
+    return position is not None and all(stored.get(tp) is None or stored[tp] >= end
+                                        for tp, end in position.items())
 
 
 def _one_per_position(rows: Sequence[dict]) -> list[dict]:
