@@ -34,6 +34,7 @@ from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.kafka_offsets import LostRange, Offsets
 from airflow_stream_provider.lifecycle.driver_log import log_tail
 from airflow_stream_provider.lifecycle.health import HealthProbe, live_standby, standby_gone
+from airflow_stream_provider.lifecycle.killed import cancel_unregistered
 from airflow_stream_provider.lifecycle.waits import DATABASE_OUTAGE, Outcome, RunWait, RunWatch
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.clock import DatabaseClock
@@ -339,7 +340,7 @@ class StreamJobController:
         handle = launch.get("submission_id")
         # Not registered: cancelled first, so that a driver no kill reaches cannot register later and take the
         # job's epoch from the run started after it; registered meanwhile, it is ended as a run.
-        if run is None and self.state.store.cancel_launch(launch["job_id"], launch["run_id"], why):
+        if run is None and cancel_unregistered(self.state.store, launch, why):
             if handle:  # a cluster-mode driver: its cluster manager can end it, registered or not
                 killed = self.driver.kill_submission(launch["job_id"], handle)
                 if killed.done:

@@ -13,6 +13,7 @@ next task to want the job's lease does it (``undo_ended``), once Airflow says th
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
@@ -44,6 +45,17 @@ class KilledTask:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KilledTask:
         return cls(**data)
+
+
+def cancel_unregistered(store: StateStore, launch: Mapping[str, Any], why: str) -> bool:
+    """Keep a launch that has not registered its run from ever registering it (``StateStore.cancel_launch``):
+    a driver no kill reaches exits as it registers instead of taking the job's epoch.  A standby's or a
+    successor's launch (its run id is the standby's) also ends its standby, which sees that at its next
+    heartbeat.  False where the run registered first: it is to be ended as a run."""
+    if not store.cancel_launch(launch["job_id"], launch["run_id"], why):
+        return False
+    StandbyLog(store).end(launch["run_id"], StandbyStatus.ENDED, f"its launch was cancelled: {why}")
+    return True
 
 
 def end_unreleased_successor(store: StateStore, job_id: str, why: str) -> str | None:
@@ -134,7 +146,7 @@ def _end_launch(store: StateStore, launch: dict[str, Any], running_too: bool, wh
     own stop does, so that the next recovery finishes it (``recovery.interrupted_restart``) and the job is
     not left down by what only undid a lost launch."""
     run = store.get_run(launch["run_id"])
-    if run is None and store.cancel_launch(launch["job_id"], launch["run_id"], why):  # as ``abandon`` does
+    if run is None and cancel_unregistered(store, launch, why):  # as ``abandon`` does
         if launch.get("submission_id"):
             _kill_submission(launch, why, log)
         else:

@@ -42,7 +42,7 @@ from airflow_stream_provider import local_driver
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.records import RunRecord
 from airflow_stream_provider.state.standbys import STANDBY, SUCCESSOR, StandbyLog, StandbyStatus
-from airflow_stream_provider.state.store import RunTicket, StateStore
+from airflow_stream_provider.state.store import LaunchCancelled, RunTicket, StateStore
 from airflow_stream_provider.state.upgrades import UPGRADE_STALE_S, UpgradeLog, UpgradePhase
 from airflow_stream_provider.takeover import Verdict, decide
 
@@ -275,11 +275,14 @@ class Standby:
         between two heartbeats, while takeovers are decided at each poll.  None when another standby (or a
         launch) took the epoch first."""
         spec, dead = self.spec, verdict.run
-        ticket = self.store.begin_run(spec.job_id, spec.generation, spec.version, run_id=self.standby_id,
-                                      host=self.host, pid=self.pid, log_path=self.log_path,
-                                      expected_epoch=dead.epoch,
-                                      claim=lambda conn: self.log.took_over(conn, self.standby_id, dead.run_id,
-                                                                            verdict.why))
+        try:
+            ticket = self.store.begin_run(spec.job_id, spec.generation, spec.version, run_id=self.standby_id,
+                                          host=self.host, pid=self.pid, log_path=self.log_path,
+                                          expected_epoch=dead.epoch,
+                                          claim=lambda conn: self.log.took_over(conn, self.standby_id,
+                                                                                dead.run_id, verdict.why))
+        except LaunchCancelled as err:  # a task gave up on it as a launch (it waited on its takeover)
+            return self._end(Verdict("end", str(err)))
         if ticket is None:
             ended = self._ended()
             if ended is None:
@@ -304,10 +307,13 @@ class Standby:
             return None
         spec = self.spec.with_generation(record.release_generation, record.release_offsets)
         why = f"released by the upgrade to version {spec.version} on generation {spec.generation}"
-        ticket = self.store.begin_run(spec.job_id, spec.generation, spec.version, run_id=self.standby_id,
-                                      host=self.host, pid=self.pid, log_path=self.log_path,
-                                      expected_epoch=record.release_epoch,
-                                      claim=lambda conn: self.log.took_over(conn, self.standby_id, None, why))
+        try:
+            ticket = self.store.begin_run(spec.job_id, spec.generation, spec.version, run_id=self.standby_id,
+                                          host=self.host, pid=self.pid, log_path=self.log_path,
+                                          expected_epoch=record.release_epoch,
+                                          claim=lambda conn: self.log.took_over(conn, self.standby_id, None, why))
+        except LaunchCancelled as err:  # its upgrade gave up on the launch the release made of it
+            return self._end(Verdict("end", str(err)))
         if ticket is None:
             return self._ended() or self._end(Verdict(
                 "refuse", f"the epoch of job {spec.job_id} moved past {record.release_epoch} after the upgrade "

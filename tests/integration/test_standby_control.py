@@ -474,6 +474,35 @@ def test_a_standby_ended_between_its_heartbeats_takes_nothing_over(store, databa
     assert store.current_epoch("orders") == run.epoch and log.get("succ-aborted").status == StandbyStatus.ENDED
 
 
+def test_a_standby_whose_launch_was_cancelled_takes_nothing_over(store, database_url):
+    """A recover task that waited on a standby's takeover and gave it up (killed, or its wait over) cancels it
+    as a launch (``killed.cancel_unregistered``): the fence, then the standby's row ended.  A standby whose
+    takeover comes between the two is refused by the fence and ends, recorded, instead of failing on the
+    error; one that polls after both reads its end."""
+    from airflow_stream_provider.lifecycle.killed import cancel_unregistered
+    from airflow_stream_provider.takeover import Verdict
+
+    log = StandbyLog(store)
+    run = store.begin_run("orders", 1, "1.0")
+    store.mark_query_started(run.run_id)
+    standby = _standby(store, database_url, "s-cancelled")
+
+    def fenced_then_found_dead():
+        assert store.cancel_launch("orders", "s-cancelled", "its recover task was killed")
+        store.mark_dead(run.run_id, "its driver process is gone")
+
+    verdict = standby.wait(_after_the_first_poll(fenced_then_found_dead))
+    assert isinstance(verdict, Verdict) and "was cancelled before it registered" in verdict.why, verdict
+    assert store.current_epoch("orders") == run.epoch and store.get_run("s-cancelled") is None
+    assert log.get("s-cancelled").status == StandbyStatus.ENDED
+
+    standby = _standby(store, database_url, "s-cancelled-2")
+    assert cancel_unregistered(store, {"job_id": "orders", "run_id": "s-cancelled-2"}, "its recover task was killed")
+    verdict = standby.wait(_after_the_first_poll(lambda: None))
+    assert isinstance(verdict, Verdict) and "its launch was cancelled: its recover task was killed" in verdict.why
+    assert store.get_run("s-cancelled-2") is None
+
+
 def test_a_standby_ended_while_it_warms_up_stays_ended(store, database_url):
     """A stop ends the job's standbys while one warms up, after its warm-up's last heartbeat.  Its warm-up
     done, it recorded itself WAITING over its end: live again, it waited on, and could take the job over
