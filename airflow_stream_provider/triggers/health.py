@@ -15,6 +15,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_stream_provider import diagnosis
 from airflow_stream_provider.diagnosis import INTERRUPTED_RESTART, Health, Thresholds, check_conditions
+from airflow_stream_provider.triggers import resume_floor
 
 #: How long the state database may keep failing the health check (``waits.DATABASE_OUTAGE``) before the
 #: watch ends with an error: long enough for its restart, short enough that a broken connection is seen.
@@ -29,7 +30,8 @@ class StreamHealthTrigger(BaseTrigger):
 
     def __init__(self, *, job_id: str, topics: Sequence[str], state_conn_id: str, kafka_conn_id: str,
                  fire_on: Sequence[str] = FIRE_ON, failure_kinds: Sequence[str] | None = None,
-                 heartbeat_timeout: float = 30.0, stuck_after: float = 300.0, poll_interval: float = 5.0):
+                 heartbeat_timeout: float = 30.0, stuck_after: float = 300.0, poll_interval: float = 5.0,
+                 deferred_at: float | None = None, deferred_in: str | None = None):
         super().__init__()
         check_conditions(fire_on)
         self.job_id = job_id
@@ -41,13 +43,16 @@ class StreamHealthTrigger(BaseTrigger):
         self.heartbeat_timeout = heartbeat_timeout
         self.stuck_after = stuck_after
         self.poll_interval = poll_interval
+        #: when and where the sensor deferred: its event is held back a few seconds (``resume_floor``)
+        self.deferred_at = float(deferred_at) if deferred_at is not None else time.time()
+        self.deferred_in = deferred_in if deferred_at is not None else resume_floor.this_process()
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}", {
             "job_id": self.job_id, "topics": self.topics, "state_conn_id": self.state_conn_id,
             "kafka_conn_id": self.kafka_conn_id, "fire_on": self.fire_on, "failure_kinds": self.failure_kinds,
             "heartbeat_timeout": self.heartbeat_timeout, "stuck_after": self.stuck_after,
-            "poll_interval": self.poll_interval})
+            "poll_interval": self.poll_interval, "deferred_at": self.deferred_at, "deferred_in": self.deferred_in})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from airflow_stream_provider.lifecycle.health import HealthProbe
@@ -73,6 +78,7 @@ class StreamHealthTrigger(BaseTrigger):
                     await asyncio.sleep(self.poll_interval)
                     continue
                 except Exception as err:
+                    await resume_floor.hold_back(self.deferred_at, self.deferred_in)
                     yield TriggerEvent({"status": "error", "message": (
                         f"health check of job {self.job_id} failed: {err!r}. The job itself is untouched; the "
                         f"next check looks again. If this repeats, check the connections {self.state_conn_id!r} "
@@ -80,6 +86,7 @@ class StreamHealthTrigger(BaseTrigger):
                     return
                 failing_since = None
                 if self.matches(found):
+                    await resume_floor.hold_back(self.deferred_at, self.deferred_in)
                     yield TriggerEvent({"status": "fired", "message": found.summary(),
                                         "diagnosis": found.to_dict()})
                     return

@@ -18,6 +18,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.lifecycle.killed import KilledTask, undo
 from airflow_stream_provider.lifecycle.waits import POLL_INTERVAL_S, RunWait
+from airflow_stream_provider.triggers import resume_floor
 
 
 class StreamRunTrigger(BaseTrigger):
@@ -34,7 +35,8 @@ class StreamRunTrigger(BaseTrigger):
 
     def __init__(self, *, wait: dict[str, Any] | None, state_conn_id: str, kafka_conn_id: str,
                  topics: list[str] | None = None, pause_s: float = 0.0, resume: dict[str, Any] | None = None,
-                 killed: dict[str, Any] | None = None, resume_at: float | None = None):
+                 killed: dict[str, Any] | None = None, resume_at: float | None = None,
+                 deferred_at: float | None = None, deferred_in: str | None = None):
         super().__init__()
         self.wait = RunWait.from_dict(wait) if wait else None
         self.state_conn_id = state_conn_id
@@ -46,19 +48,25 @@ class StreamRunTrigger(BaseTrigger):
         self.resume_at = float(resume_at) if resume_at is not None else time.time() + self.pause_s
         self.resume = resume or {}
         self.killed = KilledTask.from_dict(killed) if killed else None
+        #: when and where the task deferred: its event is held back a few seconds (``resume_floor``)
+        self.deferred_at = float(deferred_at) if deferred_at is not None else time.time()
+        self.deferred_in = deferred_in if deferred_at is not None else resume_floor.this_process()
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}", {
             "wait": self.wait and self.wait.to_dict(), "state_conn_id": self.state_conn_id,
             "kafka_conn_id": self.kafka_conn_id, "topics": self.topics, "pause_s": self.pause_s,
-            "resume": self.resume, "killed": self.killed and self.killed.to_dict(), "resume_at": self.resume_at})
+            "resume": self.resume, "killed": self.killed and self.killed.to_dict(), "resume_at": self.resume_at,
+            "deferred_at": self.deferred_at, "deferred_in": self.deferred_in})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         if self.wait is None:
             await asyncio.sleep(max(0.0, self.resume_at - time.time()))
+            await resume_floor.hold_back(self.deferred_at, self.deferred_in)
             yield TriggerEvent({"outcome": "paused", "run_id": None, "resume": self.resume})
             return
         async for event in self._watch():
+            await resume_floor.hold_back(self.deferred_at, self.deferred_in)
             yield TriggerEvent({**event, "resume": self.resume})
 
     async def _watch(self) -> AsyncIterator[dict[str, Any]]:

@@ -11,6 +11,7 @@ import pytest
 from airflow_stream_provider.lifecycle import waits
 from airflow_stream_provider.lifecycle.waits import RunWait, RunWatch
 from airflow_stream_provider.state.records import RunRecord, RunStatus
+from airflow_stream_provider.triggers import resume_floor
 from airflow_stream_provider.triggers.run import StreamRunTrigger
 
 NOW = time.time()
@@ -155,3 +156,24 @@ def test_a_pause_picked_up_by_another_triggerer_sleeps_what_is_left():
     began = time.monotonic()
     assert asyncio.run(first())["outcome"] == "paused"
     assert time.monotonic() - began < 5
+
+
+def test_an_event_is_held_back_from_the_deferral_where_the_trigger_runs_in_another_process(monkeypatch):
+    """Airflow 3.3 fails a task whose resumed attempt overtakes the exit report of the process that deferred
+    it (apache/airflow#72716): a trigger in the triggerer holds its event back ``RESUME_FLOOR_S`` from the
+    deferral.  Run inline by the process that deferred (``dag.test()``), it does not."""
+    monkeypatch.setattr(resume_floor, "RESUME_FLOOR_S", 1.0)
+    _, kwargs = StreamRunTrigger(wait=None, state_conn_id="s", kafka_conn_id="k", pause_s=0.01,
+                                 resume={"method": "_act", "state": {}}).serialize()
+
+    def seconds_to_event(trigger: StreamRunTrigger) -> float:
+        async def first():
+            async for event in trigger.run():
+                return event.payload
+
+        began = time.monotonic()
+        assert asyncio.run(first())["outcome"] == "paused"
+        return time.monotonic() - began
+
+    assert 0.8 < seconds_to_event(StreamRunTrigger(**{**kwargs, "deferred_in": "worker-host:4242"})) < 5
+    assert seconds_to_event(StreamRunTrigger(**kwargs)) < 0.8
