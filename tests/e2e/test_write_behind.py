@@ -158,6 +158,21 @@ def test_a_record_the_results_fail_on_is_isolated_and_its_batch_commits_behind(b
     figures.record(f"write-behind batch with a poison record [{runner.store.dialect}]", **counts)
 
 
+def _run_until_batch_1_is_purged(runner, producer: EventProducer) -> None:
+    """A run that keeps two batches in its offsets log, fed a batch at a time until Spark (which purges in
+    the background) dropped batch 1's entry, then stopped."""
+    runner.spec = dataclasses.replace(runner.spec, min_batches_to_retain=2)
+    checkpoint = Path(runner.spec.checkpoint_path)
+    driver = runner.start()
+    for _ in range(12):
+        producer.send(30)
+        runner.wait_caught_up(_end(producer), driver)
+        if _purged(checkpoint, 1):
+            break
+    assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED, runner.log_tail(driver)
+    assert _purged(checkpoint, 1), "Spark purged batch 1's entries"
+
+
 def _purged(checkpoint: Path, batch_id: int) -> bool:
     """Spark logged ``batch_id`` and has dropped its entry since (it keeps ``min_batches_to_retain``)."""
     entries = [int(p.name) for p in (checkpoint / "offsets").glob("[0-9]*")]
@@ -182,17 +197,9 @@ def test_a_gap_names_the_write_behind_mark_it_could_not_apply(broker, topic, run
     the mark named; the database stays as it was, and the mark stays for the next attempt.  The state is
     made by hand: a run applies a mark before Spark can purge its batch, so only a mark whose removal
     failed long ago, or a checkpoint moved between deployments, leaves one."""
-    runner.spec = dataclasses.replace(runner.spec, min_batches_to_retain=2)
     checkpoint = Path(runner.spec.checkpoint_path)
     producer = EventProducer(broker, topic, malformed_ratio=0.0)
-    driver = runner.start()
-    for _ in range(12):  # a batch each, until Spark (which purges in the background) dropped batch 1's entry
-        producer.send(30)
-        runner.wait_caught_up(_end(producer), driver)
-        if _purged(checkpoint, 1):
-            break
-    assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED, runner.log_tail(driver)
-    assert _purged(checkpoint, 1), "Spark purged batch 1's entries"
+    _run_until_batch_1_is_purged(runner, producer)
 
     job_id = runner.spec.job_id
     with runner.store.engine.begin() as conn:  # the stored offsets and the ledger as if no batch had landed
@@ -221,18 +228,10 @@ def test_a_purged_marks_batch_is_taken_as_landed_once_the_stored_offsets_pass_it
     the query starts.  Short of it on one partition, the mark stays through batches that read only other
     partitions (before, the first batch without a gap dropped it), and the gap that partition's next records
     open names it.  The state is made by hand, as in the test above."""
-    runner.spec = dataclasses.replace(runner.spec, min_batches_to_retain=2)
     checkpoint = Path(runner.spec.checkpoint_path)
     job_id = runner.spec.job_id
     producer = EventProducer(broker, topic, malformed_ratio=0.0)
-    driver = runner.start()
-    for _ in range(12):
-        producer.send(30)
-        runner.wait_caught_up(_end(producer), driver)
-        if _purged(checkpoint, 1):
-            break
-    assert runner.stop(driver, timeout=60) == failures.EXIT_STOPPED, runner.log_tail(driver)
-    assert _purged(checkpoint, 1), "Spark purged batch 1's entries"
+    _run_until_batch_1_is_purged(runner, producer)
     (checkpoint / "write-behind").mkdir(exist_ok=True)
     (checkpoint / "write-behind" / "1").touch()
 
