@@ -161,7 +161,8 @@ def _end_launch(store: StateStore, launch: dict[str, Any], running_too: bool, wh
     elif run.active and store.request_stop(run.run_id):
         log.warning("Asked run %s on %s to stop: %s", run.run_id, run.host, why)
         if owe_restart:
-            store.record_restart(launch["job_id"], "restart", f"its launch was undone from another host ({why})", run.run_id, None)
+            store.record_restart(launch["job_id"], "restart", f"asked to stop as what its task left was undone "
+                                 f"({why})", run.run_id, None)
 
 
 def _kill_submission(launch: dict[str, Any], why: str, log: logging.Logger) -> None:
