@@ -34,7 +34,7 @@ from airflow_stream_provider.hooks.state import StreamStateHook
 from airflow_stream_provider.kafka_offsets import LostRange, Offsets
 from airflow_stream_provider.lifecycle.driver_log import log_tail
 from airflow_stream_provider.lifecycle.health import HealthProbe, live_standby, standby_gone
-from airflow_stream_provider.lifecycle.killed import cancel_unregistered
+from airflow_stream_provider.lifecycle.killed import end_unregistered
 from airflow_stream_provider.lifecycle.waits import DATABASE_OUTAGE, Outcome, RunWait, RunWatch
 from airflow_stream_provider.spec import StreamJobSpec
 from airflow_stream_provider.state.clock import DatabaseClock
@@ -337,24 +337,12 @@ class StreamJobController:
         driver that lives on is then the job's run, and one that is gone falls silent and is found DEAD, so a
         recovery restarts it.  Recorded DEAD at once, a recovery could start a second driver beside it."""
         run = self.get_run(launch["run_id"])
-        handle = launch.get("submission_id")
-        # Not registered: cancelled first, so that a driver no kill reaches cannot register later and take the
-        # job's epoch from the run started after it; registered meanwhile, it is ended as a run.
-        if run is None and cancel_unregistered(self.state.store, launch, why):
-            if handle:  # a cluster-mode driver: its cluster manager can end it, registered or not
-                killed = self.driver.kill_submission(launch["job_id"], handle)
-                if killed.done:
-                    self.log.warning("Killed run %s before it registered: %s (%s)", launch["run_id"], why, killed)
-                else:
-                    self.log.error("Run %s of job %s could not be killed before it registered (%s): %s. Its launch "
-                                   "is cancelled: it exits as it registers, holding its cluster's resources until "
-                                   "then", launch["run_id"], launch["job_id"], why, killed)
-            else:
-                local_driver.kill_unregistered(launch, why, self.log)
+        if run is None and end_unregistered(self.state.store, launch, why, self.log, self.driver.kill_submission):
             return
-        run = run or self.get_run(launch["run_id"])
+        run = run or self.get_run(launch["run_id"])  # registered meanwhile: ended as a run
         if run is not None and run.active:
-            run = replace(run, submission_id=run.submission_id or handle)  # not recorded before its ready
+            # not recorded before its ready
+            run = replace(run, submission_id=run.submission_id or launch.get("submission_id"))
             killed = self.driver.kill(run)
             if killed.done:
                 self.log.warning("Killed run %s: %s (%s)", run.run_id, why, killed)

@@ -13,7 +13,7 @@ next task to want the job's lease does it (``undo_ended``), once Airflow says th
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
@@ -47,14 +47,30 @@ class KilledTask:
         return cls(**data)
 
 
-def cancel_unregistered(store: StateStore, launch: Mapping[str, Any], why: str) -> bool:
-    """Keep a launch that has not registered its run from ever registering it (``StateStore.cancel_launch``):
-    a driver no kill reaches exits as it registers instead of taking the job's epoch.  A standby's or a
-    successor's launch (its run id is the standby's) also ends its standby, which sees that at its next
-    heartbeat.  False where the run registered first: it is to be ended as a run."""
+def end_unregistered(store: StateStore, launch: Mapping[str, Any], why: str, log: logging.Logger,
+                     kill_submission: Callable[[str, str], Any]) -> bool:
+    """End a launch that has not registered its run, for ``StreamJobController.abandon`` and for whoever
+    undoes a task that can no longer do it.  Cancelled first (``StateStore.cancel_launch``), so that a driver
+    no kill reaches exits as it registers instead of taking the job's epoch from the run started after it; a
+    standby's or a successor's launch (its run id is the standby's) also ends its standby, which sees that at
+    its next heartbeat.  Then killed: by its pid on its own host, or a cluster-mode one (queued by YARN, a pod
+    pending) through its cluster manager, by the handle its submission returned (``kill_submission(job_id,
+    handle)``, a ``Kill``).  False where the run registered first: it is to be ended as a run."""
     if not store.cancel_launch(launch["job_id"], launch["run_id"], why):
         return False
     StandbyLog(store).end(launch["run_id"], StandbyStatus.ENDED, f"its launch was cancelled: {why}")
+    handle = launch.get("submission_id")
+    if not handle:
+        local_driver.kill_unregistered(launch, why, log)
+        return True
+    killed = kill_submission(launch["job_id"], handle)
+    if getattr(killed, "done", False):
+        log.warning("Killed run %s before it registered (submission %s): %s (%s)", launch["run_id"], handle, why,
+                    killed)
+    else:
+        log.error("Run %s (submission %s) could not be killed before it registered (%s): %s. Its launch is "
+                  "cancelled: it exits as it registers, holding its cluster's resources until then",
+                  launch["run_id"], handle, why, killed)
     return True
 
 
@@ -138,19 +154,14 @@ def _end_launch(store: StateStore, launch: dict[str, Any], running_too: bool, wh
                 log: logging.Logger, *, owe_restart: bool = True) -> None:
     """As ``StreamJobController.abandon``, for a task that can no longer do it: a registered run on another
     host or a cluster is asked to stop through its row, which its heartbeat reads; an unregistered one is
-    cancelled (it cannot register after) and killed by its pid on its own host, or through its cluster
-    manager (the launch names the connection).
+    ended as ``end_unregistered`` says.
 
     A run killed here ends DEAD, which a recovery restarts.  One asked to stop would end as a stop someone
     asked for, which a recovery leaves down: ``owe_restart`` records a restart of it begun, as a restart's
     own stop does, so that the next recovery finishes it (``recovery.interrupted_restart``) and the job is
     not left down by what only undid a lost launch."""
     run = store.get_run(launch["run_id"])
-    if run is None and cancel_unregistered(store, launch, why):  # as ``abandon`` does
-        if launch.get("submission_id"):
-            _kill_submission(launch, why, log)
-        else:
-            local_driver.kill_unregistered(launch, why, log)
+    if run is None and end_unregistered(store, launch, why, log, partial(_kill_submission, launch)):
         return
     run = run or store.get_run(launch["run_id"])
     if run is None or (run.running_query and not running_too):
@@ -165,24 +176,15 @@ def _end_launch(store: StateStore, launch: dict[str, Any], running_too: bool, wh
                                  f"({why})", run.run_id, None)
 
 
-def _kill_submission(launch: dict[str, Any], why: str, log: logging.Logger) -> None:
-    """A cluster-mode driver not registered yet (queued by YARN, a pod pending): through its cluster manager,
-    by the handle its submission returned, as ``StreamJobController.abandon`` does; left to start, it would
-    take a newer epoch than the run the next task starts."""
-    handle = launch["submission_id"]
+def _kill_submission(launch: dict[str, Any], job_id: str, handle: str) -> Any:
+    """Through a cluster manager reached as the task that launched it did (the launch names the connection,
+    conf and env_vars); what failed, as text, where it could not be asked."""
     try:
         hook = StreamDriverHook(launch.get("spark_conn_id") or StreamDriverHook.default_conn_name,
                                 conf=launch.get("conf"), env_vars=launch.get("env_vars"))
-        killed = hook.kill_submission(launch["job_id"], handle)
-    except Exception as err:  # the connection or the cluster manager's client: say what to do instead
-        killed = f"{type(err).__name__}: {err}"
-    if getattr(killed, "done", False):
-        log.warning("Killed run %s before it registered (submission %s): %s (%s)", launch["run_id"], handle, why,
-                    killed)
-    else:
-        log.error("Run %s (submission %s) could not be killed before it registered (%s): %s. Its launch is "
-                  "cancelled: it exits as it registers, holding its cluster's resources until then",
-                  launch["run_id"], handle, why, killed)
+        return hook.kill_submission(job_id, handle)
+    except Exception as err:  # the connection or the cluster manager's client: said in the log instead
+        return f"{type(err).__name__}: {err}"
 
 
 def _end_successor(store: StateStore, job_id: str, why: str, log: logging.Logger) -> None:

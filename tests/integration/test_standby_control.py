@@ -476,10 +476,12 @@ def test_a_standby_ended_between_its_heartbeats_takes_nothing_over(store, databa
 
 def test_a_standby_whose_launch_was_cancelled_takes_nothing_over(store, database_url):
     """A recover task that waited on a standby's takeover and gave it up (killed, or its wait over) cancels it
-    as a launch (``killed.cancel_unregistered``): the fence, then the standby's row ended.  A standby whose
+    as a launch (``killed.end_unregistered``): the fence, then the standby's row ended.  A standby whose
     takeover comes between the two is refused by the fence and ends, recorded, instead of failing on the
     error; one that polls after both reads its end."""
-    from airflow_stream_provider.lifecycle.killed import cancel_unregistered
+    import logging
+
+    from airflow_stream_provider.lifecycle.killed import end_unregistered
     from airflow_stream_provider.takeover import Verdict
 
     log = StandbyLog(store)
@@ -497,7 +499,8 @@ def test_a_standby_whose_launch_was_cancelled_takes_nothing_over(store, database
     assert log.get("s-cancelled").status == StandbyStatus.ENDED
 
     standby = _standby(store, database_url, "s-cancelled-2")
-    assert cancel_unregistered(store, {"job_id": "orders", "run_id": "s-cancelled-2"}, "its recover task was killed")
+    assert end_unregistered(store, {"job_id": "orders", "run_id": "s-cancelled-2"}, "its recover task was killed",
+                            logging.getLogger(__name__), kill_submission=lambda *_: pytest.fail("no cluster handle"))
     verdict = standby.wait(_after_the_first_poll(lambda: None))
     assert isinstance(verdict, Verdict) and "its launch was cancelled: its recover task was killed" in verdict.why
     assert store.get_run("s-cancelled-2") is None
