@@ -44,15 +44,14 @@ class StreamHealthTrigger(BaseTrigger):
         self.stuck_after = stuck_after
         self.poll_interval = poll_interval
         #: when and where the sensor deferred: its event is held back a few seconds (``resume_floor``)
-        self.deferred_at = float(deferred_at) if deferred_at is not None else time.time()
-        self.deferred_in = deferred_in if deferred_at is not None else resume_floor.this_process()
+        self.deferral = resume_floor.Deferral.of(deferred_at, deferred_in)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}", {
             "job_id": self.job_id, "topics": self.topics, "state_conn_id": self.state_conn_id,
             "kafka_conn_id": self.kafka_conn_id, "fire_on": self.fire_on, "failure_kinds": self.failure_kinds,
             "heartbeat_timeout": self.heartbeat_timeout, "stuck_after": self.stuck_after,
-            "poll_interval": self.poll_interval, "deferred_at": self.deferred_at, "deferred_in": self.deferred_in})
+            "poll_interval": self.poll_interval, **self.deferral.kwargs()})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from airflow_stream_provider.lifecycle.health import HealthProbe
@@ -78,7 +77,7 @@ class StreamHealthTrigger(BaseTrigger):
                     await asyncio.sleep(self.poll_interval)
                     continue
                 except Exception as err:
-                    await resume_floor.hold_back(self.deferred_at, self.deferred_in)
+                    await self.deferral.hold_back()
                     yield TriggerEvent({"status": "error", "message": (
                         f"health check of job {self.job_id} failed: {err!r}. The job itself is untouched; the "
                         f"next check looks again. If this repeats, check the connections {self.state_conn_id!r} "
@@ -86,7 +85,7 @@ class StreamHealthTrigger(BaseTrigger):
                     return
                 failing_since = None
                 if self.matches(found):
-                    await resume_floor.hold_back(self.deferred_at, self.deferred_in)
+                    await self.deferral.hold_back()
                     yield TriggerEvent({"status": "fired", "message": found.summary(),
                                         "diagnosis": found.to_dict()})
                     return

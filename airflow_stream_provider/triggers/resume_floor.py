@@ -17,6 +17,8 @@ import asyncio
 import os
 import socket
 import time
+from dataclasses import dataclass
+from typing import Any
 
 #: A waiting task's own waits take longer (a driver's start, a batch's stop); a wait already decided costs
 #: these seconds.
@@ -27,8 +29,25 @@ def this_process() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-async def hold_back(deferred_at: float, deferred_in: str | None) -> None:
-    """Sleep until ``RESUME_FLOOR_S`` after ``deferred_at`` (epoch seconds, when the task deferred), unless
-    this is the process that deferred (``deferred_in``)."""
-    if deferred_in != this_process():
-        await asyncio.sleep(max(0.0, deferred_at + RESUME_FLOOR_S - time.time()))
+@dataclass(frozen=True)
+class Deferral:
+    """When and in which process a task deferred, carried in its trigger's kwargs (``deferred_at``,
+    ``deferred_in``)."""
+
+    at: float
+    process: str | None
+
+    @classmethod
+    def of(cls, deferred_at: float | None, deferred_in: str | None) -> Deferral:
+        """The deferral a trigger's kwargs carry; without one, now and here (the task deferring)."""
+        if deferred_at is None:
+            return cls(time.time(), this_process())
+        return cls(float(deferred_at), deferred_in)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"deferred_at": self.at, "deferred_in": self.process}
+
+    async def hold_back(self) -> None:
+        """Sleep until ``RESUME_FLOOR_S`` after the deferral, unless this is the process that deferred."""
+        if self.process != this_process():
+            await asyncio.sleep(max(0.0, self.at + RESUME_FLOOR_S - time.time()))

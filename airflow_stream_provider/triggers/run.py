@@ -49,24 +49,23 @@ class StreamRunTrigger(BaseTrigger):
         self.resume = resume or {}
         self.killed = KilledTask.from_dict(killed) if killed else None
         #: when and where the task deferred: its event is held back a few seconds (``resume_floor``)
-        self.deferred_at = float(deferred_at) if deferred_at is not None else time.time()
-        self.deferred_in = deferred_in if deferred_at is not None else resume_floor.this_process()
+        self.deferral = resume_floor.Deferral.of(deferred_at, deferred_in)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}", {
             "wait": self.wait and self.wait.to_dict(), "state_conn_id": self.state_conn_id,
             "kafka_conn_id": self.kafka_conn_id, "topics": self.topics, "pause_s": self.pause_s,
             "resume": self.resume, "killed": self.killed and self.killed.to_dict(), "resume_at": self.resume_at,
-            "deferred_at": self.deferred_at, "deferred_in": self.deferred_in})
+            **self.deferral.kwargs()})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         if self.wait is None:
             await asyncio.sleep(max(0.0, self.resume_at - time.time()))
-            await resume_floor.hold_back(self.deferred_at, self.deferred_in)
+            await self.deferral.hold_back()
             yield TriggerEvent({"outcome": "paused", "run_id": None, "resume": self.resume})
             return
         async for event in self._watch():
-            await resume_floor.hold_back(self.deferred_at, self.deferred_in)
+            await self.deferral.hold_back()
             yield TriggerEvent({**event, "resume": self.resume})
 
     async def _watch(self) -> AsyncIterator[dict[str, Any]]:
